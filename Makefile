@@ -1,0 +1,27 @@
+# `make run` and `make test` set up .venv on a fresh machine and run.
+# torch is pinned here (CPU build 2.13.0 from local disk); pyproject only asks torch>=2.4.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+CONFIG ?= configs/local.toml
+
+.PHONY: run test bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/refpipe run --config $(CONFIG)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/keep_fetch.py
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,1 @@
+"""Command line: `refpipe run|audit|sweep|inspect|show|ls|verify`."""

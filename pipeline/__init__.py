@@ -1,0 +1,1 @@
+"""The pipeline: field registry, keep path, orchestrator (samples, packing, step files)."""

@@ -1,0 +1,238 @@
+"""One branch's side-channel arrays as one Zarr v3 array (the chunk codec).
+
+Layout (DESIGN.md, Storage layout, last row): every array of a branch is packed
+into one uint8 Zarr v3 array with a single chunk. Each array starts at a 64-byte
+aligned offset, little-endian, C order. The array's ``zarr.json`` attributes hold
+the field table under ``"refpipe"``, so ``zarr.open(branch_uri, zarr_format=3)``
+plus those attributes recover every typed array offline. Codecs: ``bytes``, then
+optional ``zstd``, then ``crc32c`` (little-endian uint32 after the bytes; Zarr v3
+spec, crc32c codec).
+
+Keys under the run prefix (``.`` chunk key separator, so 3 entries per branch):
+
+    payloads/<shard>/<branch_id>/zarr.json   commit marker, written last
+    payloads/<shard>/<branch_id>/c.0         the chunk
+
+``shard`` is two hex digits of a hash of the branch id (256 directories).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from typing import Literal, NamedTuple
+
+import google_crc32c
+import numcodecs
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+from zarr.codecs import BytesCodec, Crc32cCodec, ZstdCodec
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.dtype import parse_dtype
+from zarr.core.metadata.v3 import ArrayV3Metadata
+
+from storage.errors import ChunkCorruptError, ConfigError
+
+FORMAT_VERSION = 1
+ALIGN_BYTES = 64
+DATA_KEY = "c.0"
+META_KEY = "zarr.json"
+_BRANCH_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_ZEROS = np.zeros(ALIGN_BYTES, np.uint8)
+_UINT8 = parse_dtype(np.dtype("uint8"), zarr_format=3)
+
+Domain = str
+"""Which rows an array has: ``"tokens"`` (one per token), ``"completion"`` (one per
+completion token) or ``"values:<name>"`` (ragged values; counts in array ``<name>``)."""
+
+
+class ArraySpec(NamedTuple):
+    """dtype (numpy ``dtype.str``, little-endian), shape, and row domain of one stored array."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    domain: Domain
+
+
+class ArrayLayout(NamedTuple):
+    """Where one array lives inside the chunk's payload."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    domain: Domain
+    offset: int
+    nbytes: int
+
+
+class PayloadRef(BaseModel):
+    """What keep returns: where a branch's chunk is and how to cut it, without reading it.
+
+    Serialised as JSON it is a few hundred bytes for four fields.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    uri: str
+    """URI of the branch's Zarr array node (``<run>/payloads/<shard>/<branch_id>``)."""
+    branch_id: str
+    """Unique id of the branch within the run."""
+    num_prompt_tokens: int = Field(ge=0)
+    """Prompt tokens of the branch."""
+    num_completion_tokens: int = Field(ge=0)
+    """Completion tokens of the branch."""
+    arrays: dict[str, ArraySpec]
+    """Stored arrays in payload order: name -> (dtype, shape, domain)."""
+    nbytes: int = Field(ge=4)
+    """Bytes of the stored chunk object, checksum included."""
+    checksum: int = Field(ge=0, lt=2**32)
+    """crc32c of the stored chunk bytes before the checksum (the value the crc32c codec appends)."""
+    compression: Literal["none", "zstd"] = "none"
+    """Bytes-to-bytes codec between ``bytes`` and ``crc32c``."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + completion tokens."""
+        return self.num_prompt_tokens + self.num_completion_tokens
+
+    def layout(self) -> list[ArrayLayout]:
+        """Offsets of every array in the payload (derived, never stored in the ref)."""
+        return layout_arrays(self.arrays)[0]
+
+
+def layout_arrays(arrays: Mapping[str, ArraySpec]) -> tuple[list[ArrayLayout], int]:
+    """Place arrays at 64-byte aligned offsets; return the layouts and the payload size (>= 64)."""
+    out, offset = [], 0
+    for name, (dtype, shape, domain) in arrays.items():
+        dt = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        out.append(ArrayLayout(name, dt, tuple(shape), domain, offset, nbytes))
+        offset += -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+    return out, max(offset, ALIGN_BYTES)
+
+
+def node_key(branch_id: str) -> str:
+    """Key of a branch's array node: ``payloads/<shard>/<branch_id>``.
+
+    Raises:
+        ConfigError: the branch id is not 1-128 of ``[A-Za-z0-9._-]``.
+    """
+    if not _BRANCH_ID.match(branch_id):
+        raise ConfigError(f"branch_id {branch_id!r}: expected 1-128 of [A-Za-z0-9._-], not starting with . - or _")
+    shard = hashlib.blake2b(branch_id.encode(), digest_size=1).hexdigest()
+    return f"payloads/{shard}/{branch_id}"
+
+
+class EncodedChunk(NamedTuple):
+    """A branch ready to write: chunk parts (written in order), ``zarr.json`` bytes and the ref fields."""
+
+    parts: list[np.ndarray]
+    """uint8 buffers, written in order."""
+    metadata: bytes
+    nbytes: int
+    checksum: int
+
+
+def encode_chunk(
+    branch_id: str,
+    arrays: Mapping[str, np.ndarray],
+    specs: Mapping[str, ArraySpec],
+    *,
+    num_prompt_tokens: int,
+    num_completion_tokens: int,
+    compression: Literal["none", "zstd"] = "none",
+    zstd_level: int = 1,
+    writer: str = "",
+) -> EncodedChunk:
+    """Pack validated arrays into one chunk. ``arrays`` must match ``specs`` (validated by the caller).
+
+    Non-contiguous or big-endian inputs are copied once; others are written zero-copy.
+    """
+    layouts, payload_nbytes = layout_arrays(specs)
+    parts: list[np.ndarray] = []
+    for lay in layouts:
+        a = np.ascontiguousarray(arrays[lay.name], dtype=lay.dtype)
+        if a.nbytes:
+            parts.append(a.reshape(-1).view(np.uint8))
+        pad = (-a.nbytes) % ALIGN_BYTES
+        if pad:
+            parts.append(_ZEROS[:pad])
+    written = sum(len(p) for p in parts)
+    if written < payload_nbytes:
+        parts.append(np.zeros(payload_nbytes - written, np.uint8))
+    if compression == "zstd":
+        parts = [np.frombuffer(numcodecs.Zstd(level=zstd_level).encode(b"".join(parts)), np.uint8)]
+    crc = 0
+    for p in parts:
+        crc = google_crc32c.extend(crc, p)
+    parts.append(np.array([crc], "<u4").view(np.uint8))
+    metadata = _metadata_json(branch_id, layouts, payload_nbytes, num_prompt_tokens, num_completion_tokens,
+                              compression, zstd_level, writer)
+    return EncodedChunk(parts, metadata, sum(len(p) for p in parts), crc)
+
+
+def _metadata_json(branch_id, layouts, payload_nbytes, num_prompt_tokens, num_completion_tokens,
+                   compression, zstd_level, writer) -> bytes:
+    """``zarr.json`` of the branch array, built with zarr's own metadata class."""
+    codecs = [BytesCodec()]
+    if compression == "zstd":
+        codecs.append(ZstdCodec(level=zstd_level, checksum=False))
+    codecs.append(Crc32cCodec())
+    attributes = {
+        "refpipe": {
+            "format": "refpipe.packed_branch",
+            "version": FORMAT_VERSION,
+            "branch_id": branch_id,
+            "writer": writer,
+            "num_prompt_tokens": num_prompt_tokens,
+            "num_completion_tokens": num_completion_tokens,
+            "arrays": {
+                lay.name: {"dtype": lay.dtype.str, "shape": list(lay.shape), "domain": lay.domain, "offset": lay.offset}
+                for lay in layouts
+            },
+        }
+    }
+    meta = ArrayV3Metadata(
+        shape=(payload_nbytes,), data_type=_UINT8,
+        chunk_grid={"name": "regular", "configuration": {"chunk_shape": [payload_nbytes]}},
+        chunk_key_encoding={"name": "default", "configuration": {"separator": "."}},
+        fill_value=0, codecs=codecs, attributes=attributes, dimension_names=None, storage_transformers=None,
+    )
+    return meta.to_buffer_dict(default_buffer_prototype())[META_KEY].to_bytes()
+
+
+def decode_payload(ref: PayloadRef, stored: bytes, what: str) -> np.ndarray | bytes:
+    """Check a whole stored chunk against its ref and return the payload bytes.
+
+    Raises:
+        ChunkCorruptError: wrong length, checksum mismatch or undecodable compression.
+    """
+    if len(stored) != ref.nbytes:
+        raise ChunkCorruptError(f"chunk {what}: expected {ref.nbytes} bytes, got {len(stored)} (truncated or replaced)")
+    body = np.frombuffer(stored, np.uint8, len(stored) - 4)
+    stored_crc = int(np.frombuffer(stored, "<u4", 1, len(stored) - 4)[0])
+    crc = google_crc32c.value(body)
+    if crc != stored_crc or crc != ref.checksum:
+        raise ChunkCorruptError(
+            f"chunk {what}: crc32c mismatch: reference {ref.checksum:#010x}, stored {stored_crc:#010x}, computed {crc:#010x}"
+        )
+    if ref.compression == "none":
+        return body
+    try:
+        return numcodecs.Zstd().decode(body)
+    except Exception as e:  # numcodecs raises RuntimeError/ValueError variants for bad frames
+        raise ChunkCorruptError(f"chunk {what}: zstd frame does not decode: {e}") from e
+
+
+def view_array(payload: np.ndarray | bytes, lay: ArrayLayout, rows: int | None = None) -> np.ndarray:
+    """Typed read-only view of one array (its first ``rows`` rows) inside the payload."""
+    shape = lay.shape if rows is None else (rows, *lay.shape[1:])
+    count = int(np.prod(shape, dtype=np.int64))
+    return np.frombuffer(payload, lay.dtype, count, lay.offset).reshape(shape)
+
+
+def read_attributes(metadata: bytes) -> dict:
+    """The ``refpipe`` attributes of a branch's ``zarr.json`` (offline readers and the audit)."""
+    return json.loads(metadata)["attributes"]["refpipe"]

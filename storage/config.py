@@ -1,0 +1,32 @@
+"""Storage config: where the run lives and how chunks are written and fetched."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class StorageConfig(BaseModel):
+    """Where a run stores its chunks, step files and ledger, and how it talks to the store."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    root: str = "runs"
+    """Run root: a local directory (default ``runs``), ``file:///abs/dir`` or ``s3://bucket/prefix``."""
+    run_id: str = "run_0"
+    """Run id; the run prefix is ``<root>/<run_id>``."""
+    s3_endpoint_url: str | None = None
+    """S3 endpoint (MinIO, Ceph RGW, a moto server); None uses AWS or ``AWS_ENDPOINT_URL``."""
+    s3_region: str | None = None
+    """S3 region; None uses ``AWS_DEFAULT_REGION``/``AWS_REGION`` or the SDK default."""
+    compression: Literal["none", "zstd"] = "none"
+    """Chunk compression codec (Zarr ``zstd``); ``none`` allows ranged reads of truncated slices."""
+    zstd_level: int = Field(default=1, ge=1, le=22)
+    """zstd level when ``compression == "zstd"``."""
+    max_retries: int = Field(default=4, ge=0, le=20)
+    """Retries of a transient store error before giving up."""
+    retry_backoff_s: float = Field(default=0.05, gt=0, le=60)
+    """First retry backoff in seconds; doubles per retry (S3 SlowDown waits 8x longer)."""
+    max_concurrent_fetches: int = Field(default=8, ge=1, le=256)
+    """Threads one process uses to fetch chunks."""

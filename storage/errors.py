@@ -1,0 +1,67 @@
+"""Error types of refpipe: one root, builtins as second parents.
+
+Every message names the object (URI, step, DP rank, field) and says what was
+expected and what was found.
+"""
+
+from __future__ import annotations
+
+
+class RefpipeError(Exception):
+    """Root of every error refpipe raises on purpose."""
+
+
+class ConfigError(RefpipeError, ValueError):
+    """A run config or CLI argument is invalid."""
+
+
+class OutsideRunError(RefpipeError, ValueError):
+    """A URI or key lies outside the run prefix (another run, bucket or scheme, or ``..``)."""
+
+
+class StorageError(RefpipeError, OSError):
+    """A store operation failed."""
+
+
+class TransientStorageError(StorageError):
+    """A store operation failed in a way that may succeed on retry (throttling, 5xx, timeouts)."""
+
+
+class ChunkNotFoundError(StorageError, FileNotFoundError):
+    """A chunk (or another object) that a reference names does not exist."""
+
+
+class ChunkCorruptError(StorageError, ValueError):
+    """A chunk exists but its length, checksum or metadata does not match its reference."""
+
+
+class KeyExistsError(StorageError, FileExistsError):
+    """An exclusive put found the key already present."""
+
+
+class DoubleDeleteError(StorageError):
+    """A chunk was deleted a second time; names the first and the second holder."""
+
+
+class UnknownRefError(StorageError, LookupError):
+    """A delete named a chunk that was never kept (no commit marker, no delete record)."""
+
+
+class FieldError(RefpipeError, ValueError):
+    """A side-channel array does not match its field's registry entry."""
+
+
+class StepFileError(RefpipeError, ValueError):
+    """A step file is missing, truncated, of an unknown schema version or references another run."""
+
+
+class PackingError(RefpipeError, ValueError):
+    """Samples cannot be packed as asked (e.g. a sample longer than ``seq_len``)."""
+
+
+class FetchError(RefpipeError):
+    """A trainer step could not fetch any of its micro batches."""
+
+
+class AlignmentError(RefpipeError):
+    """Recomputed logprobs disagree with the inference logprobs beyond tolerance."""

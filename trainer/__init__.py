@@ -1,0 +1,1 @@
+"""Trainer ranks: step loading, per-rank fetch, assembly, failure all-reduce, release."""
