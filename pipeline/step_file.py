@@ -1,0 +1,268 @@
+"""Step files: one per trainer step, token streams inline, side channels by reference.
+
+A step file is an uncompressed ``.npz`` (a zip of ``.npy`` arrays, readable with
+numpy alone: ``np.load(path)``) under ``<run>/steps/step_<N:08d>.npz`` with:
+
+- ``header.json``: the ``StepHeader`` (schema version, run, step, ``seq_len``, every
+  micro batch's sequences and the refs they use);
+- ``dp<r>.mb<i>.<stream>.npy`` for every micro batch ``i`` of DP rank ``r`` and every
+  token stream in ``STREAMS`` (shape ``[T]``, ``T`` = the micro batch's real tokens;
+  padding to ``seq_len`` is the trainer's job).
+
+Reading validates: a truncated or foreign file, an unknown schema version, a
+header from another run or a ref outside the run prefix is a ``StepFileError``
+naming the file. Published with one exclusive put (temp + link on a filesystem,
+one conditional PUT on S3), after every chunk it references was kept.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+from collections.abc import Mapping
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from storage.chunk import PayloadRef
+from storage.errors import ChunkNotFoundError, OutsideRunError, StepFileError
+from storage.store import Store
+
+SCHEMA_VERSION = 1
+HEADER_MEMBER = "header.json"
+STREAMS: dict[str, str] = {
+    "input_ids": "<i4",
+    "loss_mask": "|b1",
+    "advantages": "<f4",
+    "inference_logprobs": "<f4",
+    "position_ids": "<i4",
+    "temperatures": "<f4",
+}
+"""Token streams of a micro batch: name -> dtype (numpy ``dtype.str``); each is [T]."""
+
+
+def step_key(step: int) -> str:
+    """Key of step ``step``'s file: ``steps/step_<N:08d>.npz``."""
+    return f"steps/step_{step:08d}.npz"
+
+
+class SequenceRecord(BaseModel):
+    """One sequence of a packed micro batch."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_tokens: int = Field(ge=1)
+    """Tokens of this sequence in the packed streams; with a ref, also the ref's kept tokens
+    (the first ``num_tokens`` tokens of the branch, after truncation)."""
+    env_name: str
+    """Environment that produced the sample (one per sequence, not per token)."""
+    ref: int | None = None
+    """Index into ``StepHeader.refs`` of the chunk holding this sequence's side channels; None: none."""
+    borrowed: bool = False
+    """A zero-loss padding dummy reusing ``refs[ref]``'s rows; the chunk's owner deletes it, once."""
+
+
+class MicroBatchRecord(BaseModel):
+    """One micro batch of one DP rank."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dp_rank: int = Field(ge=0)
+    index: int = Field(ge=0)
+    """Position of this micro batch among its DP rank's micro batches."""
+    sequences: list[SequenceRecord] = Field(min_length=1)
+    num_padding_tokens: int = Field(ge=0)
+    """``seq_len - num_tokens``: tokens the trainer pads to reach ``seq_len``."""
+    has_routing: bool
+    """Every sequence carries ``routed_experts`` (micro batches never mix with and without)."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (unpadded) tokens: the sum of the sequences' tokens."""
+        return sum(s.num_tokens for s in self.sequences)
+
+    def cu_seqlens(self) -> np.ndarray:
+        """[num_sequences + 1] int32 cumulative sequence lengths, starting at 0."""
+        return np.concatenate([[0], np.cumsum([s.num_tokens for s in self.sequences])]).astype(np.int32)
+
+
+class StepHeader(BaseModel):
+    """Everything in a step file except the token streams."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    schema_version: int
+    run_uri: str
+    """The run prefix URI this step belongs to."""
+    step: int = Field(ge=0)
+    seq_len: int = Field(ge=1)
+    """Token budget of every micro batch."""
+    dp_world_size: int = Field(ge=1)
+    micro_batches: list[MicroBatchRecord]
+    """Ordered by ``(dp_rank, index)``; every DP rank has the same number."""
+    refs: list[PayloadRef]
+    """Every chunk the step references, once each."""
+    owners: list[int]
+    """``owners[i]``: the DP rank whose trainer deletes ``refs[i]`` after the step."""
+    metrics: dict[str, float] = Field(default_factory=dict)
+    """Orchestrator metrics of this step (reward mean, samples, ...)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "StepHeader":
+        if self.schema_version != SCHEMA_VERSION:
+            raise ValueError(f"schema_version {self.schema_version}: expected {SCHEMA_VERSION}")
+        if len(self.owners) != len(self.refs) or any(not 0 <= o < self.dp_world_size for o in self.owners):
+            raise ValueError(f"owners: expected {len(self.refs)} DP ranks in [0, {self.dp_world_size})")
+        per_rank = [0] * self.dp_world_size
+        for mb in self.micro_batches:
+            if mb.dp_rank >= self.dp_world_size or mb.index != per_rank[mb.dp_rank]:
+                raise ValueError(f"micro batch dp_rank={mb.dp_rank} index={mb.index} out of order")
+            per_rank[mb.dp_rank] += 1
+            self._check_micro_batch(mb)
+        if len(set(per_rank)) > 1:
+            raise ValueError(f"micro batches per DP rank differ: {per_rank}")
+        return self
+
+    def _check_micro_batch(self, mb: MicroBatchRecord) -> None:
+        if mb.num_tokens + mb.num_padding_tokens != self.seq_len:
+            raise ValueError(f"micro batch dp_rank={mb.dp_rank} index={mb.index}: tokens {mb.num_tokens} "
+                             f"+ padding {mb.num_padding_tokens} != seq_len {self.seq_len}")
+        for seq in mb.sequences:
+            if seq.ref is None:
+                if mb.has_routing or seq.borrowed:
+                    raise ValueError(f"micro batch dp_rank={mb.dp_rank} index={mb.index}: a sequence without "
+                                     "a ref in a routing micro batch or marked borrowed")
+                continue
+            if not 0 <= seq.ref < len(self.refs) or seq.num_tokens > self.refs[seq.ref].num_tokens:
+                raise ValueError(f"micro batch dp_rank={mb.dp_rank} index={mb.index}: ref {seq.ref} missing "
+                                 f"or shorter than {seq.num_tokens} tokens")
+            if mb.has_routing != ("routed_experts" in self.refs[seq.ref].arrays):
+                raise ValueError(f"micro batch dp_rank={mb.dp_rank} index={mb.index}: has_routing={mb.has_routing} "
+                                 f"but ref {seq.ref} disagrees")
+
+    def micro_batches_of(self, dp_rank: int) -> list[MicroBatchRecord]:
+        """The micro batches DP rank ``dp_rank`` trains, in order."""
+        return [mb for mb in self.micro_batches if mb.dp_rank == dp_rank]
+
+    def owned_refs(self, dp_rank: int) -> list[PayloadRef]:
+        """The refs DP rank ``dp_rank`` deletes after the step (each ref has one owner)."""
+        return [ref for ref, owner in zip(self.refs, self.owners) if owner == dp_rank]
+
+
+def member_name(dp_rank: int, index: int, stream: str) -> str:
+    """Zip member of one stream of one micro batch."""
+    return f"dp{dp_rank}.mb{index}.{stream}.npy"
+
+
+def encode_step_file(header: StepHeader, streams: Mapping[tuple[int, int], Mapping[str, np.ndarray]]) -> bytes:
+    """Serialise a step: ``streams[(dp_rank, index)][name]`` is a [T] array of ``STREAMS[name]``.
+
+    Raises:
+        StepFileError: a stream is missing, of the wrong dtype, or not [T] for its micro batch.
+    """
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as zf:
+        zf.writestr(HEADER_MEMBER, header.model_dump_json())
+        for mb in header.micro_batches:
+            arrays = streams.get((mb.dp_rank, mb.index), {})
+            for name, dtype in STREAMS.items():
+                a = arrays.get(name)
+                if a is None or a.dtype.str != dtype or a.shape != (mb.num_tokens,):
+                    got = None if a is None else f"{a.dtype.str} {list(a.shape)}"
+                    raise StepFileError(f"step {header.step} dp_rank={mb.dp_rank} micro batch {mb.index}: stream "
+                                        f"{name!r} is {got}: expected {dtype} [{mb.num_tokens}]")
+                with zf.open(member_name(mb.dp_rank, mb.index, name), "w") as f:
+                    np.lib.format.write_array(f, np.ascontiguousarray(a), allow_pickle=False)
+    return buf.getvalue()
+
+
+def publish_step_file(store: Store, header: StepHeader, streams) -> str:
+    """Write a step file with one exclusive put; return its URI.
+
+    Raises:
+        StepFileError: as ``encode_step_file``, or the header belongs to another run.
+        KeyExistsError: this step was already published.
+    """
+    if header.run_uri != store.prefix.uri:
+        raise StepFileError(f"step {header.step}: header run_uri {header.run_uri!r}, expected {store.prefix.uri!r}")
+    key = step_key(header.step)
+    store.put(key, encode_step_file(header, streams), exclusive=True)
+    return store.uri(key)
+
+
+class StepFile:
+    """A parsed, validated step file; streams are read on demand.
+
+    Use ``StepFile.read(store, step)`` (or ``from_bytes`` for a file already in memory).
+    """
+
+    def __init__(self, header: StepHeader, zf: zipfile.ZipFile, uri: str):
+        self.header, self._zf, self.uri = header, zf, uri
+
+    @classmethod
+    def read(cls, store: Store, step: int) -> "StepFile":
+        """Read and validate step ``step`` of the store's run.
+
+        Raises:
+            ChunkNotFoundError: the step file does not exist (yet).
+            StepFileError: truncated, foreign, unknown schema version, another run, or a ref
+                outside the run prefix.
+        """
+        key = step_key(step)
+        return cls.from_bytes(store.get(key), store, store.uri(key))
+
+    @classmethod
+    def from_bytes(cls, data: bytes, store: Store, uri: str) -> "StepFile":
+        """Validate a step file's bytes against ``store``'s run (see ``read``)."""
+        try:
+            zf = zipfile.ZipFile(io.BytesIO(data))
+            raw = json.loads(zf.read(HEADER_MEMBER))
+        except (zipfile.BadZipFile, KeyError, ValueError, EOFError) as e:
+            raise StepFileError(f"step file {uri}: not a readable step file (truncated or foreign): {e}") from e
+        if raw.get("schema_version") != SCHEMA_VERSION:
+            raise StepFileError(f"step file {uri}: schema_version {raw.get('schema_version')!r}, "
+                                f"expected {SCHEMA_VERSION}")
+        try:
+            header = StepHeader.model_validate(raw)
+        except ValidationError as e:
+            raise StepFileError(f"step file {uri}: invalid header: {e}") from e
+        _check_run(header, store, uri)
+        return cls(header, zf, uri)
+
+    def streams(self, dp_rank: int, index: int) -> dict[str, np.ndarray]:
+        """The token streams of one micro batch: name -> [T] array of ``STREAMS[name]``.
+
+        Raises:
+            StepFileError: a stream is missing or its dtype/shape disagrees with the header.
+        """
+        mb = next((m for m in self.header.micro_batches if (m.dp_rank, m.index) == (dp_rank, index)), None)
+        if mb is None:
+            raise StepFileError(f"step file {self.uri}: no micro batch dp_rank={dp_rank} index={index}")
+        out = {}
+        for name, dtype in STREAMS.items():
+            member = member_name(dp_rank, index, name)
+            try:
+                with self._zf.open(member) as f:
+                    a = np.lib.format.read_array(f, allow_pickle=False)
+            except (KeyError, ValueError, zipfile.BadZipFile, EOFError) as e:
+                raise StepFileError(f"step file {self.uri}: member {member} unreadable: {e}") from e
+            if a.dtype.str != dtype or a.shape != (mb.num_tokens,):
+                raise StepFileError(f"step file {self.uri}: {member} is {a.dtype.str} {list(a.shape)}, "
+                                    f"expected {dtype} [{mb.num_tokens}]")
+            out[name] = a
+        return out
+
+
+def _check_run(header: StepHeader, store: Store, uri: str) -> None:
+    if header.run_uri != store.prefix.uri:
+        raise StepFileError(f"step file {uri}: belongs to run {header.run_uri!r}, expected {store.prefix.uri!r}")
+    for ref in header.refs:
+        try:
+            store.prefix.key_of(ref.uri)
+        except OutsideRunError as e:
+            raise StepFileError(f"step file {uri}: references a chunk outside the run: {e}") from e
+
+
+__all__ = ["ChunkNotFoundError", "MicroBatchRecord", "SequenceRecord", "StepFile", "StepHeader", "STREAMS",
+           "publish_step_file", "step_key"]
