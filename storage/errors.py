@@ -51,6 +51,10 @@ class FieldError(RefpipeError, ValueError):
     """A side-channel array does not match its field's registry entry."""
 
 
+class EpisodeError(RefpipeError, ValueError):
+    """An episode from an env server is malformed (bad token arrays, rewards, or refs that disagree with its tokens)."""
+
+
 class StepFileError(RefpipeError, ValueError):
     """A step file is missing, truncated, of an unknown schema version or references another run."""
 
