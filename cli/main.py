@@ -18,3 +18,9 @@ def version() -> None:
     from importlib.metadata import version as v
 
     typer.echo(v("refpipe"))
+
+
+from cli.inspect import inspect_step, ls_run, verify_step  # noqa: E402  (offline inspection, issue 7)
+app.command("inspect")(inspect_step)
+app.command("ls")(ls_run)
+app.command("verify")(verify_step)

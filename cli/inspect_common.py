@@ -1,0 +1,193 @@
+"""Plumbing shared by the offline inspection commands (``inspect``, ``show``, ``ls``, ``verify``).
+
+Turns a step or run URI from the command line into a read-only view of the run
+(the run's store plus the key of the step file), loads step files through the
+step-file schema, checks which referenced chunks still exist, and turns every
+expected failure into one line on stderr and a non-zero exit (no traceback).
+None of these helpers writes under the run prefix or imports torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from pipeline.step_file import StepFile
+from storage.chunk import PayloadRef
+from storage.config import StorageConfig
+from storage.errors import ChunkNotFoundError, ConfigError, OutsideRunError, RefpipeError
+from storage.fetch import chunk_keys
+from storage.ledger import tombstone_key
+from storage.store import Store, open_store
+
+T = TypeVar("T")
+R = TypeVar("R")
+EXIT_PROBLEMS = 1
+"""Exit code when the command ran but found problems (``verify``)."""
+EXIT_ERROR = 2
+"""Exit code when the command could not run (missing, unreadable or foreign input)."""
+_STEP_NAME = re.compile(r"^step_(\d+)\.npz$")
+S3_ENDPOINT_HELP = "S3 endpoint URL (MinIO, Ceph RGW, moto); default: AWS_ENDPOINT_URL or AWS."
+
+err_console = Console(stderr=True)
+
+
+def fail(message: str, code: int = EXIT_ERROR) -> None:
+    """Print ``error: <message>`` as one line on stderr and exit with ``code``."""
+    typer.echo(f"error: {one_line(message)}", err=True)
+    raise typer.Exit(code)
+
+
+def one_line(message: str) -> str:
+    """``message`` with its line breaks folded into ``; `` (pydantic errors span lines)."""
+    return "; ".join(part.strip() for part in str(message).splitlines() if part.strip())
+
+
+def clean_errors(command: Callable[..., T]) -> Callable[..., T]:
+    """Wrap a command so refpipe and OS errors end it with one line on stderr and exit code 2."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except PermissionError as e:
+            fail(f"permission denied: {e.filename or e}")
+        except (RefpipeError, OSError) as e:
+            fail(str(e) or type(e).__name__)
+
+    return wrapper
+
+
+def _absolute(uri: str) -> str:
+    """A local path made absolute (so ``runs/run_0`` and ``./x`` work); URIs unchanged."""
+    return uri if "://" in uri else os.path.abspath(os.path.expanduser(uri))
+
+
+def open_run(run_uri: str, s3_endpoint_url: str | None) -> Store:
+    """The store of the run at ``run_uri`` (``/abs/root/run_0``, ``file://...``, ``s3://b/p/run_0``).
+
+    Raises:
+        ConfigError: not ``<root>/<run_id>`` or an unknown scheme.
+    """
+    head, _, run_id = _absolute(run_uri).rstrip("/").rpartition("/")
+    if not head or head.endswith(":/"):
+        raise ConfigError(f"run URI {run_uri!r}: expected <root>/<run_id>")
+    return open_store(StorageConfig(root=head, run_id=run_id, s3_endpoint_url=s3_endpoint_url))
+
+
+@dataclass(frozen=True)
+class StepTarget:
+    """A step file named on the command line: its run's store, its key and its step number."""
+
+    store: Store
+    key: str
+    step: int
+
+    @property
+    def uri(self) -> str:
+        return self.store.uri(self.key)
+
+
+def open_step(step_uri: str, s3_endpoint_url: str | None) -> StepTarget:
+    """Parse ``<root>/<run_id>/steps/step_<N>.npz`` into the run's store and the file's key.
+
+    Raises:
+        ConfigError: the URI does not name a step file under a run's ``steps/``.
+    """
+    directory, _, name = _absolute(step_uri).rpartition("/")
+    match = _STEP_NAME.match(name)
+    if not match or not directory.endswith("/steps"):
+        raise ConfigError(f"step URI {step_uri!r}: expected <root>/<run_id>/steps/step_<N>.npz")
+    store = open_run(directory.removesuffix("/steps"), s3_endpoint_url)
+    return StepTarget(store, f"steps/{name}", int(match.group(1)))
+
+
+def load_step(target: StepTarget) -> StepFile:
+    """Read and validate the step file.
+
+    Raises:
+        ChunkNotFoundError: no such file.
+        StepFileError: truncated, foreign, another run, or a ref outside the run.
+        PermissionError: the file cannot be read.
+    """
+    return StepFile.from_bytes(target.store.get(target.key), target.store, target.uri)
+
+
+def progress(description: str) -> Progress:
+    """A transient progress bar on stderr (drawn only on a terminal)."""
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=err_console, transient=True)
+
+
+def parallel_map(store: Store, fn: Callable[[T], R], items: Sequence[T], description: str) -> list[R]:
+    """``[fn(x) for x in items]`` on ``store.config.max_concurrent_fetches`` threads, with a progress bar."""
+    if not items:
+        return []
+    with progress(description) as bar, ThreadPoolExecutor(store.config.max_concurrent_fetches) as pool:
+        task = bar.add_task(description, total=len(items))
+        out = []
+        for result in pool.map(fn, items):
+            out.append(result)
+            bar.advance(task)
+        return out
+
+
+@dataclass(frozen=True)
+class ChunkState:
+    """Whether a referenced chunk is still under the run prefix, and if not, what the ledger says."""
+
+    present: bool
+    problem: str = ""
+    """Empty when present; else ``missing``, ``deleted by <holder> (<reason>)`` or ``outside the run: ...``."""
+
+
+def chunk_state(store: Store, ref: PayloadRef) -> ChunkState:
+    """Check the ref's commit marker (``zarr.json``) and, when it is gone, its delete record."""
+    try:
+        _, meta_key = chunk_keys(store, ref)
+    except OutsideRunError as e:
+        return ChunkState(False, f"outside the run: {e}")
+    if store.exists(meta_key):
+        return ChunkState(True)
+    return ChunkState(False, deleted_by(store, ref) or "missing (no delete record)")
+
+
+def deleted_by(store: Store, ref: PayloadRef) -> str | None:
+    """``deleted by <holder> (<reason>)`` from the chunk's delete record, or None without one."""
+    try:
+        record = json.loads(store.get(tombstone_key(ref.branch_id)))
+    except ChunkNotFoundError:
+        return None
+    except ValueError:
+        return "deleted (unreadable delete record)"
+    return f"deleted by {record.get('holder')} ({record.get('reason')})"
+
+
+def chunk_states(store: Store, refs: Iterable[PayloadRef]) -> list[ChunkState]:
+    """``chunk_state`` of every ref, in order, checked in parallel."""
+    return parallel_map(store, lambda ref: chunk_state(store, ref), list(refs), "checking chunks")
+
+
+def refuse_inside_run(store: Store, local_path: str, what: str) -> str:
+    """Return ``local_path`` made absolute, refusing URIs and paths under a local run prefix.
+
+    Raises:
+        ConfigError: ``local_path`` is a URI or lies inside the run prefix.
+    """
+    if "://" in local_path:
+        raise ConfigError(f"{what} {local_path!r}: expected a local path")
+    path = os.path.realpath(local_path)
+    run_path = os.path.realpath(store.prefix.path)
+    if store.prefix.scheme == "file" and (path == run_path or path.startswith(run_path + "/")):
+        raise ConfigError(f"{what} {local_path!r} is inside run {store.prefix.uri}: inspection never writes there")
+    return path

@@ -1,0 +1,151 @@
+"""``refpipe ls``: one screen about a run prefix: steps, chunks and bytes per writer, ledger status.
+
+Lists the prefix (one listing per shard directory, in parallel, with a progress
+bar) and reads no chunk. A chunk's writer comes from its branch id
+(``<actor>-<32 hex>``, what ``Keeper`` draws); only chunks with other ids have
+their ``zarr.json`` read for the ``writer`` attribute. The ledger part counts
+delete records and, per actor, event segments and sessions, reading the last
+segment of each session to see whether it ended with a clean ``close``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter, defaultdict
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.filesize import decimal
+from rich.table import Table
+
+from cli.inspect_common import S3_ENDPOINT_HELP, clean_errors, fail, open_run, parallel_map
+from storage.chunk import DATA_KEY, META_KEY, read_attributes
+from storage.store import Store
+
+_STEP_KEY = re.compile(r"^steps/step_(\d+)\.npz$")
+_DRAWN_ID = re.compile(r"^(?P<writer>.+)-[0-9a-f]{32}$")
+_SEGMENT_KEY = re.compile(r"^ledger/events/(?P<actor>[^/]+)/(?P<pid>\d+)-(?P<ms>\d+)-(?P<seq>\d+)\.jsonl$")
+_TEMP_MARK = ".tmp-"
+
+
+def sized_listing(store: Store, key_prefix: str, description: str) -> dict[str, int]:
+    """Every key under ``key_prefix`` with its size in bytes; sub-directories are listed in parallel."""
+    fs, root = store.fs, store.prefix.path.rstrip("/") + "/"
+    try:
+        entries = fs.ls(store.path(key_prefix), detail=True)
+    except FileNotFoundError:
+        return {}
+    sizes = {e["name"]: e["size"] for e in entries if e["type"] == "file"}
+    directories = [e["name"] for e in entries if e["type"] == "directory"]
+    for found in parallel_map(store, lambda d: fs.find(d, detail=True), directories, description):
+        sizes.update((name, info["size"]) for name, info in found.items())
+    return {name.removeprefix(root): size for name, size in sizes.items() if name.startswith(root)}
+
+
+def _steps(listing: dict[str, int]) -> dict:
+    steps = sorted(int(m.group(1)) for key in listing if (m := _STEP_KEY.match(key)))
+    return {"num_steps": len(steps), "first": steps[0] if steps else None, "latest": steps[-1] if steps else None,
+            "nbytes": sum(listing.values())}
+
+
+def _writer_of(store: Store, node: str) -> str:
+    return read_attributes(store.get(f"{node}/{META_KEY}")).get("writer") or "(unnamed)"
+
+
+def _chunks(store: Store, listing: dict[str, int]) -> dict:
+    """Group ``payloads/<shard>/<branch_id>/<object>`` keys into branches and writers."""
+    nodes: dict[str, dict[str, int]] = defaultdict(dict)
+    temp_files = 0
+    for key, size in listing.items():
+        if _TEMP_MARK in key.rpartition("/")[2]:
+            temp_files += 1
+        else:
+            node, _, name = key.rpartition("/")
+            nodes[node][name] = size
+    committed = sorted(n for n, objects in nodes.items() if {DATA_KEY, META_KEY} <= objects.keys())
+    writers = {n: m.group("writer") for n in committed if (m := _DRAWN_ID.match(n.rpartition("/")[2]))}
+    unnamed = [n for n in committed if n not in writers]
+    writers.update(zip(unnamed, parallel_map(store, lambda n: _writer_of(store, n), unnamed, "reading writers")))
+    per_writer: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for node in committed:
+        per_writer[writers[node]][0] += 1
+        per_writer[writers[node]][1] += sum(nodes[node].values())
+    return {"num_chunks": len(committed), "nbytes": sum(listing.values()),
+            "num_incomplete": len(nodes) - len(committed), "num_temp_files": temp_files,
+            "writers": {w: {"num_chunks": c, "nbytes": b} for w, (c, b) in sorted(per_writer.items())}}
+
+
+def _session_closed(store: Store, last_segment: str) -> bool:
+    lines = store.get(last_segment).splitlines()
+    return bool(lines) and json.loads(lines[-1]).get("event") == "close"
+
+
+def _ledger(store: Store, deletes: dict[str, int], events: dict[str, int]) -> dict:
+    last_of_session: dict[tuple[str, str], tuple[int, str]] = {}
+    segments: Counter[str] = Counter()
+    for key in events:
+        m = _SEGMENT_KEY.match(key)
+        if m:
+            segments[m["actor"]] += 1
+            session, seq = (m["actor"], f"{int(m['ms']):015d}-{m['pid']}"), int(m["seq"])
+            last_of_session[session] = max(last_of_session.get(session, (-1, "")), (seq, key))
+    sessions = sorted(last_of_session)
+    closed = parallel_map(store, lambda s: _session_closed(store, last_of_session[s][1]), sessions, "reading ledger")
+    actors = {actor: {"num_segments": n, "num_sessions": 0, "num_closed": 0} for actor, n in sorted(segments.items())}
+    for (actor, _), is_closed in zip(sessions, closed):
+        actors[actor]["num_sessions"] += 1
+        actors[actor]["num_closed"] += int(is_closed)
+    return {"num_delete_records": sum(k.endswith(".json") for k in deletes), "actors": actors}
+
+
+def run_summary(store: Store) -> dict:
+    """Everything ``refpipe ls`` shows, as a dict (``--json``)."""
+    steps = sized_listing(store, "steps", "listing steps")
+    payloads = sized_listing(store, "payloads", "listing chunks")
+    deletes = sized_listing(store, "ledger/deletes", "listing delete records")
+    events = sized_listing(store, "ledger/events", "listing ledger events")
+    return {"run_uri": store.prefix.uri, "steps": _steps(steps), "chunks": _chunks(store, payloads),
+            "ledger": _ledger(store, deletes, events), "empty": not (steps or payloads or deletes or events)}
+
+
+def render(summary: dict, console: Console) -> None:
+    """Print the run summary: steps, chunks per writer, ledger per actor."""
+    steps, chunks, ledger = summary["steps"], summary["chunks"], summary["ledger"]
+    console.print(f"[bold]run[/] {summary['run_uri']}", highlight=False)
+    span = f" (first {steps['first']}, latest {steps['latest']})" if steps["num_steps"] else ""
+    console.print(f"steps: {steps['num_steps']}{span}, {decimal(steps['nbytes'])}", highlight=False)
+    console.print(f"chunks: {chunks['num_chunks']}, {decimal(chunks['nbytes'])}; "
+                  f"{chunks['num_incomplete']} incomplete, {chunks['num_temp_files']} temp files", highlight=False)
+    writers = Table("writer", "chunks", "bytes")
+    for writer, w in chunks["writers"].items():
+        writers.add_row(writer, str(w["num_chunks"]), decimal(w["nbytes"]))
+    console.print(writers)
+    console.print(f"ledger: {ledger['num_delete_records']} delete records", highlight=False)
+    actors = Table("actor", "event segments", "sessions", "closed cleanly")
+    for actor, a in ledger["actors"].items():
+        closed = f"{a['num_closed']}/{a['num_sessions']}"
+        actors.add_row(actor, str(a["num_segments"]), str(a["num_sessions"]),
+                       closed if a["num_closed"] == a["num_sessions"] else f"[yellow]{closed}[/]")
+    console.print(actors)
+
+
+@clean_errors
+def ls_run(
+    run_uri: Annotated[str, typer.Argument(help="Run prefix: path, file:// or s3:// URI of <root>/<run_id>.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+    s3_endpoint_url: Annotated[Optional[str], typer.Option(help=S3_ENDPOINT_HELP)] = None,
+) -> None:
+    """Summarise a run prefix: steps, chunks and bytes per writer, ledger status.
+
+    Exit codes: 0 shown; 2 nothing under the prefix, or it cannot be listed.
+    """
+    store = open_run(run_uri, s3_endpoint_url)
+    summary = run_summary(store)
+    if summary.pop("empty"):
+        fail(f"run {store.prefix.uri}: nothing under the run prefix (wrong URI or endpoint?)")
+    if as_json:
+        typer.echo(json.dumps(summary, indent=1))
+    else:
+        render(summary, Console())

@@ -1,0 +1,109 @@
+"""``refpipe verify``: read every chunk a step file references and check it against its reference.
+
+For each ref: it lies inside the run, its chunk exists, the whole chunk has the
+ref's length and crc32c (``storage.fetch.fetch_arrays`` with ``num_tokens=None``),
+the decoded arrays have the ref's dtypes and shapes, and the chunk's
+``zarr.json`` field table agrees with the ref. Every token stream of the step
+file is read too. One line per problem on stdout; exit code 1 if any.
+"""
+
+from __future__ import annotations
+
+import io
+import zipfile
+from typing import Annotated, Optional
+
+import typer
+
+from cli.inspect_common import EXIT_PROBLEMS, S3_ENDPOINT_HELP, StepTarget, clean_errors, deleted_by, load_step, \
+    open_step, parallel_map
+from pipeline.step_file import HEADER_MEMBER, StepFile, StepHeader
+from storage.chunk import PayloadRef, read_attributes
+from storage.errors import ChunkCorruptError, ChunkNotFoundError, OutsideRunError, StepFileError
+from storage.fetch import chunk_keys, fetch_arrays
+from storage.store import Store
+
+
+def _load(target: StepTarget) -> StepFile:
+    """The step file; one whose only fault is refs outside the run is loaded without that check,
+    so each such ref becomes a problem line of its own."""
+    try:
+        return load_step(target)
+    except StepFileError as e:
+        if not isinstance(e.__cause__, OutsideRunError):
+            raise
+    zf = zipfile.ZipFile(io.BytesIO(target.store.get(target.key)))
+    return StepFile(StepHeader.model_validate_json(zf.read(HEADER_MEMBER)), zf, target.uri)
+
+
+def _stream_problems(step: StepFile) -> list[str]:
+    problems = []
+    for mb in step.header.micro_batches:
+        try:
+            step.streams(mb.dp_rank, mb.index)
+        except StepFileError as e:
+            problems.append(f"corrupt step file: {e}")
+    return problems
+
+
+def _metadata_problems(store: Store, ref: PayloadRef, meta_key: str) -> list[str]:
+    """Compare the chunk's ``zarr.json`` field table and token counts with the ref."""
+    attrs = read_attributes(store.get(meta_key))
+    stored = {name: (a["dtype"], tuple(a["shape"]), a["domain"], a["offset"]) for name, a in attrs["arrays"].items()}
+    expected = {lay.name: (lay.dtype.str, lay.shape, lay.domain, lay.offset) for lay in ref.layout()}
+    problems = [f"mismatch {ref.uri}: array {name} is {stored.get(name)} (dtype, shape, domain, offset) in "
+                f"zarr.json, {want} in the reference" for name, want in expected.items() if stored.get(name) != want]
+    problems += [f"mismatch {ref.uri}: zarr.json has array {name} the reference does not list"
+                 for name in stored.keys() - expected.keys()]
+    for key in ("branch_id", "num_prompt_tokens", "num_completion_tokens"):
+        if attrs.get(key) != getattr(ref, key):
+            problems.append(f"mismatch {ref.uri}: {key} is {attrs.get(key)!r} in zarr.json, "
+                            f"{getattr(ref, key)!r} in the reference")
+    return problems
+
+
+def verify_chunk(store: Store, ref: PayloadRef) -> list[str]:
+    """Problems of one referenced chunk, one line each (empty: the chunk is intact)."""
+    try:
+        _, meta_key = chunk_keys(store, ref)
+        arrays = fetch_arrays(store, ref, None)
+        problems = _metadata_problems(store, ref, meta_key)
+    except OutsideRunError as e:
+        return [f"outside the run: {e}"]
+    except ChunkNotFoundError as e:
+        return [f"missing {ref.uri}: {deleted_by(store, ref) or 'no delete record'} ({e})"]
+    except (ChunkCorruptError, ValueError, KeyError) as e:
+        return [f"corrupt {ref.uri}: {e}"]
+    for name, spec in ref.arrays.items():
+        a = arrays[name]
+        if a.dtype.str != spec.dtype or a.shape != tuple(spec.shape):
+            problems.append(f"mismatch {ref.uri}: array {name} decoded as {a.dtype.str} {list(a.shape)}, "
+                            f"reference says {spec.dtype} {list(spec.shape)}")
+    return problems
+
+
+@clean_errors
+def verify_step(
+    step_uri: Annotated[str, typer.Argument(help="Step file: path, file:// or s3:// URI of <run>/steps/step_<N>.npz.")],
+    s3_endpoint_url: Annotated[Optional[str], typer.Option(help=S3_ENDPOINT_HELP)] = None,
+) -> None:
+    """Read every chunk the step file references; check checksum, dtype and shape against each reference.
+
+    Prints one line per problem (missing, corrupt, mismatch, outside the run, corrupt step file).
+    Exit codes: 0 all intact; 1 problems found; 2 the step file cannot be read at all.
+    """
+    target = open_step(step_uri, s3_endpoint_url)
+    step = _load(target)
+    refs = step.header.refs
+    problems = _stream_problems(step)
+    for chunk_problems in parallel_map(target.store, lambda ref: verify_chunk(target.store, ref), refs,
+                                       "verifying chunks"):
+        problems += chunk_problems
+    for line in problems:
+        typer.echo(line)
+    nbytes = sum(ref.nbytes for ref in refs)
+    typer.echo(f"step {step.header.step}: {len(refs)} chunks ({nbytes} bytes), "
+               f"{len(step.header.micro_batches)} micro batches: "
+               + (f"{len(problems)} problems" if problems else "all intact"), err=True)
+    if problems:
+        raise typer.Exit(EXIT_PROBLEMS)
