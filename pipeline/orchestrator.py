@@ -1,0 +1,241 @@
+"""The orchestrator: episodes in, step files out, and every chunk it will never ship deleted.
+
+It never reads a chunk: episodes carry ``PayloadRef``s, step files carry them on, so its
+memory does not depend on the side channels' size (DESIGN.md, Actors).
+
+Deletion paths (each through ``Ledger.delete`` with a reason naming the path, counted in
+``Orchestrator.deleted``): ``eval`` (every eval episode: the eval sink), ``untrained``
+(branches marked not trainable), ``late`` (episodes of a group that was already completed
+or dropped), ``truncated`` (no completion token within ``seq_len``), ``filtered_group``
+(mean reward outside ``reward_range``, or every advantage zero), ``pruned`` (zero-advantage
+samples), ``stale`` (queued samples of a policy older than ``max_async_level`` steps),
+``dropped_group`` (an incomplete group holding a stale episode) and ``shutdown``
+(everything still queued).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from pipeline.advantages import group_advantages, reward_in_range, stale, zero_advantage
+from pipeline.packing import PackedMicroBatch, pack_step, step_contents
+from pipeline.samples import BranchResult, Episode, Sample, build_sample, check_episode, kept_completion_tokens
+from pipeline.step_file import StepHeader, publish_step_file
+from storage.chunk import PayloadRef
+from storage.errors import EpisodeError
+from storage.ledger import Ledger
+from storage.store import Store
+
+LEDGER_ACTOR = "orchestrator"
+
+
+class OrchestratorConfig(BaseModel):
+    """How the orchestrator turns groups of episodes into steps."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    seq_len: int = Field(default=4096, ge=1)
+    """Token budget of a micro batch (tokens); samples keep their first ``seq_len`` tokens."""
+    dp_world_size: int = Field(default=1, ge=1)
+    """Data-parallel ranks of the trainer; each gets the same number of micro batches."""
+    groups_per_step: int = Field(default=8, ge=1)
+    """Groups one step trains (at most; fewer when fewer are ready)."""
+    group_size: int = Field(default=8, ge=1)
+    """Episodes per group; a group's advantages are computed once all of them arrived."""
+    max_async_level: int = Field(default=1, ge=0)
+    """Step ``s`` trains samples of policy versions ``s - max_async_level .. s``; older ones are stale."""
+    reward_range: tuple[float, float] | None = None
+    """Keep a group only if its mean reward lies in ``[low, high]``; None keeps every group."""
+    std_normalize: bool = True
+    """Divide advantages by the group's reward standard deviation."""
+    length_weighted_baseline: bool = False
+    """Baseline = completion-token-weighted mean reward of the group (else the plain mean)."""
+    prune_zero_advantage: bool = True
+    """Drop samples whose advantage is zero (a group with only such samples is filtered)."""
+
+    @field_validator("reward_range")
+    @classmethod
+    def _ordered(cls, v: tuple[float, float] | None) -> tuple[float, float] | None:
+        if v is not None and not v[0] <= v[1]:
+            raise ValueError(f"reward_range {list(v)}: expected low <= high")
+        return v
+
+
+@dataclass
+class _ReadyGroup:
+    group_id: str
+    samples: list[Sample]
+
+
+class Orchestrator:
+    """Turns episodes into published step files; deletes what it will never ship.
+
+    One instance per run, driven from one thread. Call order:
+
+    1. ``Orchestrator(config, store)`` opens the ledger actor ``orchestrator``.
+    2. ``submit(episode)`` for every episode as it returns (any order, any group); a group
+       whose ``group_size`` episodes arrived becomes ready (or is filtered) at once.
+    3. ``build_step(step)`` whenever ``ready_groups >= config.groups_per_step`` (or earlier
+       to train fewer), with increasing steps: voids stale samples, packs up to
+       ``groups_per_step`` ready groups and publishes their step file.
+    4. ``shutdown()`` once: deletes everything still queued and closes the ledger.
+
+    Attributes:
+        deleted: chunks deleted so far, per deletion path (see the module doc).
+        eval_rewards: ``(env_name, reward)`` of every eval episode received; the caller clears it.
+    """
+
+    def __init__(self, config: OrchestratorConfig, store: Store):
+        self.config, self.store = config, store
+        self.ledger = Ledger(store, LEDGER_ACTOR)
+        self.deleted: Counter[str] = Counter()
+        self.eval_rewards: list[tuple[str, float]] = []
+        self._pending: dict[str, list[Episode]] = {}
+        self._ready: deque[_ReadyGroup] = deque()
+        self._closed: dict[str, str] = {}
+
+    @property
+    def ready_groups(self) -> int:
+        """Groups complete, filtered and waiting for a step."""
+        return len(self._ready)
+
+    @property
+    def pending_groups(self) -> int:
+        """Groups still waiting for episodes."""
+        return len(self._pending)
+
+    def submit(self, episode: Episode) -> None:
+        """Take one episode from an env server.
+
+        Raises:
+            OutsideRunError: a ref lies outside the run prefix (nothing deleted).
+            EpisodeError: malformed episode, or its id is already queued in its group (nothing deleted).
+        """
+        check_episode(episode, self.store.prefix)
+        queued = self._pending.get(episode.group_id, [])
+        if any(e.episode_id == episode.episode_id for e in queued):
+            raise EpisodeError(f"episode {episode.episode_id!r} of group {episode.group_id!r} was already submitted")
+        self.ledger.record("receive", episode_id=episode.episode_id, group_id=episode.group_id,
+                           branch_ids=[r.branch_id for r in episode.refs()])
+        what = f"episode {episode.episode_id} of group {episode.group_id}"
+        if episode.is_eval:
+            self.eval_rewards += [(episode.env_name, float(r)) for r in episode.branch_rewards()]
+            return self._delete("eval", episode.refs(), f"{what} is an eval episode")
+        if episode.group_id in self._closed:
+            return self._delete("late", episode.refs(), f"{what} arrived after its group was "
+                                                        f"{self._closed[episode.group_id]}")
+        self._delete("untrained", [b.ref for b in episode.branches if not b.trainable and b.ref],
+                     f"{what}: branch not trainable")
+        self._pending[episode.group_id] = queued + [episode]
+        if len(queued) + 1 == self.config.group_size:
+            self._complete_group(episode.group_id)
+
+    def build_step(self, step: int) -> StepHeader | None:
+        """Void stale samples, pack up to ``groups_per_step`` ready groups, publish step ``step``.
+
+        Returns:
+            The published header, or None when no sample is left (no step file is written).
+
+        Raises:
+            KeyExistsError: step ``step`` was already published (its groups stay queued).
+        """
+        self._void_stale(step)
+        groups = [self._ready[i] for i in range(min(self.config.groups_per_step, len(self._ready)))]
+        samples = [s for g in groups for s in g.samples]
+        if not samples:
+            return None
+        cfg = self.config
+        packed = pack_step(samples, seq_len=cfg.seq_len, dp_world_size=cfg.dp_world_size)
+        header, streams = step_contents(packed, step=step, run_uri=self.store.prefix.uri, seq_len=cfg.seq_len,
+                                        dp_world_size=cfg.dp_world_size, metrics=_metrics(groups, packed))
+        uri = publish_step_file(self.store, header, streams)
+        for _ in groups:
+            self._ready.popleft()
+        self.ledger.record("ship", step=step, uri=uri, branch_ids=[r.branch_id for r in header.refs])
+        self.ledger.flush()
+        return header
+
+    def shutdown(self) -> None:
+        """Delete every chunk still queued (pending or ready groups) and close the ledger."""
+        refs = _trainable_refs(e for episodes in self._pending.values() for e in episodes)
+        refs += [s.payload.ref for g in self._ready for s in g.samples if s.payload is not None]
+        self._delete("shutdown", refs, "queued when the orchestrator shut down")
+        self._pending.clear()
+        self._ready.clear()
+        self.ledger.close()
+
+    def _complete_group(self, group_id: str) -> None:
+        """Compute a complete group's advantages, filter and prune it, queue its samples."""
+        episodes = self._pending.pop(group_id)
+        self._closed[group_id] = "completed"
+        units = [(e, b, float(r)) for e in episodes for b, r in zip(e.branches, e.branch_rewards()) if b.trainable]
+        kept = np.array([kept_completion_tokens(b, self.config.seq_len) for _, b, _ in units], np.int64)
+        self._delete("truncated", [b.ref for (_, b, _), k in zip(units, kept) if k == 0 and b.ref],
+                     f"group {group_id}: prompt leaves no completion token within seq_len={self.config.seq_len}")
+        units, kept = [u for u, k in zip(units, kept) if k > 0], kept[kept > 0]
+        if not units:
+            return
+        rewards = np.array([r for _, _, r in units], np.float64)
+        if not reward_in_range(rewards, self.config.reward_range):
+            self._closed[group_id] = "filtered"
+            return self._delete("filtered_group", _unit_refs(units), f"group {group_id}: mean reward "
+                                f"{rewards.mean():.4g} outside reward_range {list(self.config.reward_range)}")
+        adv = group_advantages(rewards, kept, std_normalize=self.config.std_normalize,
+                               length_weighted_baseline=self.config.length_weighted_baseline)
+        zero = zero_advantage(adv) if self.config.prune_zero_advantage else np.zeros(len(units), np.bool_)
+        if zero.all():
+            self._closed[group_id] = "filtered"
+            return self._delete("filtered_group", _unit_refs(units), f"group {group_id}: every advantage is zero")
+        self._delete("pruned", _unit_refs(u for u, z in zip(units, zero) if z), f"group {group_id}: zero advantage")
+        samples = [build_sample(e, b, reward=r, advantage=float(a), seq_len=self.config.seq_len)
+                   for (e, b, r), a, z in zip(units, adv, zero) if not z]
+        self._ready.append(_ReadyGroup(group_id, samples))
+
+    def _void_stale(self, step: int) -> None:
+        """Delete queued samples too old for ``step``; drop incomplete groups holding a stale episode."""
+        level = self.config.max_async_level
+        for group in self._ready:
+            old = stale([s.policy_version for s in group.samples], step=step, max_async_level=level)
+            self._delete("stale", [s.payload.ref for s, o in zip(group.samples, old) if o and s.payload],
+                         f"group {group.group_id}: policy older than step {step} - max_async_level {level}")
+            group.samples = [s for s, o in zip(group.samples, old) if not o]
+        self._ready = deque(g for g in self._ready if g.samples)
+        for group_id, episodes in list(self._pending.items()):
+            versions = [b.policy_version for e in episodes for b in e.branches]
+            if stale(versions, step=step, max_async_level=level).any():
+                del self._pending[group_id]
+                self._closed[group_id] = f"dropped at step {step} (stale episode)"
+                self._delete("dropped_group", _trainable_refs(episodes),
+                             f"incomplete group {group_id} holds an episode older than step {step} - {level}")
+
+    def _delete(self, path: str, refs: list[PayloadRef], detail: str) -> None:
+        if refs:
+            self.ledger.delete(refs, reason=f"orchestrator {path}: {detail}")
+            self.deleted[path] += len(refs)
+
+
+def _trainable_refs(episodes: Iterable[Episode]) -> list[PayloadRef]:
+    return [b.ref for e in episodes for b in e.branches if b.trainable and b.ref is not None]
+
+
+def _unit_refs(units: Iterable[tuple[Episode, BranchResult, float]]) -> list[PayloadRef]:
+    return [b.ref for _, b, _ in units if b.ref is not None]
+
+
+def _metrics(groups: list[_ReadyGroup], packed: list[PackedMicroBatch]) -> dict[str, float]:
+    """Step metrics written into the step header."""
+    samples = [s for g in groups for s in g.samples]
+    return {
+        "num_groups": float(len(groups)),
+        "num_samples": float(len(samples)),
+        "num_tokens": float(sum(s.num_tokens for s in samples)),
+        "num_loss_tokens": float(sum(int(s.loss_mask.sum()) for s in samples)),
+        "num_micro_batches": float(len(packed)),
+        "num_dummies": float(sum(mb.is_dummy for mb in packed)),
+        "reward_mean": float(np.mean([s.reward for s in samples])),
+    }
