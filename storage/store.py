@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -27,6 +28,7 @@ from storage.uri import RunPrefix
 
 Data = bytes | bytearray | memoryview | Sequence[bytes | bytearray | memoryview]
 T = TypeVar("T")
+_RETRIES_LOCK = threading.Lock()
 _S3_DELETE_BATCH = 1000  # DeleteObjects takes at most 1,000 keys (AWS S3 API reference)
 
 
@@ -54,6 +56,8 @@ class Store:
         self.config = config
         self._fs = None
         self._pid = -1
+        self.retries = 0
+        """Retries of transient errors by this store in this process (trainer metrics)."""
 
     @property
     def fs(self):
@@ -64,7 +68,7 @@ class Store:
         return self._fs
 
     def __getstate__(self):
-        return {"prefix": self.prefix, "config": self.config, "_fs": None, "_pid": -1}
+        return {"prefix": self.prefix, "config": self.config, "_fs": None, "_pid": -1, "retries": 0}
 
     def _fs_options(self) -> dict:
         return {}
@@ -89,6 +93,8 @@ class Store:
             except TransientStorageError as e:
                 if attempt == self.config.max_retries:
                     raise TransientStorageError(f"{what}: gave up after {attempt + 1} attempts: {e}") from e
+                with _RETRIES_LOCK:
+                    self.retries += 1
                 slow = 8 if "SlowDown" in str(e) else 1
                 time.sleep(self.config.retry_backoff_s * slow * 2**attempt * (0.5 + random.random()))
         raise AssertionError("unreachable")
