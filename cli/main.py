@@ -24,3 +24,6 @@ from cli.inspect import inspect_step, ls_run, verify_step  # noqa: E402  (offlin
 app.command("inspect")(inspect_step)
 app.command("ls")(ls_run)
 app.command("verify")(verify_step)
+from cli.ledger import audit_run, sweep_run  # noqa: E402  (ledger audit and sweep, issue 5)
+app.command("audit")(audit_run)
+app.command("sweep")(sweep_run)

@@ -2,41 +2,72 @@
 
 Layout under the run prefix:
 
-    ledger/events/<actor>/<seq>.jsonl   an actor's events (keep, discard, double_delete, ...),
-                                        one JSON object per line, written as whole segments
-    ledger/deletes/<shard>/<branch_id>.json   the delete record of one chunk (its tombstone)
+    ledger/events/<actor>/<pid>-<ms>-<seq>.jsonl   one session's events, one JSON object per
+                                                   line, written as whole segments (``<pid>-<ms>``
+                                                   is the session: one ``Ledger`` instance)
+    ledger/deletes/<shard>/<branch_id>.json        a chunk's delete record (its tombstone)
 
-Every actor (env-server worker, orchestrator, trainer DP rank) writes only its
-own segments, so there is no shared file to append to and no object to
-read-modify-write. The tombstone is the atomic claim: it is written with an
-exclusive put (``link(2)`` on a filesystem, ``If-None-Match: *`` on S3), so of
-any number of deleters of one chunk exactly one succeeds; the others read the
-winner's record and raise ``DoubleDeleteError`` naming both holders, deleting
-nothing else.
+Every actor (env-server worker, orchestrator, trainer DP rank) writes only its own
+segments, each with one exclusive put, so there is no shared file to append to and
+no object to read-modify-write. Keeps are recorded twice: by the chunk itself
+(``zarr.json`` names the writer) and by a buffered ``keep`` event; ships and borrows
+by the step file; deletes by the tombstone.
+
+The tombstone is the atomic claim: it is written with an exclusive put (``link(2)``
+on a filesystem, ``If-None-Match: *`` on S3), so of any number of deleters of one
+chunk exactly one succeeds; the others read the winner's record, record a
+``double_delete`` event and raise ``DoubleDeleteError`` naming both holders,
+deleting nothing else.
+
+Sessions and liveness (what ``pipeline.audit`` relies on): a session is live from
+its ``open`` event (written at construction) until its ``close`` event, until a
+newer session of the same actor opens (the actor restarted), or until the run is
+declared stopped. So: one ``Ledger`` per actor per process, and a process that
+starts a ``Ledger`` under an actor name declares every earlier session of that
+name dead.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import socket
 import threading
 import time
-from collections.abc import Sequence
+import uuid
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from storage.chunk import PayloadRef, node_key
-from storage.errors import (ChunkNotFoundError, DoubleDeleteError, KeyExistsError, UnknownRefError)
+from storage.chunk import META_KEY, PayloadRef, node_key
+from storage.errors import ChunkNotFoundError, ConfigError, DoubleDeleteError, KeyExistsError, UnknownRefError
 from storage.fetch import chunk_keys
 from storage.store import Store
 
 SEGMENT_MAX_EVENTS = 512
 SEGMENT_MAX_AGE_S = 2.0
+EVENTS_PREFIX = "ledger/events/"
+DELETES_PREFIX = "ledger/deletes/"
+_ACTOR = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_SEGMENT = re.compile(r"^ledger/events/(?P<actor>[^/]+)/(?P<session>\d+-\d+)-(?P<seq>\d+)\.jsonl$")
 
 
 def tombstone_key(branch_id: str) -> str:
     """Key of a chunk's delete record: ``ledger/deletes/<shard>/<branch_id>.json``."""
-    return "ledger/deletes/" + node_key(branch_id).removeprefix("payloads/") + ".json"
+    return DELETES_PREFIX + node_key(branch_id).removeprefix("payloads/") + ".json"
+
+
+def parse_segment_key(key: str) -> tuple[str, str, int] | None:
+    """``(actor, session, seq)`` of an event segment key, or None for any other key."""
+    m = _SEGMENT.match(key)
+    return (m["actor"], m["session"], int(m["seq"])) if m else None
+
+
+def session_opened_ms(session: str) -> int:
+    """Wall-clock milliseconds at which a session (``<pid>-<ms>``) opened; orders one actor's sessions."""
+    return int(session.rpartition("-")[2])
 
 
 @dataclass
@@ -51,30 +82,69 @@ class DeleteResult:
     """Refs that were never kept: no commit marker and no delete record."""
 
 
-class Ledger:
-    """One actor's view of the ledger.
+class _Target(NamedTuple):
+    """One chunk to delete: its branch id, node URI, commit-marker key, and every key to remove."""
 
-    Every process creates its own ``Ledger`` with a unique ``actor`` name
-    (``env_worker_3``, ``orchestrator``, ``trainer_dp0``) and calls ``close`` at a
-    clean shutdown, which flushes its events and writes a ``close`` event.
+    branch_id: str
+    uri: str
+    meta_key: str
+    keys: list[str]
+
+
+class Ledger:
+    """One actor's session of the ledger.
+
+    Every process creates one ``Ledger`` per actor it plays, with a unique ``actor``
+    name (``env_worker_3``, ``orchestrator``, ``trainer_dp0``), after any fork, and
+    calls ``close`` at a clean shutdown. Construction writes the session's ``open``
+    event at once (one put): from then on the audit counts the session as a live
+    holder of the chunks it keeps. Later events are buffered and written as one
+    segment per 512 events, per 2 s (checked on the next ``record``), on ``flush``,
+    at ``close``, and right after a delete that found a problem.
 
     Args:
         store: the run's store.
-        actor: who this is; names the holder in delete records and errors.
+        actor: who this is (1-128 of ``[A-Za-z0-9._-]``); names the holder in delete
+            records and errors.
+
+    Attributes:
+        session: ``<pid>-<ms>``, unique per actor; names this session's segments.
+        ledger_seconds: wall-clock seconds spent in ledger I/O so far (segment puts,
+            delete claims), for ``bench/keep_fetch.py``'s ``ledger_overhead_ratio``.
+
+    Raises:
+        ConfigError: ``actor`` is not a valid name.
     """
 
     def __init__(self, store: Store, actor: str):
+        if not _ACTOR.match(actor):
+            raise ConfigError(f"ledger actor {actor!r}: expected 1-128 of [A-Za-z0-9._-], not starting with . - or _")
         self.store = store
         self.actor = actor
+        self.ledger_seconds = 0.0
         self._events: list[dict] = []
         self._seq = 0
         self._flushed_at = time.monotonic()
         self._lock = threading.Lock()
-        self._session = f"{os.getpid()}-{int(time.time() * 1000)}"
-        self.record("open")
+        self.session = self._open()
+
+    def _open(self) -> str:
+        """Write the ``open`` segment under a fresh session id (the next millisecond on a clash)."""
+        opened_ms = int(time.time() * 1000)
+        event = {"event": "open", "actor": self.actor, "t": round(time.time(), 3), "pid": os.getpid(),
+                 "host": socket.gethostname()}
+        while True:
+            session = f"{os.getpid()}-{opened_ms}"
+            try:
+                self._put_segment(session, 0, [event])
+            except KeyExistsError:
+                opened_ms += 1
+                continue
+            self._seq = 1
+            return session
 
     def record(self, event: str, **fields) -> None:
-        """Append an event to this actor's log; flushed as a segment every 512 events or 2 s."""
+        """Append an event (JSON-serialisable fields) to this session's log; no I/O unless a segment is due."""
         with self._lock:
             self._events.append({"event": event, "actor": self.actor, "t": round(time.time(), 3), **fields})
             due = len(self._events) >= SEGMENT_MAX_EVENTS or time.monotonic() - self._flushed_at > SEGMENT_MAX_AGE_S
@@ -82,30 +152,47 @@ class Ledger:
             self.flush()
 
     def flush(self) -> None:
-        """Write buffered events as one new segment object (atomic put)."""
+        """Write buffered events as one new segment object (one exclusive put); no-op when none are buffered."""
         with self._lock:
             events, self._events = self._events, []
-            seq, self._seq = self._seq, self._seq + 1
+            seq, self._seq = self._seq, self._seq + (1 if events else 0)
             self._flushed_at = time.monotonic()
         if events:
-            body = "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in events).encode()
-            self.store.put(f"ledger/events/{self.actor}/{self._session}-{seq:06d}.jsonl", body, exclusive=True)
+            self._put_segment(self.session, seq, events)
+
+    def _put_segment(self, session: str, seq: int, events: list[dict]) -> None:
+        body = "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in events).encode()
+        started = time.perf_counter()
+        try:
+            self.store.put(f"{EVENTS_PREFIX}{self.actor}/{session}-{seq:06d}.jsonl", body, exclusive=True)
+        finally:
+            self._add_seconds(time.perf_counter() - started)
+
+    def _add_seconds(self, seconds: float) -> None:
+        with self._lock:
+            self.ledger_seconds += seconds
 
     def close(self) -> None:
-        """Record a clean end of this actor and flush."""
+        """Record a clean end of this session and flush: it no longer holds anything."""
         self.record("close")
         self.flush()
 
     def record_keep(self, ref: PayloadRef) -> None:
-        """Record that this actor kept ``ref`` (it holds it until it hands the ref on)."""
+        """Record that this actor kept ``ref`` (buffered; the chunk's ``zarr.json`` also names the writer)."""
         self.record("keep", branch_id=ref.branch_id, uri=ref.uri, nbytes=ref.nbytes)
 
     def delete(self, refs: Sequence[PayloadRef], *, reason: str, max_concurrency: int = 8) -> DeleteResult:
         """Delete chunks exactly once, recording who deleted each and why.
 
-        All refs are confinement-checked before any I/O. For each ref: check the commit
-        marker, claim with an exclusive put of the delete record, then delete the chunk's
-        objects (S3: batched ``DeleteObjects``).
+        All refs are confinement-checked before any I/O. For each ref, in parallel: check
+        the commit marker (``zarr.json``), claim with an exclusive put of the delete record;
+        then the claimed chunks' objects are deleted (S3: batched ``DeleteObjects``),
+        commit marker first, so a fetch after a delete is ``ChunkNotFoundError``.
+
+        Args:
+            refs: chunks to delete.
+            reason: why (the deletion path); stored in the delete record.
+            max_concurrency: threads claiming at once.
 
         Raises:
             OutsideRunError: a ref points outside the run prefix (nothing deleted).
@@ -113,49 +200,99 @@ class Ledger:
                 deleted. ``.result`` holds the full ``DeleteResult``.
             UnknownRefError: some refs were never kept (and none double-deleted); ``.result`` as above.
         """
-        keys = [chunk_keys(self.store, ref) for ref in refs]
+        targets = []
+        for ref in refs:
+            data_key, meta_key = chunk_keys(self.store, ref)
+            targets.append(_Target(ref.branch_id, ref.uri, meta_key, [meta_key, data_key]))
+        return self._delete_targets(targets, reason, max_concurrency)
+
+    def delete_nodes(self, nodes: Mapping[str, Sequence[str]], *, reason: str,
+                     max_concurrency: int = 8) -> DeleteResult:
+        """``delete`` for committed chunks found by listing (the sweep), which has no refs.
+
+        Args:
+            nodes: node key (``payloads/<shard>/<branch_id>``) -> every key listed under it
+                (the commit marker, the chunk, stray temp files); all are deleted once claimed.
+
+        Raises:
+            As ``delete``.
+        """
+        targets = []
+        for node, keys in nodes.items():
+            uri = self.store.uri(node)
+            targets.append(_Target(node.rpartition("/")[2], uri, f"{node}/{META_KEY}", list(keys)))
+        return self._delete_targets(targets, reason, max_concurrency)
+
+    def remove_leftovers(self, nodes: Mapping[str, Sequence[str]], *, event: str, reason: str) -> None:
+        """Delete keys of chunks that need no claim, recording one ``event`` per chunk.
+
+        For the sweep: chunks whose delete record exists but whose objects remain (a
+        deleter died mid-delete; ``event="finish_delete"``), and incomplete keeps (no
+        commit marker: never kept, so nothing to claim; ``event="remove_incomplete"``).
+
+        Args:
+            nodes: node key -> every key listed under it.
+        """
+        for node in nodes:
+            self.record(event, branch_id=node.rpartition("/")[2], uri=self.store.uri(node), reason=reason)
+        self.store.delete([key for keys in nodes.values() for key in keys])
+        self.flush()
+
+    def _delete_targets(self, targets: list[_Target], reason: str, max_concurrency: int) -> DeleteResult:
         result = DeleteResult()
-        with ThreadPoolExecutor(max_workers=max(1, min(max_concurrency, len(refs)))) as pool:
-            claims = list(pool.map(lambda ref: self._claim(ref, reason), refs))
+        started = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=max(1, min(max_concurrency, len(targets)))) as pool:
+            claims = list(pool.map(lambda t: self._claim(t, reason), targets))
+        self._add_seconds(time.perf_counter() - started)
         doomed: list[str] = []
-        for ref, (data_key, meta_key), problem in zip(refs, keys, claims):
+        for target, problem in zip(targets, claims):
             if problem is None:
-                doomed += [meta_key, data_key]
-                result.deleted.append(ref.uri)
+                doomed += target.keys
+                result.deleted.append(target.uri)
             elif isinstance(problem, DoubleDeleteError):
                 result.double_deletes.append(problem)
-                self.record("double_delete", branch_id=ref.branch_id, reason=reason, first=problem.first_holder)
+                self.record("double_delete", branch_id=target.branch_id, uri=target.uri, reason=reason,
+                            first=problem.first_holder)
             else:
                 result.unknown.append(problem)
-                self.record("unknown_delete", branch_id=ref.branch_id, uri=ref.uri, reason=reason)
+                self.record("unknown_delete", branch_id=target.branch_id, uri=target.uri, reason=reason)
         self.store.delete(doomed)
-        self._raise_problems(result)
+        if result.double_deletes or result.unknown:
+            self.flush()
+            self._raise_problems(result)
         return result
 
-    def _claim(self, ref: PayloadRef, reason: str) -> DoubleDeleteError | UnknownRefError | None:
-        _, meta_key = chunk_keys(self.store, ref)
-        tomb = tombstone_key(ref.branch_id)
-        if not self.store.exists(meta_key):
-            return self._already_deleted(ref, tomb, reason) or UnknownRefError(
-                f"chunk {ref.uri}: delete by {self.actor} ({reason}) refused: it was never kept "
+    def _claim(self, target: _Target, reason: str) -> DoubleDeleteError | UnknownRefError | None:
+        """Claim one chunk: None when this call won, else the problem (nothing deleted)."""
+        tomb = tombstone_key(target.branch_id)
+        if not self.store.exists(target.meta_key):
+            return self._already_deleted(target, tomb, reason, None) or UnknownRefError(
+                f"chunk {target.uri}: delete by {self.actor} ({reason}) refused: it was never kept "
                 f"(no commit marker, no delete record)")
-        record = {"branch_id": ref.branch_id, "uri": ref.uri, "holder": self.actor, "reason": reason,
-                  "t": round(time.time(), 3)}
+        claim = uuid.uuid4().hex
+        record = {"branch_id": target.branch_id, "uri": target.uri, "holder": self.actor, "reason": reason,
+                  "t": round(time.time(), 3), "session": self.session, "claim": claim}
         try:
             self.store.put(tomb, json.dumps(record).encode(), exclusive=True)
         except KeyExistsError:
-            return self._already_deleted(ref, tomb, reason)
+            return self._already_deleted(target, tomb, reason, claim)
         return None
 
-    def _already_deleted(self, ref: PayloadRef, tomb: str, reason: str) -> DoubleDeleteError | None:
+    def _already_deleted(self, target: _Target, tomb: str, reason: str, claim: str | None) -> DoubleDeleteError | None:
+        """The double delete found at ``tomb``; None when there is no delete record, or it is
+        this very claim (a conditional PUT retried after its first attempt had succeeded)."""
         try:
             first = json.loads(self.store.get(tomb))
         except ChunkNotFoundError:
-            return None
+            if claim is None:
+                return None
+            first = {"holder": "?", "reason": "delete record vanished"}
         except ValueError:
             first = {"holder": "?", "reason": "unreadable delete record"}
+        if claim is not None and first.get("claim") == claim:
+            return None
         err = DoubleDeleteError(
-            f"chunk {ref.uri} was already deleted by {first.get('holder')} ({first.get('reason')}); "
+            f"chunk {target.uri} was already deleted by {first.get('holder')} ({first.get('reason')}); "
             f"second delete from {self.actor} ({reason})")
         err.first_holder, err.second_holder = first.get("holder"), self.actor
         return err
@@ -163,10 +300,12 @@ class Ledger:
     @staticmethod
     def _raise_problems(result: DeleteResult) -> None:
         problems = result.double_deletes or result.unknown
-        if not problems:
-            return
         err = type(problems[0])(
             f"{len(result.double_deletes)} double deletes, {len(result.unknown)} deletes of unknown refs "
             f"({len(result.deleted)} other chunks deleted); first: {problems[0]}")
         err.result = result
         raise err
+
+
+__all__ = ["DELETES_PREFIX", "EVENTS_PREFIX", "DeleteResult", "Ledger", "parse_segment_key",
+           "session_opened_ms", "tombstone_key"]
