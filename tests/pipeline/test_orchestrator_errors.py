@@ -1,0 +1,108 @@
+"""Bad input to the orchestrator: a typed error naming the episode, and no chunk deleted."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from orchestrator_helpers import chunks, counting_store, episode, make_keeper, tombstones
+from pipeline.orchestrator import Orchestrator, OrchestratorConfig
+from storage.config import StorageConfig
+from storage.errors import EpisodeError, KeyExistsError, OutsideRunError
+from storage.store import open_store
+
+CFG = OrchestratorConfig(seq_len=32, dp_world_size=2, groups_per_step=1, group_size=2)
+
+
+@pytest.fixture
+def env(local_config):
+    store = open_store(local_config)
+    return Orchestrator(CFG, counting_store(local_config)), make_keeper(store, local_config), store
+
+
+def _assert_nothing_deleted(orch, store, expected: set[str]):
+    assert chunks(store) == expected and tombstones(store) == set()
+    assert sum(orch.deleted.values()) == 0 and orch.pending_groups == 0 and orch.store.gets == 0
+
+
+def test_ref_of_a_sibling_run_is_refused_before_any_delete(env, tmp_path):
+    orch, keeper, store = env
+    sibling = StorageConfig(root=str(tmp_path / "root"), run_id="run_10")
+    sibling_store = open_store(sibling)
+    foreign = episode(make_keeper(sibling_store, sibling), np.random.default_rng(0), "x0", "g0", 1.0)
+    for bad in (foreign, replace(foreign, is_eval=True)):
+        with pytest.raises(OutsideRunError, match=r"episode 'x0' \(group 'g0', env 'reverse'\) branch 0: ref x0-b0"):
+            orch.submit(bad)
+    assert chunks(sibling_store) == {"x0-b0"} and tombstones(sibling_store) == set()
+    _assert_nothing_deleted(orch, store, set())
+
+
+def test_ref_token_counts_that_disagree_with_the_episode(env):
+    orch, keeper, store = env
+    rng = np.random.default_rng(1)
+    good = episode(keeper, rng, "e0", "g0", 1.0, branches=2)
+    shorter = replace(good.branches[1], completion_ids=good.branches[1].completion_ids[:-1],
+                      inference_logprobs=good.branches[1].inference_logprobs[:-1])
+    with pytest.raises(EpisodeError, match=r"episode 'e0' .* branch 1: ref .*/e0-b1 holds 4 prompt \+ 6 "
+                                           r"completion tokens: expected 4 \+ 5"):
+        orch.submit(replace(good, branches=[good.branches[0], shorter]))
+    _assert_nothing_deleted(orch, store, {"e0-b0", "e0-b1"})
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"prompt_ids": np.zeros(4, np.int64)}, r"branch 0: prompt_ids is <i8 \[4\]: expected int32"),
+    ({"inference_logprobs": np.zeros(5, np.float32)}, r"inference_logprobs is <f4 \[5\]: expected float32 \[6\]"),
+    ({"temperature": 0.0}, r"temperature 0.0"),
+    ({"policy_version": -1}, r"policy_version -1"),
+])
+def test_malformed_branches(env, change, message):
+    orch, keeper, store = env
+    good = episode(keeper, np.random.default_rng(2), "e0", "g0", 1.0)
+    with pytest.raises(EpisodeError, match=r"episode 'e0' .*" + message):
+        orch.submit(replace(good, branches=[replace(good.branches[0], **change)]))
+    _assert_nothing_deleted(orch, store, {"e0-b0"})
+
+
+@pytest.mark.parametrize("reward, branches", [([1.0], 2), (float("nan"), 1), ([], 0)])
+def test_malformed_rewards_and_empty_episodes(env, reward, branches):
+    orch, keeper, store = env
+    e = episode(keeper, np.random.default_rng(3), "e0", "g0", 0.0, branches=branches)
+    with pytest.raises(EpisodeError, match=r"episode 'e0'"):
+        orch.submit(replace(e, reward=reward))
+    _assert_nothing_deleted(orch, store, {f"e0-b{i}" for i in range(branches)})
+
+
+def test_same_ref_twice_and_resubmitted_episode(env):
+    orch, keeper, store = env
+    e = episode(keeper, np.random.default_rng(4), "e0", "g0", 1.0)
+    with pytest.raises(EpisodeError, match=r"episode 'e0' .*the same ref appears in more than one branch"):
+        orch.submit(replace(e, reward=[1.0, 0.0], branches=[e.branches[0], e.branches[0]]))
+    orch.submit(e)
+    with pytest.raises(EpisodeError, match=r"episode 'e0' of group 'g0' was already submitted"):
+        orch.submit(e)
+    assert chunks(store) == {"e0-b0"} and tombstones(store) == set() and orch.pending_groups == 1
+
+
+def test_republishing_a_step_keeps_its_groups_queued(env):
+    orch, keeper, store = env
+    rng = np.random.default_rng(5)
+    for g in range(2):
+        orch.submit(episode(keeper, rng, f"e{g}0", f"g{g}", 1.0))
+        orch.submit(episode(keeper, rng, f"e{g}1", f"g{g}", 0.0))
+    first = orch.build_step(0)
+    with pytest.raises(KeyExistsError, match="steps/step_00000000.npz already exists"):
+        orch.build_step(0)
+    assert orch.ready_groups == 1
+    second = orch.build_step(1)
+    assert {r.branch_id for r in first.refs} == {"e00-b0", "e01-b0"}
+    assert {r.branch_id for r in second.refs} == {"e10-b0", "e11-b0"}
+    assert chunks(store) == {"e00-b0", "e01-b0", "e10-b0", "e11-b0"} and tombstones(store) == set()
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match=r"reward_range \[1.0, 0.0\]: expected low <= high"):
+        OrchestratorConfig(reward_range=(1.0, 0.0))
+    with pytest.raises(ValueError, match="extra_forbidden"):
+        OrchestratorConfig(seq_lenn=3)

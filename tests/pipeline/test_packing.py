@@ -1,0 +1,140 @@
+"""Packing: exact small cases, and invariants over 320 seeded random steps."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from pipeline.packing import (PADDING_ENV_NAME, assign_to_ranks, first_fit_decreasing, make_dummy, pack_step,
+                              step_contents)
+from pipeline.samples import BranchResult, Episode, build_sample
+from pipeline.step_file import STREAMS
+from storage.chunk import ArraySpec, PayloadRef
+from storage.errors import PackingError
+
+RUN_URI = "file:///runs/run_1"
+
+
+def _ref(branch_id: str, num_prompt: int, num_completion: int, routing: bool) -> PayloadRef:
+    arrays = {"topk_ids": ArraySpec("<i4", (num_completion, 3), "completion")}
+    if routing:
+        arrays = {"routed_experts": ArraySpec("|u1", (num_prompt + num_completion, 2, 2), "tokens")}
+    return PayloadRef(uri=f"{RUN_URI}/payloads/00/{branch_id}", branch_id=branch_id, num_prompt_tokens=num_prompt,
+                      num_completion_tokens=num_completion, arrays=arrays, nbytes=68, checksum=0)
+
+
+def _sample(rng, i: int, num_prompt: int, num_completion: int, kind: str, seq_len: int):
+    """kind: "routing", "side" (side channels without routing) or "none" (no arrays)."""
+    ref = None if kind == "none" else _ref(f"b{i}", num_prompt, num_completion, kind == "routing")
+    branch = BranchResult(rng.integers(0, 50, num_prompt, dtype=np.int32),
+                          rng.integers(0, 50, num_completion, dtype=np.int32),
+                          -rng.random(num_completion, dtype=np.float32), 1.0, 0, ref)
+    e = Episode(f"e{i}", "g", f"env{i % 3}", 1.0, [branch])
+    return build_sample(e, branch, reward=float(i), advantage=float(i % 5) - 2, seq_len=seq_len)
+
+
+def _random_step(seed: int):
+    rng = np.random.default_rng(seed)
+    seq_len, dp = int(rng.integers(4, 65)), int(rng.integers(1, 9))
+    kinds = rng.choice(["routing", "side", "none"], size=3, replace=True)[: int(rng.integers(1, 4))]
+    samples = []
+    for i in range(int(rng.integers(1, 41))):
+        num_prompt = int(rng.integers(1, seq_len))
+        samples.append(_sample(rng, i, num_prompt, int(rng.integers(1, 2 * seq_len)), str(rng.choice(kinds)), seq_len))
+    return samples, seq_len, dp
+
+
+@pytest.mark.parametrize("seed", range(320))
+def test_packing_invariants(seed):
+    samples, seq_len, dp = _random_step(seed)
+    packed = pack_step(samples, seq_len=seq_len, dp_world_size=dp)
+    header, streams = step_contents(packed, step=seed, run_uri=RUN_URI, seq_len=seq_len, dp_world_size=dp,
+                                    metrics={})  # StepHeader validation: counts, padding, routing flags
+    real = [mb for mb in packed if not mb.is_dummy]
+    # every sample placed exactly once, every micro batch within seq_len
+    assert sorted(id(s) for mb in real for s in mb.samples) == sorted(id(s) for s in samples)
+    assert all(0 < mb.num_tokens <= seq_len for mb in packed)
+    # equal micro batches per DP rank; fewer than dp_world_size dummies; ordered by (rank, index)
+    per_rank = Counter(mb.dp_rank for mb in packed)
+    assert set(per_rank) == set(range(dp)) and len(set(per_rank.values())) == 1
+    assert per_rank[0] == math.ceil(len(real) / dp) and len(packed) - len(real) < dp
+    assert [(mb.dp_rank, mb.index) for mb in packed] == sorted((r, i) for r in range(dp) for i in range(per_rank[0]))
+    # routing and non-routing never share a micro batch
+    for mb in real:
+        assert {s.has_routing for s in mb.samples} == {mb.has_routing}
+    # first fit: at most one micro batch per kind is half full or less
+    for routing in (True, False):
+        assert sum(mb.num_tokens * 2 <= seq_len for mb in real if mb.has_routing == routing) <= 1
+    # streams and cu_seqlens: the concatenation of the samples, in order
+    for mb, record in zip(packed, header.micro_batches):
+        cu = record.cu_seqlens()
+        assert cu[0] == 0 and cu[-1] == mb.num_tokens == record.num_tokens and cu.dtype == np.int32
+        assert np.all(np.diff(cu) > 0) and record.num_padding_tokens == seq_len - mb.num_tokens
+        for name in STREAMS:
+            assert streams[(mb.dp_rank, mb.index)][name].tobytes() == b"".join(
+                getattr(s, name).tobytes() for s in mb.samples)
+    # every kept slice accounted once, owned by its sample's DP rank; borrows point at owned refs
+    owner_of = {s.payload.ref.branch_id: mb.dp_rank for mb in real for s in mb.samples if s.payload}
+    assert [r.branch_id for r in header.refs] == list(owner_of) and header.owners == list(owner_of.values())
+    step_routes = any(s.has_routing for s in samples)
+    for mb, record in zip(packed, header.micro_batches):
+        for s, seq in zip(mb.samples, record.sequences):
+            assert seq.borrowed == (mb.is_dummy and step_routes)
+            assert seq.ref == (None if s.payload is None else [r.branch_id for r in header.refs].index(
+                s.payload.ref.branch_id))
+            if mb.is_dummy:
+                assert not s.loss_mask.any() and not s.advantages.any() and seq.env_name == PADDING_ENV_NAME
+                assert mb.has_routing == step_routes
+            if seq.borrowed:
+                lender = next(x for m in real for x in m.samples if x.payload and x.payload.ref == s.payload.ref)
+                assert lender.has_routing and seq.num_tokens <= lender.payload.num_tokens
+
+
+def test_first_fit_decreasing_exact_bins():
+    assert first_fit_decreasing(np.array([5, 4, 3, 3, 2, 2, 1]), 8) == [[0, 2], [1, 3, 6], [4, 5]]
+    assert first_fit_decreasing(np.array([1, 8, 2]), 8) == [[1], [2, 0]]
+    assert first_fit_decreasing(np.array([], np.int64), 8) == []
+
+
+def test_assign_to_ranks_balances_tokens_within_equal_counts():
+    assert assign_to_ranks(np.array([10, 9, 1, 1]), 2) == [[0, 3], [1, 2]]
+    assert assign_to_ranks(np.array([8, 7, 6, 5, 4, 3, 2, 1]), 4) == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert assign_to_ranks(np.array([3]), 3) == [[0], [], []]
+
+
+def test_dummies_of_a_step_without_routing_carry_no_ref():
+    rng = np.random.default_rng(0)
+    samples = [_sample(rng, 0, 3, 5, "side", 16), _sample(rng, 1, 2, 2, "none", 16)]
+    packed = pack_step(samples, seq_len=16, dp_world_size=3)
+    header, streams = step_contents(packed, step=0, run_uri=RUN_URI, seq_len=16, dp_world_size=3, metrics={})
+    assert [(mb.dp_rank, mb.is_dummy, mb.num_tokens) for mb in packed] == [(0, False, 12), (1, True, 4), (2, True, 4)]
+    assert [s.ref for mb in header.micro_batches for s in mb.sequences] == [0, None, None, None]
+    assert header.owners == [0] and not streams[(1, 0)]["loss_mask"].any()
+    assert streams[(2, 0)]["input_ids"].tobytes() == samples[1].input_ids.tobytes()
+
+
+def test_dummy_borrows_the_shortest_routing_sample_of_its_own_rank_first():
+    rng = np.random.default_rng(1)
+    samples = [_sample(rng, i, 2, n, "routing", 10) for i, n in enumerate((8, 8, 8, 4, 3))]
+    packed = pack_step(samples, seq_len=10, dp_world_size=2)
+    dummies = [(mb.dp_rank, mb.samples[0].payload.ref.branch_id) for mb in packed if mb.is_dummy]
+    owners = {s.payload.ref.branch_id: mb.dp_rank for mb in packed if not mb.is_dummy for s in mb.samples}
+    assert len(dummies) == 1 and owners[dummies[0][1]] == dummies[0][0]
+    dummy = make_dummy(samples[4], borrow=True)
+    assert dummy.payload == samples[4].payload and dummy.input_ids.tobytes() == samples[4].input_ids.tobytes()
+
+
+def test_packing_errors():
+    rng = np.random.default_rng(2)
+    with pytest.raises(PackingError, match="no samples to pack"):
+        pack_step([], seq_len=8, dp_world_size=1)
+    long = _sample(rng, 7, 4, 20, "none", 24)
+    with pytest.raises(PackingError, match=r"samples of episodes \['e7'\] are longer than seq_len=16"):
+        pack_step([long], seq_len=16, dp_world_size=1)
+    twice = _sample(rng, 1, 2, 3, "routing", 16)
+    packed = pack_step([twice, twice], seq_len=16, dp_world_size=1)
+    with pytest.raises(PackingError, match=r"chunk file:///runs/run_1/payloads/00/b1 is used by two samples"):
+        step_contents(packed, step=0, run_uri=RUN_URI, seq_len=16, dp_world_size=1, metrics={})

@@ -1,0 +1,103 @@
+"""Step files: round trip of what was packed, byte for byte; bad files are typed errors naming the file."""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+
+import numpy as np
+import pytest
+
+from orchestrator_helpers import chunks, episode, make_keeper, tombstones
+from pipeline.packing import pack_step, step_contents
+from pipeline.samples import build_sample
+from pipeline.step_file import HEADER_MEMBER, STREAMS, StepFile, publish_step_file, step_key
+from storage.errors import ChunkNotFoundError, StepFileError
+from storage.store import open_store
+
+SEQ_LEN, DP = 24, 3
+
+
+@pytest.fixture
+def published(storage_config):
+    """(store, packed micro batches, header, streams) of one published step 7 with real kept chunks."""
+    store = open_store(storage_config)
+    keeper, rng = make_keeper(store, storage_config), np.random.default_rng(0)
+    samples = []
+    for i, (p, c, routing, topk) in enumerate([(4, 6, True, True), (5, 20, True, False), (3, 2, False, True),
+                                               (6, 9, False, False), (2, 30, True, True)]):
+        e = episode(keeper, rng, f"e{i}", "g0", float(i), num_prompt=p, num_completion=c, routing=routing, topk=topk)
+        samples.append(build_sample(e, e.branches[0], reward=float(i), advantage=i - 2.0, seq_len=SEQ_LEN))
+    packed = pack_step(samples, seq_len=SEQ_LEN, dp_world_size=DP)
+    header, streams = step_contents(packed, step=7, run_uri=store.prefix.uri, seq_len=SEQ_LEN,
+                                    dp_world_size=DP, metrics={"num_samples": 5.0})
+    publish_step_file(store, header, streams)
+    return store, packed, header, streams
+
+
+def test_round_trip_equals_what_was_packed_byte_for_byte(published):
+    store, packed, header, _ = published
+    step = StepFile.read(store, 7)
+    assert step.header == header and step.header.model_dump_json() == header.model_dump_json()
+    assert [(m.dp_rank, m.index) for m in step.header.micro_batches] == [(m.dp_rank, m.index) for m in packed]
+    for mb, record in zip(packed, step.header.micro_batches):
+        got = step.streams(mb.dp_rank, mb.index)
+        cu = record.cu_seqlens()
+        assert cu.tolist() == np.cumsum([0] + [s.num_tokens for s in mb.samples]).tolist()
+        for name, dtype in STREAMS.items():
+            assert got[name].dtype.str == dtype
+            for j, sample in enumerate(mb.samples):
+                assert got[name][cu[j]:cu[j + 1]].tobytes() == getattr(sample, name).tobytes()
+    assert chunks(store) == {f"e{i}-b0" for i in range(5) if i != 3}
+
+
+def test_readable_with_numpy_alone(published):
+    store, packed, header, streams = published
+    with np.load(io.BytesIO(store.get(step_key(7)))) as npz:
+        assert json.loads(npz[HEADER_MEMBER]) == json.loads(header.model_dump_json())
+        for (rank, index), arrays in streams.items():
+            for name in STREAMS:
+                assert npz[f"dp{rank}.mb{index}.{name}"].tobytes() == arrays[name].tobytes()
+
+
+def _rewrite(data: bytes, edit) -> bytes:
+    """A copy of a step file whose header.json is replaced by ``edit(header dict)``."""
+    src, out = zipfile.ZipFile(io.BytesIO(data)), io.BytesIO()
+    with zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            body = src.read(info)
+            dst.writestr(info, json.dumps(edit(json.loads(body))) if info.filename == HEADER_MEMBER else body)
+    return out.getvalue()
+
+
+def _other_run_ref(h: dict) -> dict:
+    h["refs"][0]["uri"] = h["refs"][0]["uri"].replace("/run_1/", "/run_10/")
+    return h
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda d: d[: len(d) // 2], "not a readable step file"),
+    (lambda d: d[:-10], "not a readable step file"),
+    (lambda d: _rewrite(d, lambda h: {**h, "schema_version": 2}), "schema_version 2, expected 1"),
+    (lambda d: _rewrite(d, lambda h: {**h, "run_uri": h["run_uri"] + "0"}), "belongs to run .*run_10"),
+    (lambda d: _rewrite(d, _other_run_ref), "references a chunk outside the run"),
+    (lambda d: _rewrite(d, lambda h: {**h, "owners": h["owners"][:-1]}), "invalid header"),
+])
+def test_bad_step_files_are_typed_errors_naming_the_file(published, corrupt, message):
+    store, *_ = published
+    store.put(step_key(8), corrupt(store.get(step_key(7))))
+    with pytest.raises(StepFileError, match=rf"step file {store.uri(step_key(8))}: .*{message}"):
+        StepFile.read(store, 8)
+    assert chunks(store) == {f"e{i}-b0" for i in range(5) if i != 3} and tombstones(store) == set()
+
+
+def test_missing_step_and_stream_mismatch(published):
+    store, packed, header, streams = published
+    with pytest.raises(ChunkNotFoundError, match="step_00000009.npz does not exist"):
+        StepFile.read(store, 9)
+    bad = {k: dict(v) for k, v in streams.items()}
+    bad[(0, 0)]["advantages"] = bad[(0, 0)]["advantages"].astype(np.float64)
+    with pytest.raises(StepFileError, match=r"dp_rank=0 micro batch 0: stream 'advantages' is <f8"):
+        publish_step_file(store, header.model_copy(update={"step": 9}), bad)
+    assert not store.exists(step_key(9))
