@@ -1,0 +1,165 @@
+"""Assembly without processes: byte identity with the kept arrays, row ids, dropped stand-ins, errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.fields import spread_expert_rows
+from pipeline.step_file import StepFile
+from storage.errors import FieldError, PackingError, StepFileError
+from storage.fetch import chunk_keys, fetch_arrays
+from storage.store import open_store
+from trainer.assemble import assemble_dropped_micro_batch, assemble_micro_batch
+from trainer.fetch import fetch_own, own_requests, wait_for_step
+from trainer.tensors import to_torch
+from trainer_helpers import FIELDS, Seq, assert_same, build_step, expected_micro_batch, flatten, keep_all, make_branch
+
+SEQ_LEN = 24
+
+
+@pytest.fixture
+def step(store, storage_config):
+    """A published step over 2 DP ranks covering truncation, mixed refs, dummies and padding (each backend)."""
+    return _build(store, storage_config)
+
+
+@pytest.fixture
+def local(local_config):
+    """``(store, step)`` as ``step`` on a local run only, for tests where the backend does not matter."""
+    store = open_store(local_config)
+    return store, _build(store, local_config)
+
+
+def _build(store, storage_config):
+    rng = np.random.default_rng(7)
+    branches = {
+        "a": make_branch(rng, 5, 9, "a"),                          # routing + completion fields
+        "b": make_branch(rng, 3, 6, "b"),
+        "c": make_branch(rng, 4, 7, "c", routing=False),           # completion fields only
+        "d": make_branch(rng, 1, 5, "d", routing=False),           # one prompt token
+        "e": make_branch(rng, 6, 4, "e", routing=False),
+        "f": make_branch(rng, 2, 3, "f", completion=False),        # routing only
+    }
+    refs = keep_all(store, storage_config, branches)
+    layout = [
+        [[Seq("a", 11), Seq("b", 9), Seq("f", 4)],                 # a cut in its completion; f: routing only
+         [Seq("c", 8), Seq(None, 5), Seq("d", 6), Seq("e", 3)]],   # with and without arrays; e cut in its prompt
+        [[Seq("a", 14, borrowed=True), Seq("b", 3)],               # borrowed dummy of a (owned by DP 0); b: prompt only
+         [Seq("c", 11), Seq("d", 2)]],
+    ]
+    return build_step(store, 3, SEQ_LEN, layout, branches, refs, rng)
+
+
+def test_every_array_is_the_kept_bytes_cut_and_ordered(store, step):
+    header = StepFile.read(store, 3).header
+    for dp in range(2):
+        need = own_requests(header, dp)
+        arrays = {i: fetch_arrays(store, header.refs[i], n) for i, n in need.items()}
+        for mb in header.micro_batches_of(dp):
+            got = assemble_micro_batch(mb, step.streams[(dp, mb.index)], arrays, header.refs, seq_len=SEQ_LEN,
+                                       fields=FIELDS)
+            assert not got.dropped and got.num_tokens == mb.num_tokens
+            assert_same(flatten(got.streams, got.cu_seqlens, got.fields), expected_micro_batch(step, dp, mb.index))
+            assert set(got.fields) == ({"routed_experts"} if mb.has_routing else set()) | {
+                "topk_ids", "topk_logprobs", "sample_support", "sampling_mask"}
+            assert all(a.flags.writeable for a in got.streams.values())
+
+
+def test_row_ids_place_completion_row_r_before_completion_token_r(local):
+    store, step = local
+    header = step.header
+    mb = header.micro_batches_of(0)[0]  # a: P=5 keeps 6 completion rows; b: P=3 keeps 6; f has none
+    arrays = {i: fetch_arrays(store, header.refs[i], n) for i, n in own_requests(header, 0).items()}
+    got = assemble_micro_batch(mb, step.streams[(0, 0)], arrays, header.refs, seq_len=SEQ_LEN, fields=FIELDS)
+    want = np.full(SEQ_LEN, -1)
+    want[4:10] = np.arange(0, 6)       # a starts at 0: completion token r sits at 5 + r, predicted from 4 + r
+    want[11 + 2:11 + 8] = np.arange(6, 12)  # b starts at 11: P=3, 6 rows, last position 19 has none
+    for name in ("topk_ids", "topk_logprobs", "sample_support", "sampling_mask"):
+        assert got.fields[name].row_ids.tolist() == want.tolist(), name
+    ids = got.fields["topk_ids"]
+    a, b = step.branches["a"], step.branches["b"]
+    assert ids.values[ids.row_ids[4]].tobytes() == a.fields["topk_ids"][0].tobytes()
+    assert ids.values[ids.row_ids[18]].tobytes() == b.fields["topk_ids"][5].tobytes()
+
+
+def test_dropped_micro_batch_repeats_real_routing_rows_and_has_no_loss(local):
+    _, step = local
+    mb = step.header.micro_batches_of(0)[0]
+    real = step.branches["a"].fields["routed_experts"][:5]
+    got = assemble_dropped_micro_batch(mb, step.streams[(0, 0)], seq_len=SEQ_LEN, fields=FIELDS, routing_rows=real)
+    assert got.dropped and not got.streams["loss_mask"].any()
+    padded = got.fields["routed_experts"].padded
+    assert padded.shape == (SEQ_LEN, 2, 2) and padded.dtype == np.uint8
+    assert padded.tobytes() == np.concatenate([real] * 5)[:SEQ_LEN].tobytes()
+    assert got.streams["input_ids"][:mb.num_tokens].tobytes() == step.streams[(0, 0)]["input_ids"].tobytes()
+    for name in ("topk_ids", "sampling_mask"):
+        f = got.fields[name]
+        assert len(f.values) == 0 and (f.row_ids == -1).all() and f.cu_seqlens.tolist() == [0, 0, 0, 0]
+    spread = assemble_dropped_micro_batch(mb, step.streams[(0, 0)], seq_len=SEQ_LEN, fields=FIELDS, routing_rows=None)
+    assert spread.fields["routed_experts"].padded.tobytes() == spread_expert_rows(SEQ_LEN, 2, 2, 8, np.uint8).tobytes()
+
+
+def test_bad_inputs_are_typed_errors(local):
+    store, step = local
+    header = step.header
+    mb = header.micro_batches_of(0)[0]
+    arrays = {i: fetch_arrays(store, header.refs[i], n) for i, n in own_requests(header, 0).items()}
+    with pytest.raises(FieldError, match="no fetched arrays for ref 0"):
+        assemble_micro_batch(mb, step.streams[(0, 0)], {1: arrays[1]}, header.refs, seq_len=SEQ_LEN, fields=FIELDS)
+    short = {**arrays, 0: fetch_arrays(store, header.refs[0], 8)}  # a is kept to 11 tokens in this micro batch
+    with pytest.raises(FieldError, match="routed_experts is \\[8, 2, 2\\]: expected at least 11 rows"):
+        assemble_micro_batch(mb, step.streams[(0, 0)], short, header.refs, seq_len=SEQ_LEN, fields=FIELDS)
+    with pytest.raises(PackingError, match="24 tokens, expected at most seq_len=20"):
+        assemble_micro_batch(mb, step.streams[(0, 0)], arrays, header.refs, seq_len=20, fields=FIELDS)
+
+
+def test_fetch_own_dedups_reads_kept_rows_and_flags_failed_micro_batches(store, step):
+    header = step.header
+    assert own_requests(header, 1) == {0: 14, 1: 3, 3: 11, 4: 2}  # refs: a b f c d e
+    fetched = fetch_own(store, header, 1, max_concurrency=4)
+    assert fetched.failed == set() and fetched.errors == [] and fetched.chunks == 4
+    assert fetched.nbytes == sum(a.nbytes for arrays in fetched.arrays.values() for a in arrays.values())
+    assert fetched.arrays[1]["topk_ids"].shape == (0, 3)  # b kept to its 3 prompt tokens: no completion rows read
+    store.delete(list(chunk_keys(store, header.refs[4])))  # d: used by DP 1 index 1
+    fetched = fetch_own(store, header, 1, max_concurrency=4)
+    assert fetched.failed == {1} and len(fetched.errors) == 1 and "ChunkNotFoundError" in fetched.errors[0]
+    assert sorted(fetched.arrays) == [0, 1, 3]
+
+
+def test_to_torch_widens_streams_once_and_shares_field_memory(local):
+    store, step = local
+    header = step.header
+    arrays = {i: fetch_arrays(store, header.refs[i], n) for i, n in own_requests(header, 0).items()}
+    mb = assemble_micro_batch(header.micro_batches_of(0)[0], step.streams[(0, 0)], arrays, header.refs,
+                              seq_len=SEQ_LEN, fields=FIELDS)
+    t = to_torch(mb)
+    assert t.streams["input_ids"].dtype == torch.int64 and t.streams["position_ids"].dtype == torch.int64
+    assert t.streams["loss_mask"].dtype == torch.bool and t.streams["temperatures"].dtype == torch.float32
+    assert t.fields["routed_experts"].padded.data_ptr() == mb.fields["routed_experts"].padded.ctypes.data
+    assert t.fields["routed_experts"].values.data_ptr() == mb.fields["routed_experts"].padded.ctypes.data
+    assert_same(flatten(t.streams, t.cu_seqlens, t.fields), expected_micro_batch(step, 0, 0), widened=True)
+
+
+def test_assemble_imports_without_torch():
+    code = "import sys, trainer.assemble; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_wait_for_step_names_the_file_and_the_wait(store, storage_config, step):
+    with pytest.raises(StepFileError, match=r"step file .*steps/step_00000004\.npz did not appear: waited [0-9.]+ s"):
+        wait_for_step(store, 4, timeout_s=0.2, poll_s=0.05)
+    later = step.header.model_copy(update={"step": 5})
+    from pipeline.step_file import publish_step_file
+
+    timer = threading.Timer(0.2, publish_step_file, (store, later, step.streams))
+    timer.start()
+    try:
+        assert wait_for_step(store, 5, timeout_s=30, poll_s=0.05).header == later
+    finally:
+        timer.join()

@@ -1,0 +1,281 @@
+"""Assemble one micro batch into the padded layout the model consumes (numpy only, no torch).
+
+Used by the trainer ranks (``trainer.step``) and by offline inspection (``refpipe show``):
+importable without torch, deterministic, and it copies each kept row exactly once.
+
+Layout of a micro batch with ``T`` real tokens in ``S`` sequences, padded to ``seq_len``:
+
+- ``streams``: every ``pipeline.step_file.STREAMS`` entry as ``[seq_len]`` of its step-file
+  dtype. Padding tokens get ``input_ids`` 0, ``loss_mask`` False, ``advantages`` and
+  ``inference_logprobs`` 0, ``temperatures`` 1, ``position_ids`` 0, 1, 2, ... (the padding
+  is its own sequence).
+- ``cu_seqlens`` int32: ``[S + 1]`` cumulative sequence lengths, plus ``seq_len`` as the
+  end of one more sequence (the padding) when ``T < seq_len``.
+- ``fields``: one ``FieldBatch`` per field configured in ``FieldsConfig``
+  (``routed_experts`` only when the micro batch has routing):
+
+  - ``values``: the field's rows of every sequence concatenated in packing order,
+    ``[sum of rows, *row_shape]``; ``cu_seqlens`` int32 ``[S + 1]`` counts rows per sequence.
+    For the ragged ``sampling_mask``: ``counts`` int32 ``[rows]`` and ``values`` the ids
+    int32 ``[sum(counts)]``.
+  - token-domain fields (``routed_experts``): ``padded [seq_len, num_layers, top_k]``, the
+    real rows followed by padding rows from the field's padding rule
+    (``pipeline.fields.spread_expert_rows``); ``values`` is the view ``padded[:T]``.
+  - completion-domain fields: ``row_ids`` int64 ``[seq_len]``. Completion row ``r`` of a
+    sequence (``values[cu_seqlens[s] + r]``) belongs to the position whose logits predict
+    completion token ``r``: the position just before that token, ``start_s + P_s + r - 1``
+    (``P_s`` = the ref's prompt tokens). Every other position holds -1: prompt-only
+    positions, the last position of each sequence, sequences without rows, and padding.
+
+Which sequences have rows: a sequence without a ref has none (empty rows); a borrowed
+padding dummy has its ref's token-domain (routing) rows only; any other sequence has the
+rows of its ref's first ``num_tokens`` tokens, for each field its ref carries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.fields import FIELDS, FieldDef, FieldsConfig, spread_expert_rows, trailing_shape
+from pipeline.step_file import STREAMS, MicroBatchRecord, SequenceRecord
+from storage.chunk import PayloadRef
+from storage.errors import FieldError, PackingError
+
+_STREAM_PADDING = {"input_ids": 0, "loss_mask": False, "advantages": 0.0, "inference_logprobs": 0.0,
+                   "temperatures": 1.0}
+"""Value of each stream at padding tokens (``position_ids`` count 0, 1, ... instead)."""
+
+
+@dataclass(frozen=True)
+class FieldBatch:
+    """One field of one assembled micro batch (see the module docstring for the layout)."""
+
+    values: np.ndarray
+    """[sum of rows, *row_shape] rows in packing order (ragged: ids int32 [sum(counts)])."""
+    cu_seqlens: np.ndarray
+    """[S + 1] int32 cumulative rows per sequence."""
+    counts: np.ndarray | None = None
+    """Ragged fields: [rows] int32 ids per row; else None."""
+    padded: np.ndarray | None = None
+    """Token-domain fields: [seq_len, *row_shape], real rows then padding rows; else None."""
+    row_ids: np.ndarray | None = None
+    """Completion-domain fields: [seq_len] int64 row of ``values``/``counts`` per position, -1 = none."""
+
+
+@dataclass(frozen=True)
+class AssembledMicroBatch:
+    """One micro batch in the padded layout the model consumes (numpy arrays)."""
+
+    dp_rank: int
+    index: int
+    seq_len: int
+    num_tokens: int
+    """Real tokens ``T`` (the rest of ``seq_len`` is padding)."""
+    streams: dict[str, np.ndarray]
+    """name -> [seq_len] array of ``STREAMS[name]``."""
+    cu_seqlens: np.ndarray
+    """int32 [S + 1], or [S + 2] ending at ``seq_len`` when there is padding."""
+    fields: dict[str, FieldBatch]
+    dropped: bool = False
+    """Its chunks could not be fetched on some rank: ``loss_mask`` is all False, completion
+    fields are empty and routing repeats real rows; train it for shape only, never for loss."""
+
+
+def assemble_micro_batch(
+    mb: MicroBatchRecord,
+    streams: Mapping[str, np.ndarray],
+    arrays: Mapping[int, Mapping[str, np.ndarray]],
+    refs: Sequence[PayloadRef],
+    *,
+    seq_len: int,
+    fields: FieldsConfig,
+) -> AssembledMicroBatch:
+    """Cut every sequence's rows out of its fetched chunk and lay them out for the model.
+
+    Args:
+        mb: the micro batch record (``StepHeader.micro_batches``).
+        streams: its token streams as ``StepFile.streams`` returns them: name -> [T].
+        arrays: ref index -> fetched arrays (``storage.fetch.fetch_arrays``), cut to at least
+            as many tokens as every sequence of ``mb`` using that ref keeps.
+        refs: ``StepHeader.refs`` (prompt lengths and which arrays each ref carries).
+        seq_len: ``StepHeader.seq_len``; tokens, ``>= mb.num_tokens``.
+        fields: the run's field shapes; decides which fields are laid out.
+
+    Returns:
+        The ``AssembledMicroBatch`` described in the module docstring; every array is a
+        fresh, writable copy (nothing aliases ``arrays`` or ``streams``).
+
+    Raises:
+        FieldError: a sequence's ref has no fetched arrays, fewer rows than it keeps, or
+            rows of another trailing shape than ``fields`` says; a routing micro batch has
+            a sequence without routing rows.
+        PackingError: ``mb`` has more than ``seq_len`` tokens.
+    """
+    what = f"micro batch dp_rank={mb.dp_rank} index={mb.index}"
+    _check_fits(mb, seq_len, what)
+    out: dict[str, FieldBatch] = {}
+    for fdef in _laid_out(mb, fields):
+        trailing = trailing_shape(fdef, fields)
+        pieces = [_sequence_rows(fdef, seq, refs, arrays, trailing, what) for seq in mb.sequences]
+        if fdef.domain == "tokens":
+            out[fdef.name] = _token_field(fdef, pieces, mb, seq_len, fields, what)
+        else:
+            out[fdef.name] = _completion_field(fdef, pieces, mb, refs, seq_len, trailing)
+    return AssembledMicroBatch(mb.dp_rank, mb.index, seq_len, mb.num_tokens, pad_streams(streams, seq_len),
+                               padded_cu_seqlens(mb, seq_len), out)
+
+
+def assemble_dropped_micro_batch(
+    mb: MicroBatchRecord,
+    streams: Mapping[str, np.ndarray],
+    *,
+    seq_len: int,
+    fields: FieldsConfig,
+    routing_rows: np.ndarray | None,
+) -> AssembledMicroBatch:
+    """The stand-in for a micro batch whose chunks could not be fetched: shapes only, no loss.
+
+    Streams are padded as usual with ``loss_mask`` all False; completion-domain fields are
+    empty (``row_ids`` all -1). With routing, ``padded [seq_len, num_layers, top_k]`` repeats
+    ``routing_rows`` (real rows of a micro batch that was fetched, e.g. the first one of the
+    same DP rank, so every model-parallel peer picks the same) cyclically; with no real rows
+    (None or empty) it uses the padding rule for every position.
+
+    Raises:
+        PackingError: ``mb`` has more than ``seq_len`` tokens.
+    """
+    _check_fits(mb, seq_len, f"micro batch dp_rank={mb.dp_rank} index={mb.index}")
+    out: dict[str, FieldBatch] = {}
+    num_sequences = len(mb.sequences)
+    for fdef in _laid_out(mb, fields):
+        trailing = trailing_shape(fdef, fields)
+        if fdef.domain == "tokens":
+            if routing_rows is None or len(routing_rows) == 0:
+                padded = _padding_rows(fdef, seq_len, fields, np.dtype(fdef.dtypes[0]))
+            else:
+                padded = np.resize(routing_rows, (seq_len, *trailing))
+            out[fdef.name] = FieldBatch(padded[: mb.num_tokens], mb.cu_seqlens(), padded=padded)
+        else:
+            empty = np.empty((0, *trailing), np.dtype(fdef.dtypes[0]))
+            out[fdef.name] = FieldBatch(empty, np.zeros(num_sequences + 1, np.int32),
+                                        counts=np.empty(0, np.int32) if fdef.ragged else None,
+                                        row_ids=np.full(seq_len, -1, np.int64))
+    padded_streams = pad_streams(streams, seq_len)
+    padded_streams["loss_mask"][:] = False
+    return AssembledMicroBatch(mb.dp_rank, mb.index, seq_len, mb.num_tokens, padded_streams,
+                               padded_cu_seqlens(mb, seq_len), out, dropped=True)
+
+
+def pad_streams(streams: Mapping[str, np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
+    """Every stream ``[T]`` copied into ``[seq_len]`` of its ``STREAMS`` dtype, padded as documented above."""
+    out = {}
+    for name, dtype in STREAMS.items():
+        real = streams[name]
+        a = np.empty(seq_len, dtype)
+        a[: len(real)] = real
+        a[len(real):] = np.arange(seq_len - len(real)) if name == "position_ids" else _STREAM_PADDING[name]
+        out[name] = a
+    return out
+
+
+def padded_cu_seqlens(mb: MicroBatchRecord, seq_len: int) -> np.ndarray:
+    """int32 ``mb.cu_seqlens()`` with ``seq_len`` appended when the micro batch is padded."""
+    cu = mb.cu_seqlens()
+    return np.append(cu, np.int32(seq_len)).astype(np.int32) if mb.num_tokens < seq_len else cu
+
+
+def _check_fits(mb: MicroBatchRecord, seq_len: int, what: str) -> None:
+    if mb.num_tokens > seq_len:
+        raise PackingError(f"{what}: {mb.num_tokens} tokens, expected at most seq_len={seq_len}")
+
+
+def _laid_out(mb: MicroBatchRecord, cfg: FieldsConfig) -> list[FieldDef]:
+    """Fields configured for the run, in registry order; routing only when the micro batch has it."""
+    return [f for f in FIELDS.values()
+            if trailing_shape(f, cfg) is not None and (f.domain != "tokens" or mb.has_routing)]
+
+
+def _sequence_rows(fdef: FieldDef, seq: SequenceRecord, refs: Sequence[PayloadRef],
+                   arrays: Mapping[int, Mapping[str, np.ndarray]], trailing: tuple[int, ...],
+                   what: str) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """``(rows, None)``, ``(ids, counts)`` for a ragged field, or None when the sequence has no rows."""
+    if seq.ref is None or (seq.borrowed and fdef.domain != "tokens"):
+        return None
+    ref = refs[seq.ref]
+    stored = f"{fdef.name}.counts" if fdef.ragged else fdef.name
+    if stored not in ref.arrays:
+        return None
+    got = arrays.get(seq.ref)
+    if got is None:
+        raise FieldError(f"{what}: no fetched arrays for ref {seq.ref} ({ref.uri})")
+    num_rows = seq.num_tokens if fdef.domain == "tokens" else max(0, seq.num_tokens - ref.num_prompt_tokens)
+    where = f"{what}: ref {seq.ref} ({ref.uri})"
+    if not fdef.ragged:
+        return _cut(got, fdef.name, num_rows, trailing, where), None
+    counts = _cut(got, f"{fdef.name}.counts", num_rows, (), where)
+    return _cut(got, f"{fdef.name}.ids", int(counts.sum(dtype=np.int64)), (), where), counts
+
+
+def _cut(got: Mapping[str, np.ndarray], name: str, num_rows: int, trailing: tuple[int, ...], where: str) -> np.ndarray:
+    a = got.get(name)
+    if a is None or a.shape[0] < num_rows or a.shape[1:] != trailing:
+        shape = None if a is None else list(a.shape)
+        raise FieldError(f"{where}: array {name} is {shape}: expected at least {num_rows} rows of {list(trailing)}")
+    return a[:num_rows]
+
+
+def _padding_rows(fdef: FieldDef, num_rows: int, cfg: FieldsConfig, dtype: np.dtype) -> np.ndarray:
+    """Rows for padding tokens of a token-domain field, by its padding rule."""
+    if fdef.padding != "spread_experts":
+        raise FieldError(f"field {fdef.name}: token-domain padding rule {fdef.padding!r} is not implemented")
+    return spread_expert_rows(num_rows, cfg.num_layers, cfg.top_k, cfg.num_experts, dtype)
+
+
+def _token_field(fdef: FieldDef, pieces: list, mb: MicroBatchRecord, seq_len: int, cfg: FieldsConfig,
+                 what: str) -> FieldBatch:
+    missing = [i for i, p in enumerate(pieces) if p is None]
+    if missing:
+        raise FieldError(f"{what}: sequences {missing} have no {fdef.name} rows in a micro batch with routing")
+    rows = [p[0] for p in pieces]
+    dtype = np.result_type(*rows)
+    padded = np.empty((seq_len, *rows[0].shape[1:]), dtype)
+    np.concatenate(rows, out=padded[: mb.num_tokens])
+    padded[mb.num_tokens:] = _padding_rows(fdef, seq_len - mb.num_tokens, cfg, dtype)
+    return FieldBatch(padded[: mb.num_tokens], mb.cu_seqlens(), padded=padded)
+
+
+def _completion_field(fdef: FieldDef, pieces: list, mb: MicroBatchRecord, refs: Sequence[PayloadRef],
+                      seq_len: int, trailing: tuple[int, ...]) -> FieldBatch:
+    present = [p for p in pieces if p is not None]
+    rows_per_seq = [0 if p is None else len(p[1] if fdef.ragged else p[0]) for p in pieces]
+    cu_rows = np.zeros(len(pieces) + 1, np.int32)
+    np.cumsum(rows_per_seq, out=cu_rows[1:])
+    values = _concat([p[0] for p in present], (0, *trailing), fdef)
+    counts = _concat([p[1] for p in present], (0,), fdef) if fdef.ragged else None
+    return FieldBatch(values, cu_rows, counts=counts, row_ids=completion_row_ids(mb, refs, cu_rows, seq_len))
+
+
+def _concat(parts: list[np.ndarray], empty_shape: tuple[int, ...], fdef: FieldDef) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.empty(empty_shape, np.dtype(fdef.dtypes[0]))
+
+
+def completion_row_ids(mb: MicroBatchRecord, refs: Sequence[PayloadRef], cu_rows: np.ndarray,
+                       seq_len: int) -> np.ndarray:
+    """[seq_len] int64: the completion row each position predicts, -1 elsewhere (module docstring).
+
+    Args:
+        cu_rows: [S + 1] int32 cumulative completion rows per sequence (0 for sequences without rows).
+    """
+    row_ids = np.full(seq_len, -1, np.int64)
+    starts = mb.cu_seqlens()
+    for s, seq in enumerate(mb.sequences):
+        num_rows = int(cu_rows[s + 1] - cu_rows[s])
+        if num_rows == 0:
+            continue
+        first = int(starts[s]) + refs[seq.ref].num_prompt_tokens - 1  # position predicting completion row 0
+        skip = 1 if first < starts[s] else 0  # no prompt: nothing in this sequence predicts row 0
+        row_ids[first + skip : first + num_rows] = np.arange(cu_rows[s] + skip, cu_rows[s] + num_rows)
+    return row_ids

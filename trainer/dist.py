@@ -1,0 +1,99 @@
+"""Trainer topology and the trainer's collectives (torch.distributed; gloo on CPU).
+
+Topology: ``world_size = dp_world_size * model_parallel_size``;
+``dp_rank = rank // model_parallel_size`` and ``mp_rank = rank % model_parallel_size``, so
+the ``model_parallel_size`` consecutive ranks of one DP rank (its tensor/pipeline/context
+parallel peers) consume the same micro batches, and the peer with ``mp_rank == 0`` deletes
+their chunks.
+
+Both collectives run on the default (world) process group, whose timeout is
+``TrainerConfig.collective_timeout_s``: a rank whose peer died or hangs raises instead of
+waiting forever.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from storage.errors import ConfigError
+from trainer.config import TrainerConfig
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where one rank sits: ``dp_rank = rank // model_parallel_size``, ``mp_rank = rank % model_parallel_size``."""
+
+    rank: int
+    world_size: int
+    model_parallel_size: int
+
+    def __post_init__(self):
+        if self.world_size % self.model_parallel_size or not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank {self.rank} of world_size {self.world_size}: expected a rank in the world and "
+                              f"world_size a multiple of model_parallel_size={self.model_parallel_size}")
+
+    @property
+    def dp_rank(self) -> int:
+        """Data-parallel rank: which share of each step's micro batches this rank trains."""
+        return self.rank // self.model_parallel_size
+
+    @property
+    def mp_rank(self) -> int:
+        """Position among the DP rank's model-parallel peers; 0 deletes the DP rank's chunks."""
+        return self.rank % self.model_parallel_size
+
+    @property
+    def dp_world_size(self) -> int:
+        """Data-parallel ranks: ``world_size // model_parallel_size``."""
+        return self.world_size // self.model_parallel_size
+
+    @classmethod
+    def current(cls, config: TrainerConfig) -> "Topology":
+        """This process's topology in the initialised default process group."""
+        return cls(dist.get_rank(), dist.get_world_size(), config.model_parallel_size)
+
+
+def init_process_group(config: TrainerConfig, *, rank: int, world_size: int, init_method: str = "env://") -> Topology:
+    """Join the trainer's gloo process group with ``config.collective_timeout_s`` on every collective.
+
+    Every rank calls this once, before ``TrainerRank``. Under torchrun the defaults read
+    ``MASTER_ADDR``/``MASTER_PORT``; tests pass ``init_method="tcp://127.0.0.1:<port>"``.
+
+    Raises:
+        ConfigError: ``world_size`` is not a multiple of ``config.model_parallel_size``.
+    """
+    topology = Topology(rank, world_size, config.model_parallel_size)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=config.collective_timeout_s))
+    return topology
+
+
+def agree_failures(failed: set[int], topology: Topology, micro_batches_per_dp_rank: int) -> np.ndarray:
+    """World all-reduce (MAX) of failure flags: which micro batches are dropped everywhere.
+
+    Every rank contributes a flag vector of length ``dp_world_size * micro_batches_per_dp_rank``
+    (entry ``dp_rank * micro_batches_per_dp_rank + index``), set only at its own DP rank's
+    failed indices; a micro batch is dropped when any rank failed it, so all its peers agree.
+
+    Returns:
+        bool [dp_world_size, micro_batches_per_dp_rank], identical on every rank.
+    """
+    flags = torch.zeros(topology.dp_world_size * micro_batches_per_dp_rank, dtype=torch.int32)
+    base = topology.dp_rank * micro_batches_per_dp_rank
+    for index in failed:
+        flags[base + index] = 1
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return flags.numpy().astype(bool).reshape(topology.dp_world_size, micro_batches_per_dp_rank)
+
+
+def gather_rank_values(values: np.ndarray) -> np.ndarray:
+    """World all-gather of one float64 vector per rank: returns [world_size, len(values)] float64."""
+    local = torch.from_numpy(np.ascontiguousarray(values, np.float64))
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    return torch.stack(gathered).numpy()
