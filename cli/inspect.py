@@ -19,10 +19,11 @@ from rich.table import Table
 from cli.inspect_common import S3_ENDPOINT_HELP, ChunkState, chunk_states, clean_errors, load_step, open_step, \
     refuse_inside_run
 from cli.inspect_ls import ls_run
+from cli.inspect_show import show_arrays
 from cli.inspect_verify import verify_step
 from pipeline.step_file import MicroBatchRecord, StepHeader
 
-__all__ = ["inspect_step", "ls_run", "summarize", "verify_step"]
+__all__ = ["inspect_step", "ls_run", "show_arrays", "summarize", "verify_step"]
 
 
 def field_names(array_names) -> list[str]:

@@ -126,7 +126,7 @@ def load_step(target: StepTarget) -> StepFile:
 def progress(description: str) -> Progress:
     """A transient progress bar on stderr (drawn only on a terminal)."""
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=err_console, transient=True)
+                    console=err_console, transient=True, disable=not err_console.is_terminal)
 
 
 def parallel_map(store: Store, fn: Callable[[T], R], items: Sequence[T], description: str) -> list[R]:

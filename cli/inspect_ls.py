@@ -22,11 +22,11 @@ from rich.table import Table
 
 from cli.inspect_common import S3_ENDPOINT_HELP, clean_errors, fail, open_run, parallel_map
 from storage.chunk import DATA_KEY, META_KEY, read_attributes
+from storage.ledger import DELETES_PREFIX, EVENTS_PREFIX, parse_segment_key, session_opened_ms
 from storage.store import Store
 
 _STEP_KEY = re.compile(r"^steps/step_(\d+)\.npz$")
 _DRAWN_ID = re.compile(r"^(?P<writer>.+)-[0-9a-f]{32}$")
-_SEGMENT_KEY = re.compile(r"^ledger/events/(?P<actor>[^/]+)/(?P<pid>\d+)-(?P<ms>\d+)-(?P<seq>\d+)\.jsonl$")
 _TEMP_MARK = ".tmp-"
 
 
@@ -83,16 +83,16 @@ def _session_closed(store: Store, last_segment: str) -> bool:
 
 
 def _ledger(store: Store, deletes: dict[str, int], events: dict[str, int]) -> dict:
-    last_of_session: dict[tuple[str, str], tuple[int, str]] = {}
+    last_segment: dict[tuple[str, str], tuple[int, str]] = {}
     segments: Counter[str] = Counter()
     for key in events:
-        m = _SEGMENT_KEY.match(key)
-        if m:
-            segments[m["actor"]] += 1
-            session, seq = (m["actor"], f"{int(m['ms']):015d}-{m['pid']}"), int(m["seq"])
-            last_of_session[session] = max(last_of_session.get(session, (-1, "")), (seq, key))
-    sessions = sorted(last_of_session)
-    closed = parallel_map(store, lambda s: _session_closed(store, last_of_session[s][1]), sessions, "reading ledger")
+        parsed = parse_segment_key(key)
+        if parsed:
+            actor, session, seq = parsed
+            segments[actor] += 1
+            last_segment[actor, session] = max(last_segment.get((actor, session), (-1, "")), (seq, key))
+    sessions = sorted(last_segment, key=lambda s: (s[0], session_opened_ms(s[1])))
+    closed = parallel_map(store, lambda s: _session_closed(store, last_segment[s][1]), sessions, "reading ledger")
     actors = {actor: {"num_segments": n, "num_sessions": 0, "num_closed": 0} for actor, n in sorted(segments.items())}
     for (actor, _), is_closed in zip(sessions, closed):
         actors[actor]["num_sessions"] += 1
@@ -104,8 +104,8 @@ def run_summary(store: Store) -> dict:
     """Everything ``refpipe ls`` shows, as a dict (``--json``)."""
     steps = sized_listing(store, "steps", "listing steps")
     payloads = sized_listing(store, "payloads", "listing chunks")
-    deletes = sized_listing(store, "ledger/deletes", "listing delete records")
-    events = sized_listing(store, "ledger/events", "listing ledger events")
+    deletes = sized_listing(store, DELETES_PREFIX.rstrip("/"), "listing delete records")
+    events = sized_listing(store, EVENTS_PREFIX.rstrip("/"), "listing ledger events")
     return {"run_uri": store.prefix.uri, "steps": _steps(steps), "chunks": _chunks(store, payloads),
             "ledger": _ledger(store, deletes, events), "empty": not (steps or payloads or deletes or events)}
 

@@ -70,8 +70,8 @@ def verify_chunk(store: Store, ref: PayloadRef) -> list[str]:
         problems = _metadata_problems(store, ref, meta_key)
     except OutsideRunError as e:
         return [f"outside the run: {e}"]
-    except ChunkNotFoundError as e:
-        return [f"missing {ref.uri}: {deleted_by(store, ref) or 'no delete record'} ({e})"]
+    except ChunkNotFoundError:
+        return [f"missing {ref.uri}: {deleted_by(store, ref) or 'no delete record'}"]
     except (ChunkCorruptError, ValueError, KeyError) as e:
         return [f"corrupt {ref.uri}: {e}"]
     for name, spec in ref.arrays.items():

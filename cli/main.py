@@ -20,8 +20,9 @@ def version() -> None:
     typer.echo(v("refpipe"))
 
 
-from cli.inspect import inspect_step, ls_run, verify_step  # noqa: E402  (offline inspection, issue 7)
+from cli.inspect import inspect_step, ls_run, show_arrays, verify_step  # noqa: E402  (offline inspection, issue 7)
 app.command("inspect")(inspect_step)
+app.command("show")(show_arrays)
 app.command("ls")(ls_run)
 app.command("verify")(verify_step)
 from cli.ledger import audit_run, sweep_run  # noqa: E402  (ledger audit and sweep, issue 5)

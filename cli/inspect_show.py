@@ -1,0 +1,202 @@
+"""``refpipe show``: one micro batch's arrays exactly as a trainer rank assembles them.
+
+Fetches the chunks of the micro batch's sequences and calls the trainer's own
+numpy-only ``trainer.assemble.assemble_micro_batch``, so what is shown (and
+written with ``--npy``) is byte for byte what the trainer builds before turning
+it into tensors. Array names:
+
+- ``cu_seqlens`` int32 and every token stream (``input_ids``, ``loss_mask``, ...) ``[seq_len]``;
+- per field ``<field>.values``, ``<field>.cu_seqlens``, and as the layout has them
+  ``<field>.counts`` (ragged), ``<field>.padded`` (token domain), ``<field>.row_ids``
+  (completion domain).
+
+The run's ``FieldsConfig`` is derived from the step's refs (every trailing shape
+is in them). Only ``num_experts`` is not: it decides the routing rows of padding
+tokens, so ``routed_experts.padded`` is shown only with ``--num-experts``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import TYPE_CHECKING, Annotated, Optional
+
+import numpy as np
+import typer
+
+from cli.inspect_common import S3_ENDPOINT_HELP, clean_errors, deleted_by, load_step, open_step, \
+    parallel_map, refuse_inside_run
+from pipeline.fields import FieldsConfig
+from pipeline.step_file import MicroBatchRecord, StepHeader
+from storage.chunk import PayloadRef
+from storage.errors import ChunkNotFoundError, ConfigError
+from storage.fetch import fetch_arrays
+from storage.store import Store
+
+if TYPE_CHECKING:
+    from trainer.assemble import AssembledMicroBatch
+
+_CONFIG_DIMS = {"routed_experts": ("num_layers", "top_k"), "topk_ids": ("logprobs_k",),
+                "topk_logprobs": ("logprobs_k",), "sample_support": ("support_width",)}
+"""Stored array -> the ``FieldsConfig`` fields its trailing shape gives (``pipeline.fields.FIELDS``)."""
+
+
+def fields_config(refs: list[PayloadRef], num_experts: int | None) -> FieldsConfig:
+    """The run's ``FieldsConfig`` as far as the step's refs tell it.
+
+    Without ``num_experts`` a routing run gets the routing dtype's range (256 or 65536);
+    only the routing rows of padding tokens depend on it.
+
+    Raises:
+        ConfigError: refs disagree on a trailing shape.
+    """
+    dims: dict[str, int | bool] = {}
+    for ref in refs:
+        for name, spec in ref.arrays.items():
+            found = dict(zip(_CONFIG_DIMS.get(name, ()), spec.shape[1:]))
+            if name.startswith("sampling_mask."):
+                found["sampling_mask"] = True
+            if name == "routed_experts" and num_experts is None:
+                found["num_experts"] = int(np.iinfo(np.dtype(spec.dtype)).max) + 1
+            for key, value in found.items():
+                if dims.setdefault(key, value) != value:
+                    raise ConfigError(f"refs disagree on {key}: {dims[key]} and {value} (chunk {ref.uri})")
+    return FieldsConfig(**dims, **({"num_experts": num_experts} if num_experts is not None else {}))
+
+
+def _micro_batch(header: StepHeader, dp_rank: int, index: int) -> MicroBatchRecord:
+    mbs = header.micro_batches_of(dp_rank) if 0 <= dp_rank < header.dp_world_size else []
+    if not 0 <= index < len(mbs):
+        raise ConfigError(f"--dp-rank {dp_rank} --micro-batch {index}: step {header.step} has DP ranks "
+                          f"0..{header.dp_world_size - 1} with {len(header.micro_batches) // header.dp_world_size} "
+                          "micro batches each")
+    return mbs[index]
+
+
+def _fetch(store: Store, header: StepHeader, mb: MicroBatchRecord) -> dict[int, dict[str, np.ndarray]]:
+    """Ref index -> its arrays cut to the most tokens any sequence of ``mb`` keeps of it."""
+    keep: dict[int, int] = {}
+    for seq in mb.sequences:
+        if seq.ref is not None:
+            keep[seq.ref] = max(keep.get(seq.ref, 0), seq.num_tokens)
+
+    def one(i: int) -> dict[str, np.ndarray]:
+        ref = header.refs[i]
+        try:
+            return fetch_arrays(store, ref, keep[i])
+        except ChunkNotFoundError as e:
+            why = deleted_by(store, ref) or "no delete record"
+            raise ChunkNotFoundError(f"micro batch dp_rank={mb.dp_rank} index={mb.index}: chunk {ref.uri} is "
+                                     f"gone ({why}); a trainer would drop this micro batch") from e
+
+    return dict(zip(keep, parallel_map(store, one, list(keep), "fetching chunks")))
+
+
+def named_arrays(batch: AssembledMicroBatch, with_padded_routing: bool) -> dict[str, np.ndarray]:
+    """The assembled micro batch as flat ``name -> array`` (names in the module docstring)."""
+    out = {"cu_seqlens": batch.cu_seqlens, **batch.streams}
+    for name, f in batch.fields.items():
+        parts = {"values": f.values, "cu_seqlens": f.cu_seqlens, "counts": f.counts, "padded": f.padded,
+                 "row_ids": f.row_ids}
+        if name == "routed_experts" and not with_padded_routing:
+            parts["padded"] = None
+        out.update({f"{name}.{part}": a for part, a in parts.items() if a is not None})
+    return out
+
+
+def cut_sequence(arrays: dict[str, np.ndarray], mb: MicroBatchRecord, j: int) -> dict[str, np.ndarray]:
+    """The rows of sequence ``j`` only; ``cu_seqlens`` become ``[0, rows]`` and ``row_ids`` index the cut values.
+
+    Raises:
+        ConfigError: ``j`` is not a sequence of ``mb``.
+    """
+    if not 0 <= j < len(mb.sequences):
+        raise ConfigError(f"--sequence {j}: micro batch dp_rank={mb.dp_rank} index={mb.index} has sequences "
+                          f"0..{len(mb.sequences) - 1}")
+    start, end = (int(x) for x in mb.cu_seqlens()[j: j + 2])
+    out = {}
+    for name, a in arrays.items():
+        field, _, part = name.rpartition(".")
+        if name == "cu_seqlens":
+            out[name] = np.array([0, end - start], np.int32)
+            continue
+        if not field or part == "padded":
+            out[name] = a[start:end]
+            continue
+        lo, hi = (int(x) for x in arrays[f"{field}.cu_seqlens"][j: j + 2])
+        if part == "cu_seqlens":
+            out[name] = np.array([0, hi - lo], np.int32)
+        elif part == "row_ids":
+            out[name] = np.where(a[start:end] >= 0, a[start:end] - lo, -1)
+        elif part == "values" and f"{field}.counts" in arrays:
+            offsets = np.concatenate([[0], np.cumsum(arrays[f"{field}.counts"], dtype=np.int64)])
+            out[name] = a[offsets[lo]: offsets[hi]]
+        else:
+            out[name] = a[lo:hi]
+    return out
+
+
+def _select(arrays: dict[str, np.ndarray], field: str) -> dict[str, np.ndarray]:
+    chosen = {name: a for name, a in arrays.items() if name == field or name.startswith(field + ".")}
+    if not chosen:
+        names = sorted({name.split(".")[0] for name in arrays})
+        raise ConfigError(f"--field {field!r}: expected one of {names}")
+    return chosen
+
+
+def _print(arrays: dict[str, np.ndarray]) -> None:
+    with np.printoptions(threshold=200, edgeitems=4, linewidth=max(60, shutil.get_terminal_size().columns)):
+        for name, a in arrays.items():
+            typer.echo(f"{name}  {a.dtype.str} {list(a.shape)}\n{np.array2string(a)}")
+
+
+def _write_npy(arrays: dict[str, np.ndarray], directory: str, stem: str) -> list[str]:
+    os.makedirs(directory, exist_ok=True)
+    paths = []
+    for name, a in arrays.items():
+        paths.append(os.path.join(directory, f"{stem}.{name}.npy"))
+        np.save(paths[-1], a, allow_pickle=False)
+    return paths
+
+
+@clean_errors
+def show_arrays(
+    step_uri: Annotated[str, typer.Argument(help="Step file: path, file:// or s3:// URI of <run>/steps/step_<N>.npz.")],
+    micro_batch: Annotated[int, typer.Option("--micro-batch", help="Micro batch index within the DP rank.")],
+    dp_rank: Annotated[int, typer.Option(help="DP rank whose micro batch to show.")] = 0,
+    sequence: Annotated[Optional[int], typer.Option(help="Only this sequence of the micro batch.")] = None,
+    field: Annotated[Optional[str], typer.Option(help="Only this field or stream (e.g. routed_experts, input_ids).")] = None,
+    npy: Annotated[Optional[str], typer.Option(help="Write one .npy per array into this local directory.")] = None,
+    num_experts: Annotated[Optional[int], typer.Option(
+        help="The run's FieldsConfig.num_experts: also show the routing rows of padding tokens.")] = None,
+    s3_endpoint_url: Annotated[Optional[str], typer.Option(help=S3_ENDPOINT_HELP)] = None,
+) -> None:
+    """Print (or save) one micro batch's arrays exactly as the trainer assembles them.
+
+    Exit codes: 0 shown; 2 the step file or a chunk is missing or unreadable, or a bad selection.
+    """
+    from trainer.assemble import assemble_micro_batch  # the trainer's own assembly (numpy only)
+
+    target = open_step(step_uri, s3_endpoint_url)
+    npy_dir = refuse_inside_run(target.store, npy, "--npy") if npy else None
+    step = load_step(target)
+    header = step.header
+    mb = _micro_batch(header, dp_rank, micro_batch)
+    batch = assemble_micro_batch(mb, step.streams(dp_rank, micro_batch), _fetch(target.store, header, mb),
+                                 header.refs, seq_len=header.seq_len, fields=fields_config(header.refs, num_experts))
+    arrays = named_arrays(batch, num_experts is not None)
+    if sequence is not None:
+        arrays = cut_sequence(arrays, mb, sequence)
+    if field:
+        arrays = _select(arrays, field)
+    typer.echo(f"step {header.step}, DP rank {dp_rank}, micro batch {micro_batch}: {len(mb.sequences)} sequences, "
+               f"{mb.num_tokens} tokens + {mb.num_padding_tokens} padding (seq_len {header.seq_len})"
+               + ("" if sequence is None else f"; sequence {sequence}"))
+    if mb.has_routing and num_experts is None:
+        typer.echo("note: routed_experts.padded (routing rows of padding tokens) needs --num-experts", err=True)
+    if npy_dir:
+        stem = f"step{header.step:08d}.dp{dp_rank}.mb{micro_batch}" + ("" if sequence is None else f".seq{sequence}")
+        for path in _write_npy(arrays, npy_dir, stem):
+            typer.echo(path)
+    else:
+        _print(arrays)

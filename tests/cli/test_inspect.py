@@ -1,0 +1,257 @@
+"""``refpipe inspect`` / ``ls`` on a small real run (local and S3), plus the shared run builder.
+
+The run: two env workers keep branches through ``Keeper`` (one of them with
+explicit branch ids, so ``ls`` must read those chunks' ``zarr.json`` for the
+writer), one branch is discarded, and two step files are packed by hand and
+published with ``publish_step_file``: two DP ranks, two micro batches each,
+routing and non-routing micro batches, a truncated sequence, a sequence without
+a ref and a borrowed padding dummy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from pipeline.fields import FieldsConfig, Ragged
+from pipeline.keep import Branch, Keeper
+from pipeline.step_file import STREAMS, MicroBatchRecord, SequenceRecord, StepHeader, publish_step_file, step_key
+from storage.chunk import PayloadRef
+from storage.config import StorageConfig
+from storage.fetch import chunk_keys
+from storage.ledger import Ledger
+from storage.store import Store, open_store
+
+FIELDS_CFG = FieldsConfig(num_layers=2, top_k=2, num_experts=8, logprobs_k=3, sampling_mask=True)
+SEQ_LEN = 40
+# (dp_rank, index) -> [(branch name or None, num_tokens or None = whole branch, env, borrowed)]
+PACKING = {
+    (0, 0): [("a", None, "math", False), ("b", 5, "math", False), ("c", None, "code", False)],
+    (0, 1): [("d", None, "code", False), ("a", 3, "math", True)],
+    (1, 0): [("e", None, "chat", False), (None, 5, "chat", False), ("f", 6, "math", False)],
+    (1, 1): [("g", None, "chat", False)],
+}
+ROUTING = {"a", "b", "c", "d"}
+EXPLICIT_IDS = {"e": "episode7-b0", "f": "episode7-b1"}  # kept by env_worker_1 with ids of its own
+
+
+@dataclass
+class Run:
+    """A published run: its store, the kept branches and their refs by name, and the step files' URIs."""
+
+    config: StorageConfig
+    store: Store
+    branches: dict[str, Branch]
+    refs: dict[str, PayloadRef]
+    discarded: PayloadRef
+    step_uris: list[str]
+
+    def cli_args(self) -> list[str]:
+        """``--s3-endpoint-url`` for S3 runs."""
+        return ["--s3-endpoint-url", self.config.s3_endpoint_url] if self.config.s3_endpoint_url else []
+
+    def local_step_path(self, step: int) -> str:
+        return self.store.path(step_key(step))
+
+
+def make_branch(rng: np.random.Generator, name: str, routing: bool) -> Branch:
+    p, c = int(rng.integers(2, 6)), int(rng.integers(4, 10))
+    counts = rng.integers(0, 4, c).astype(np.int32)
+    fields = {
+        "topk_ids": rng.integers(0, 100, (c, 3)).astype(np.int32),
+        "topk_logprobs": rng.standard_normal((c, 3)).astype(np.float32),
+        "sampling_mask": Ragged(rng.integers(0, 100, int(counts.sum())).astype(np.int32), counts),
+    }
+    if routing:
+        fields["routed_experts"] = rng.integers(0, 8, (p + c, 2, 2)).astype(np.uint8)
+    return Branch(p, c, fields, branch_id=EXPLICIT_IDS.get(name))
+
+
+def keep_branches(store: Store, config: StorageConfig) -> tuple[dict[str, Branch], dict[str, PayloadRef], PayloadRef]:
+    rng = np.random.default_rng(7)
+    workers = [Ledger(store, "env_worker_0"), Ledger(store, "env_worker_1")]
+    keepers = [Keeper(store, ledger, FIELDS_CFG, config) for ledger in workers]
+    branches = {name: make_branch(rng, name, name in ROUTING) for name in "abcdefg"}
+    refs = {name: keepers[name in "efg"].keep(branch) for name, branch in branches.items()}
+    discarded = keepers[0].keep(make_branch(rng, "z", False))
+    keepers[0].discard([discarded], reason="group filtered")
+    workers[0].close()  # env_worker_1 stays open: ls shows its session as not closed
+    workers[1].flush()
+    return branches, refs, discarded
+
+
+def packed_header(store: Store, refs: dict[str, PayloadRef], step: int) -> tuple[StepHeader, dict]:
+    order = list(dict.fromkeys(n for seqs in PACKING.values() for n, _, _, _ in seqs if n))
+    owners = {}
+    micro_batches, streams = [], {}
+    rng = np.random.default_rng(step)
+    for (dp_rank, index), seqs in PACKING.items():
+        records = []
+        for name, num_tokens, env, borrowed in seqs:
+            n = num_tokens or refs[name].num_tokens
+            records.append(SequenceRecord(num_tokens=n, env_name=env, ref=order.index(name) if name else None,
+                                          borrowed=borrowed))
+            if name and not borrowed:
+                owners.setdefault(name, dp_rank)
+        t = sum(r.num_tokens for r in records)
+        micro_batches.append(MicroBatchRecord(dp_rank=dp_rank, index=index, sequences=records,
+                                              num_padding_tokens=SEQ_LEN - t, has_routing=seqs[0][0] in ROUTING))
+        streams[(dp_rank, index)] = {name: (rng.standard_normal(t) * 10).astype(dtype) for name, dtype in STREAMS.items()}
+    header = StepHeader(schema_version=1, run_uri=store.prefix.uri, step=step, seq_len=SEQ_LEN, dp_world_size=2,
+                        micro_batches=micro_batches, refs=[refs[n] for n in order], owners=[owners[n] for n in order],
+                        metrics={"reward_mean": 0.25})
+    return header, streams
+
+
+def build_run(config: StorageConfig) -> Run:
+    store = open_store(config)
+    branches, refs, discarded = keep_branches(store, config)
+    uris = [publish_step_file(store, *packed_header(store, refs, step)) for step in (0, 1)]
+    return Run(config, store, branches, refs, discarded, uris)
+
+
+@pytest.fixture
+def run(storage_config) -> Run:
+    """A small real run on each backend (local directory, then S3)."""
+    return build_run(storage_config)
+
+
+@pytest.fixture
+def local_run(local_config) -> Run:
+    """The same run on a local directory only."""
+    return build_run(local_config)
+
+
+def invoke(args: list[str]):
+    """Run ``refpipe`` in-process; a wide terminal so tables are not truncated."""
+    return CliRunner().invoke(app, args, env={"COLUMNS": "200"}, catch_exceptions=False)
+
+
+def snapshot(store: Store) -> dict[str, tuple]:
+    """Every object under the run prefix with its size and modification stamp (mtime or ETag)."""
+    found = store.fs.find(store.prefix.path, detail=True)
+    return {name: (info["size"], info.get("mtime") or info.get("ETag") or info.get("LastModified"))
+            for name, info in found.items()}
+
+
+def test_inspect_json_counts_equal_what_was_packed(run):
+    before = snapshot(run.store)
+    result = invoke(["inspect", run.step_uris[1], "--json", *run.cli_args()])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert (summary["step"], summary["seq_len"], summary["dp_world_size"]) == (1, SEQ_LEN, 2)
+    assert summary["run_uri"] == run.store.prefix.uri and summary["metrics"] == {"reward_mean": 0.25}
+    assert (summary["num_chunks"], summary["num_chunks_present"], summary["num_chunks_missing"]) == (7, 7, 0)
+    assert [(mb["dp_rank"], mb["index"]) for mb in summary["micro_batches"]] == list(PACKING)
+    for mb, seqs in zip(summary["micro_batches"], PACKING.values()):
+        lengths = [n or run.refs[name].num_tokens for name, n, _, _ in seqs]
+        names = {name for name, _, _, _ in seqs if name}
+        assert [s["num_tokens"] for s in mb["sequences"]] == lengths
+        assert (mb["num_sequences"], mb["num_tokens"], mb["num_padding_tokens"]) == (len(seqs), sum(lengths),
+                                                                                       SEQ_LEN - sum(lengths))
+        assert mb["num_borrowed"] == sum(b for _, _, _, b in seqs)
+        assert mb["env_names"] == {env: [e for _, _, e, _ in seqs].count(env) for _, _, env, _ in seqs}
+        assert mb["fields"] == (["routed_experts"] if names & ROUTING else []) + ["sampling_mask", "topk_ids",
+                                                                                   "topk_logprobs"]
+        assert (mb["num_chunks"], mb["num_chunks_present"], mb["missing"]) == (len(names), len(names), [])
+        assert [s["branch_id"] for s in mb["sequences"]] == [run.refs[n].branch_id if n else None
+                                                             for n, _, _, _ in seqs]
+    assert snapshot(run.store) == before
+
+
+def test_inspect_table_shows_counts_and_missing_chunks(run):
+    Ledger(run.store, "trainer_dp0").delete([run.refs["a"]], reason="step 0 trained")
+    run.store.delete(list(chunk_keys(run.store, run.refs["g"])))  # gone without a delete record
+    before = snapshot(run.store)
+    result = invoke(["inspect", run.step_uris[0], *run.cli_args()])
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert f"step 0 of {run.store.prefix.uri}  seq_len=40  dp_world_size=2  chunks: 5 present, 2 missing" in out
+    rows = [re.sub(r"\s+", " ", line.strip("│┃ ")) for line in out.splitlines() if line.startswith("│")]
+    lengths = {k: sum(n or run.refs[name].num_tokens for name, n, _, _ in seqs) for k, seqs in PACKING.items()}
+    assert rows[0].startswith(f"0 │ 3 │ {lengths[0, 0]} │ {SEQ_LEN - lengths[0, 0]} │ 0 │ math x2, code │ "
+                              "routed_experts, sampling_mask, topk_ids, topk_logprobs │ 2 present, 1 missing")
+    assert rows[1].startswith(f"1 │ 2 │ {lengths[0, 1]} │ {SEQ_LEN - lengths[0, 1]} │ 1 │ code, math │")
+    assert rows[1].endswith("1 present, 1 missing")
+    assert rows[3].endswith("0 present, 1 missing")
+    missing = [line for line in out.splitlines() if line.startswith("missing ")]
+    assert missing == [f"missing {run.refs['a'].uri} (owner DP rank 0): deleted by trainer_dp0 (step 0 trained)",
+                       f"missing {run.refs['g'].uri} (owner DP rank 1): missing (no delete record)"]
+    assert snapshot(run.store) == before
+
+
+def test_inspect_plot_writes_a_png(run, tmp_path):
+    run.store.delete(list(chunk_keys(run.store, run.refs["c"])))
+    before = snapshot(run.store)
+    png = tmp_path / "out" / "step0.png"
+    png.parent.mkdir()
+    result = invoke(["inspect", run.step_uris[0], "--plot", str(png), *run.cli_args()])
+    assert result.exit_code == 0, result.output
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert (width, height) == (1000, 290)  # 10 x (1.5 + 0.35 * 4 micro batches) inches at 100 dpi
+    assert snapshot(run.store) == before
+
+
+def test_ls_counts_steps_chunks_per_writer_and_ledger(run):
+    before = snapshot(run.store)
+    result = invoke(["ls", run.store.prefix.uri, "--json", *run.cli_args()])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    files = {k.removeprefix(run.store.prefix.path + "/"): v[0] for k, v in before.items()}
+    step_bytes = sum(v for k, v in files.items() if k.startswith("steps/"))
+    assert summary["steps"] == {"num_steps": 2, "first": 0, "latest": 1, "nbytes": step_bytes}
+    def nbytes(names):
+        return sum(v for k, v in files.items() for n in names if k.startswith(chunk_keys(run.store, run.refs[n])[0][:-3]))
+    assert summary["chunks"] == {
+        "num_chunks": 7, "nbytes": sum(v for k, v in files.items() if k.startswith("payloads/")),
+        "num_incomplete": 0, "num_temp_files": 0,
+        "writers": {"env_worker_0": {"num_chunks": 4, "nbytes": nbytes("abcd")},
+                    "env_worker_1": {"num_chunks": 3, "nbytes": nbytes("efg")}},
+    }
+    segments = {a: sum(k.startswith(f"ledger/events/{a}/") for k in files) for a in ("env_worker_0", "env_worker_1")}
+    assert summary["ledger"] == {"num_delete_records": 1, "actors": {
+        "env_worker_0": {"num_segments": segments["env_worker_0"], "num_sessions": 1, "num_closed": 1},
+        "env_worker_1": {"num_segments": segments["env_worker_1"], "num_sessions": 1, "num_closed": 0}}}
+    assert snapshot(run.store) == before
+
+
+def test_ls_table(local_run):
+    result = invoke(["ls", local_run.config.root + "/run_1"])
+    assert result.exit_code == 0, result.output
+    lines = [re.sub(r"\s+", " ", line.strip("│┃ ")) for line in result.stdout.splitlines()]
+    assert lines[0] == f"run {local_run.store.prefix.uri}"
+    assert lines[1].startswith("steps: 2 (first 0, latest 1), ")
+    assert lines[2].startswith("chunks: 7, ") and lines[2].endswith("; 0 incomplete, 0 temp files")
+    assert [line.split(" │ ")[:2] for line in lines if line.startswith("env_worker_")][:2] == [
+        ["env_worker_0", "4"], ["env_worker_1", "3"]]
+    assert [line.split(" │ ")[2:] for line in lines if line.startswith("env_worker_")][2:] == [["1", "1/1"], ["1", "0/1"]]
+    assert "ledger: 1 delete records" in lines
+
+
+def test_ls_sees_incomplete_and_temp_objects(local_run):
+    data_key, meta_key = chunk_keys(local_run.store, local_run.refs["b"])
+    os.unlink(local_run.store.path(meta_key))  # a keep that crashed before its commit marker
+    open(local_run.store.path(data_key) + ".tmp-0123456789ab", "wb").close()
+    summary = json.loads(invoke(["ls", local_run.store.prefix.uri, "--json"]).stdout)
+    assert (summary["chunks"]["num_chunks"], summary["chunks"]["num_incomplete"],
+            summary["chunks"]["num_temp_files"]) == (6, 1, 1)
+    assert summary["chunks"]["writers"]["env_worker_0"]["num_chunks"] == 3
+
+
+def test_s3_endpoint_from_aws_environment(s3_config, monkeypatch):
+    run = build_run(s3_config)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_config.s3_endpoint_url)
+    result = invoke(["ls", run.store.prefix.uri, "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["chunks"]["num_chunks"] == 7
+    result = invoke(["inspect", run.step_uris[0], "--json"])
+    assert json.loads(result.stdout)["num_chunks_present"] == 7
