@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import Annotated, Optional
 
 import numpy as np
 import typer
@@ -32,9 +32,7 @@ from storage.chunk import PayloadRef
 from storage.errors import ChunkNotFoundError, ConfigError
 from storage.fetch import fetch_arrays
 from storage.store import Store
-
-if TYPE_CHECKING:
-    from trainer.assemble import AssembledMicroBatch
+from trainer.assemble import AssembledMicroBatch, assemble_micro_batch
 
 _CONFIG_DIMS = {"routed_experts": ("num_layers", "top_k"), "topk_ids": ("logprobs_k",),
                 "topk_logprobs": ("logprobs_k",), "sample_support": ("support_width",)}
@@ -175,8 +173,6 @@ def show_arrays(
 
     Exit codes: 0 shown; 2 the step file or a chunk is missing or unreadable, or a bad selection.
     """
-    from trainer.assemble import assemble_micro_batch  # the trainer's own assembly (numpy only)
-
     target = open_step(step_uri, s3_endpoint_url)
     npy_dir = refuse_inside_run(target.store, npy, "--npy") if npy else None
     step = load_step(target)

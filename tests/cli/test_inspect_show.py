@@ -1,0 +1,130 @@
+"""``refpipe show``: byte identity with the trainer's assembly and with the kept branches (local and S3)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_inspect import FIELDS_CFG, PACKING, SEQ_LEN, invoke, local_run, run, snapshot  # noqa: F401 (fixtures)
+
+from pipeline.step_file import STREAMS, StepFile
+from storage.fetch import fetch_arrays
+from storage.ledger import Ledger
+from trainer.assemble import assemble_micro_batch
+
+COMPLETION_FIELDS = ("topk_ids", "topk_logprobs", "sampling_mask")
+
+
+def expected_names(has_routing: bool, with_padded: bool = True) -> set[str]:
+    names = {"cu_seqlens", *STREAMS}
+    if has_routing:
+        names |= {"routed_experts.values", "routed_experts.cu_seqlens"} | ({"routed_experts.padded"} if with_padded
+                                                                           else set())
+    for field in COMPLETION_FIELDS:
+        names |= {f"{field}.values", f"{field}.cu_seqlens", f"{field}.row_ids"}
+    return names | {"sampling_mask.counts"}
+
+
+def trainer_view(run, step: int, dp_rank: int, index: int):
+    """What a trainer rank assembles for this micro batch (whole chunks fetched, run config known)."""
+    step_file = StepFile.read(run.store, step)
+    header = step_file.header
+    mb = header.micro_batches_of(dp_rank)[index]
+    arrays = {s.ref: fetch_arrays(run.store, header.refs[s.ref]) for s in mb.sequences if s.ref is not None}
+    return mb, assemble_micro_batch(mb, step_file.streams(dp_rank, index), arrays, header.refs, seq_len=SEQ_LEN,
+                                    fields=FIELDS_CFG)
+
+
+def load_npy(directory, stem: str) -> dict[str, np.ndarray]:
+    return {p.name.removeprefix(stem + ".").removesuffix(".npy"): np.load(p) for p in directory.glob(f"{stem}.*.npy")}
+
+
+def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def test_show_npy_is_byte_identical_to_the_trainer_assembly(run, tmp_path):
+    before = snapshot(run.store)
+    for dp_rank, index in PACKING:
+        out = tmp_path / f"dp{dp_rank}"
+        result = invoke(["show", run.step_uris[1], "--micro-batch", str(index), "--dp-rank", str(dp_rank),
+                         "--num-experts", "8", "--npy", str(out), *run.cli_args()])
+        assert result.exit_code == 0, result.output
+        got = load_npy(out, f"step00000001.dp{dp_rank}.mb{index}")
+        mb, batch = trainer_view(run, 1, dp_rank, index)
+        assert set(got) == expected_names(mb.has_routing)
+        assert same_bytes(got["cu_seqlens"], batch.cu_seqlens)
+        for name in STREAMS:
+            assert same_bytes(got[name], batch.streams[name]), name
+        for name, f in batch.fields.items():
+            for part in ("values", "cu_seqlens", "counts", "padded", "row_ids"):
+                if getattr(f, part) is not None:
+                    assert same_bytes(got[f"{name}.{part}"], getattr(f, part)), f"{name}.{part}"
+    assert snapshot(run.store) == before
+
+
+def test_show_sequence_holds_the_kept_bytes(local_run, tmp_path):
+    # micro batch dp0/0: a (whole), b (first 5 tokens), c (whole); sequence 1 is b, truncated
+    b, ref = local_run.branches["b"], local_run.refs["b"]
+    result = invoke(["show", local_run.step_uris[0], "--micro-batch", "0", "--sequence", "1", "--npy", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    got = load_npy(tmp_path, "step00000000.dp0.mb0.seq1")
+    assert set(got) == expected_names(True, with_padded=False)
+    n, p = 5, ref.num_prompt_tokens
+    c = max(0, n - p)
+    start = local_run.refs["a"].num_tokens
+    assert same_bytes(got["routed_experts.values"], b.fields["routed_experts"][:n])
+    assert same_bytes(got["topk_ids.values"], b.fields["topk_ids"][:c])
+    assert same_bytes(got["topk_logprobs.values"], b.fields["topk_logprobs"][:c])
+    counts = b.fields["sampling_mask"].counts[:c]
+    assert same_bytes(got["sampling_mask.counts"], counts)
+    assert same_bytes(got["sampling_mask.values"], b.fields["sampling_mask"].ids[: counts.sum()])
+    streams = StepFile.read(local_run.store, 0).streams(0, 0)
+    assert same_bytes(got["input_ids"], streams["input_ids"][start: start + n])
+    assert got["cu_seqlens"].tolist() == [0, n] and got["topk_ids.cu_seqlens"].tolist() == [0, c]
+    # completion row r is predicted by the position just before it: p - 1 + r, rebased to the sequence
+    assert got["topk_ids.row_ids"].tolist() == [-1] * (p - 1) + list(range(c)) + [-1] * (n - p + 1 - c)
+
+
+def test_show_prints_one_field_and_notes_padding_routing(local_run):
+    result = invoke(["show", local_run.step_uris[0], "--micro-batch", "1", "--field", "routed_experts"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    mb = StepFile.read(local_run.store, 0).header.micro_batches_of(0)[1]
+    assert lines[0] == (f"step 0, DP rank 0, micro batch 1: 2 sequences, {mb.num_tokens} tokens + "
+                        f"{SEQ_LEN - mb.num_tokens} padding (seq_len {SEQ_LEN})")
+    assert [line for line in lines if "<" in line or "|" in line] == [
+        f"routed_experts.values  |u1 [{mb.num_tokens}, 2, 2]", "routed_experts.cu_seqlens  <i4 [3]"]
+    assert result.stderr == "note: routed_experts.padded (routing rows of padding tokens) needs --num-experts\n"
+    result = invoke(["show", local_run.step_uris[0], "--micro-batch", "1", "--field", "input_ids",
+                     "--num-experts", "8"])
+    assert result.stdout.splitlines()[1] == f"input_ids  <i4 [{SEQ_LEN}]" and result.stderr == ""
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--micro-batch", "2"], "error: --dp-rank 0 --micro-batch 2: step 0 has DP ranks 0..1 with 2 micro batches each"),
+    (["--micro-batch", "0", "--dp-rank", "2"], "error: --dp-rank 2 --micro-batch 0: step 0 has DP ranks 0..1"),
+    (["--micro-batch", "1", "--sequence", "2"], "error: --sequence 2: micro batch dp_rank=0 index=1 has sequences 0..1"),
+    (["--micro-batch", "0", "--field", "nope"], "error: --field 'nope': expected one of ['advantages', 'cu_seqlens'"),
+])
+def test_show_bad_selection_is_one_line(local_run, args, message):
+    result = invoke(["show", local_run.step_uris[0], *args])
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.startswith(message) and result.stderr.count("\n") == 1
+
+
+def test_show_missing_chunk_names_it_and_its_deleter(run):
+    Ledger(run.store, "trainer_dp1").delete([run.refs["g"]], reason="step 0 trained")
+    result = invoke(["show", run.step_uris[0], "--micro-batch", "1", "--dp-rank", "1", *run.cli_args()])
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr == (f"error: micro batch dp_rank=1 index=1: chunk {run.refs['g'].uri} is gone (deleted by "
+                             "trainer_dp1 (step 0 trained)); a trainer would drop this micro batch\n")
+
+
+def test_show_refuses_npy_inside_the_run(local_run):
+    before = snapshot(local_run.store)
+    inside = local_run.store.path("payloads") + "/../dump"
+    result = invoke(["show", local_run.step_uris[0], "--micro-batch", "0", "--npy", inside])
+    assert result.exit_code == 2
+    assert result.stderr == (f"error: --npy {inside!r} is inside run {local_run.store.prefix.uri}: "
+                             "inspection never writes there\n")
+    assert snapshot(local_run.store) == before
