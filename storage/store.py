@@ -11,6 +11,7 @@ crosses a fork rebuilds its filesystem on first use in the child.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import random
@@ -20,6 +21,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+import aiohttp
+import botocore.exceptions
 import fsspec
 
 from storage.config import StorageConfig
@@ -63,15 +66,15 @@ class Store:
     def fs(self):
         """This process's fsspec filesystem (rebuilt after a fork)."""
         if self._fs is None or self._pid != os.getpid():
-            self._fs, _ = fsspec.core.url_to_fs(self.prefix.uri, **self._fs_options())
+            self._fs = self._new_fs()
             self._pid = os.getpid()
         return self._fs
 
     def __getstate__(self):
         return {"prefix": self.prefix, "config": self.config, "_fs": None, "_pid": -1, "retries": 0}
 
-    def _fs_options(self) -> dict:
-        return {}
+    def _new_fs(self):
+        return fsspec.core.url_to_fs(self.prefix.uri)[0]
 
     def path(self, key: str) -> str:
         """Filesystem path of a key (checked to be a clean key under the run prefix)."""
@@ -135,52 +138,79 @@ class Store:
 class LocalStore(Store):
     """A run prefix on a POSIX directory (local disk, NFS, Lustre).
 
-    ``put`` writes a temp file in the key's directory and renames it into place;
-    ``exclusive`` puts hard-link the temp file to the key, which fails atomically
-    with ``EEXIST`` when the key exists (POSIX ``link(2)``; Lustre honours it).
+    ``put`` writes a temp file in the key's directory and renames it into place.
+    ``exclusive`` puts write an unnamed ``O_TMPFILE`` file and ``linkat(2)`` it to the
+    key, which fails atomically with ``EEXIST`` when the key exists: one new
+    directory entry per object and no temp name (where the filesystem lacks
+    ``O_TMPFILE``: a named temp file, ``link(2)``, ``unlink(2)``). ``get`` is
+    ``open``, ``pread``, ``close`` (plus an ``fstat`` for whole reads).
     """
 
     def get(self, key, start=None, end=None):
         path = self.path(key)
         try:
-            with open(path, "rb") as f:
-                if start:
-                    f.seek(start)
-                return f.read() if end is None else f.read(end - (start or 0))
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except (FileNotFoundError, NotADirectoryError) as e:
             raise ChunkNotFoundError(f"{self.uri(key)} does not exist") from e
+        except OSError as e:
+            raise StorageError(f"cannot read {self.uri(key)}: {e.strerror}") from e
+        try:
+            start = start or 0
+            size = (os.fstat(fd).st_size if end is None else end) - start
+            return _read_all(fd, max(size, 0), start)
+        except OSError as e:
+            raise StorageError(f"cannot read {self.uri(key)}: {e.strerror}") from e
+        finally:
+            os.close(fd)
 
     def put(self, key, data, *, exclusive=False):
         path = self.path(key)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
-        self._write_new(tmp, data)
+        buffers = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
         try:
-            if exclusive:
-                self._link_exclusive(tmp, path, key)
+            if exclusive and _HAVE_TMPFILE:
+                self._put_unnamed(path, key, buffers)
             else:
-                os.replace(tmp, path)
-        finally:
-            if exclusive:
-                os.unlink(tmp)
+                self._put_named(path, key, buffers, exclusive)
+        except KeyExistsError:
+            raise
+        except OSError as e:
+            raise StorageError(f"cannot write {self.uri(key)}: {e.strerror}") from e
 
-    def _link_exclusive(self, tmp: str, path: str, key: str) -> None:
+    def _put_unnamed(self, path: str, key: str, buffers) -> None:
+        directory = os.path.dirname(path)
+        try:
+            fd = _open_dir_file(directory, os.O_TMPFILE | os.O_WRONLY)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+            return self._put_named(path, key, buffers, True)  # no O_TMPFILE on this filesystem
+        try:
+            _write_all(fd, buffers)
+            os.link(f"/proc/self/fd/{fd}", path, src_dir_fd=fd)  # a dir fd makes CPython call linkat(AT_SYMLINK_FOLLOW)
+        except FileExistsError as e:
+            raise KeyExistsError(f"{self.uri(key)} already exists") from e
+        finally:
+            os.close(fd)
+
+    def _put_named(self, path: str, key: str, buffers, exclusive: bool) -> None:
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+        fd = _open_dir_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            _write_all(fd, buffers)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        finally:
+            os.close(fd)
+        if not exclusive:
+            os.replace(tmp, path)
+            return
         try:
             os.link(tmp, path)
         except FileExistsError as e:
             raise KeyExistsError(f"{self.uri(key)} already exists") from e
-
-    @staticmethod
-    def _write_new(path: str, data: Data) -> None:
-        try:
-            f = open(path, "xb", buffering=0)
-        except FileNotFoundError:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            f = open(path, "xb", buffering=0)
-        with f:
-            if isinstance(data, (bytes, bytearray, memoryview)):
-                f.write(data)
-            else:
-                f.writelines(data)
+        finally:
+            os.unlink(tmp)
 
     def delete(self, keys):
         for key in keys:
@@ -215,6 +245,43 @@ class LocalStore(Store):
         return sorted(keys)
 
 
+_HAVE_TMPFILE = hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")
+_IOV_MAX = 1024
+
+
+def _open_dir_file(path: str, flags: int) -> int:
+    """``os.open(path, flags | O_CLOEXEC, 0o666)``, creating the parent directories once on ENOENT."""
+    flags |= os.O_CLOEXEC
+    try:
+        return os.open(path, flags, 0o666)
+    except FileNotFoundError:
+        os.makedirs(path if (flags & os.O_TMPFILE) == os.O_TMPFILE else os.path.dirname(path), exist_ok=True)
+        return os.open(path, flags, 0o666)
+
+
+def _write_all(fd: int, buffers) -> None:
+    """Write buffers in order with ``writev(2)``, resuming after short writes."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    views = [v for v in views if len(v)]
+    while views:
+        written = os.writev(fd, views[:_IOV_MAX])
+        while views and written >= len(views[0]):
+            written -= len(views.pop(0))
+        if written:
+            views[0] = views[0][written:]
+
+
+def _read_all(fd: int, size: int, offset: int) -> bytes:
+    """Up to ``size`` bytes at ``offset`` (fewer only at end of file), resuming after short reads."""
+    data = os.pread(fd, size, offset)
+    while len(data) < size:
+        more = os.pread(fd, size - len(data), offset + len(data))
+        if not more:
+            break
+        data += more
+    return data
+
+
 class S3Store(Store):
     """A run prefix on S3 (or an S3-compatible endpoint) through s3fs.
 
@@ -224,45 +291,48 @@ class S3Store(Store):
     s3fs's bulk ``rm`` drops per-key errors.
     """
 
-    def _fs_options(self):
+    def _new_fs(self):
         client_kwargs = {}
         if self.config.s3_endpoint_url:
             client_kwargs["endpoint_url"] = self.config.s3_endpoint_url
         if self.config.s3_region:
             client_kwargs["region_name"] = self.config.s3_region
-        return {"skip_instance_cache": True, "use_listings_cache": False, "client_kwargs": client_kwargs}
+        # One retry layer, ``Store.retrying`` (config.max_retries): s3fs and botocore each retry up to 5x
+        # by default, which multiplies into minutes against a dead endpoint.
+        fs = fsspec.core.url_to_fs(self.prefix.uri, skip_instance_cache=True, use_listings_cache=False,
+                                   client_kwargs=client_kwargs,
+                                   config_kwargs={"retries": {"max_attempts": 1, "mode": "standard"}})[0]
+        fs.retries = 1
+        return fs
 
     def _split(self, key: str) -> tuple[str, str]:
         bucket, _, object_key = self.path(key).partition("/")
         return bucket, object_key
 
     def _call(self, what: str, method: str, **kwargs):
-        def op():
-            try:
-                return self.fs.call_s3(method, **kwargs)
-            except (FileNotFoundError, FileExistsError, PermissionError):
-                raise
-            except OSError as e:
-                if _is_transient(e):
-                    raise TransientStorageError(f"{what}: {e}") from e
-                raise StorageError(f"{what}: {e}") from e
-
-        return self.retrying(what, op)
+        """``call_s3`` with typed errors and retries; ``FileNotFoundError``/``FileExistsError`` pass through."""
+        return self.retrying(what, lambda: _typed(what, lambda: self.fs.call_s3(method, **kwargs)))
 
     def get(self, key, start=None, end=None):
         path = self.path(key)
+        if start is not None and end is not None and end <= start:
+            if not self.exists(key):  # an empty range needs no GET, but a missing key is still an error
+                raise ChunkNotFoundError(f"{self.uri(key)} does not exist")
+            return b""
+        what = f"GET {self.uri(key)}"
 
         def op():
             try:
-                return self.fs.cat_file(path, start=start, end=end)
+                # max_concurrency=1: one GET; s3fs otherwise sends a HEAD first to split large objects
+                return _typed(what, lambda: self.fs.cat_file(path, start=start, end=end, max_concurrency=1))
             except FileNotFoundError as e:
                 raise ChunkNotFoundError(f"{self.uri(key)} does not exist") from e
-            except OSError as e:
-                if _is_transient(e):
-                    raise TransientStorageError(f"GET {self.uri(key)}: {e}") from e
-                raise StorageError(f"GET {self.uri(key)}: {e}") from e
+            except StorageError as e:
+                if _error_code(e.__cause__)[0] == "InvalidRange":
+                    return b""  # the range starts at or past the end: no bytes, as a file read returns
+                raise
 
-        return self.retrying(f"GET {self.uri(key)}", op)
+        return self.retrying(what, op)
 
     def put(self, key, data, *, exclusive=False):
         bucket, object_key = self._split(key)
@@ -271,6 +341,10 @@ class S3Store(Store):
             self._call(f"PUT {self.uri(key)}", "put_object", Bucket=bucket, Key=object_key, Body=bytes(_join(data)), **match)
         except FileExistsError as e:
             raise KeyExistsError(f"{self.uri(key)} already exists") from e
+        except StorageError as e:
+            if _error_code(e.__cause__)[0] == "PreconditionFailed":  # a 412 s3fs did not recognise as If-None-Match
+                raise KeyExistsError(f"{self.uri(key)} already exists") from e
+            raise
 
     def delete(self, keys):
         keys = list(keys)
@@ -302,12 +376,40 @@ class S3Store(Store):
         base = self.path(key_prefix) if key_prefix else self.prefix.path
         root = self.prefix.path + "/"
         try:
-            paths = self.fs.find(base)
+            paths = _typed(f"LIST {self.uri(key_prefix) if key_prefix else self.prefix.uri}", lambda: self.fs.find(base))
         except FileNotFoundError:
             return []
-        return sorted(p[len(root):] for p in paths if p.startswith(root))
+        return sorted(p[len(root):] for p in paths if p.startswith(base + "/"))
 
 
-def _is_transient(e: OSError) -> bool:
-    text = str(e)
-    return any(s in text for s in ("SlowDown", "503", "500", "InternalError", "RequestTimeout", "409", "ConditionalRequestConflict", "Throttl"))
+_TRANSIENT_CODES = {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "Throttling",
+                    "ThrottlingException", "ConditionalRequestConflict", "OperationAborted"}
+
+
+def _error_code(e: BaseException | None) -> tuple[str, int | None]:
+    """``(S3 error code, HTTP status)`` of an s3fs error, read from the botocore error it translated."""
+    response = getattr(getattr(e, "__cause__", None), "response", None) or getattr(e, "response", None) or {}
+    return str(response.get("Error", {}).get("Code", "")), response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+
+
+def _typed(what: str, op: Callable[[], T]) -> T:
+    """Run an s3fs call; turn its errors into ``StorageError``/``TransientStorageError``.
+
+    ``FileNotFoundError`` and ``FileExistsError`` pass through for the caller to name.
+    Connection failures and timeouts (botocore/aiohttp errors that s3fs re-raises
+    after its own retries) are transient; so are throttling, 5xx and 409 conflicts.
+    """
+    try:
+        return op()
+    except (FileNotFoundError, FileExistsError):
+        raise
+    except OSError as e:
+        code, status = _error_code(e)
+        if code in _TRANSIENT_CODES or (status or 0) >= 500:
+            raise TransientStorageError(f"{what}: {code or status}: {e}") from e
+        raise StorageError(f"{what}: {code or status or type(e).__name__}: {e}") from e
+    except (botocore.exceptions.ConnectionError, botocore.exceptions.HTTPClientError, aiohttp.ClientError,
+            asyncio.TimeoutError) as e:
+        raise TransientStorageError(f"{what}: {type(e).__name__}: {e}") from e
+    except botocore.exceptions.BotoCoreError as e:
+        raise StorageError(f"{what}: {type(e).__name__}: {e}") from e

@@ -88,7 +88,7 @@ class RunPrefix:
 
     def check_key(self, key: str) -> str:
         """Return ``key`` if it is a clean relative key, else raise ``OutsideRunError``."""
-        if not key or key.startswith("/") or "\\" in key or "//" in key:
+        if not key or key.startswith("/") or "\\" in key or "//" in key or "\x00" in key:
             raise OutsideRunError(f"key {key!r} under run {self.uri}: expected a relative key like 'payloads/ab/x'")
         _check_segments(key, f"key {key!r} under run {self.uri}")
         return key
@@ -104,6 +104,8 @@ class RunPrefix:
         scheme = parts.scheme or "file"
         if scheme != self.scheme:
             raise OutsideRunError(f"URI {uri!r} is outside run {self.uri}: scheme {scheme!r}, expected {self.scheme!r}")
+        if scheme == "file" and parts.netloc not in ("", "localhost"):
+            raise OutsideRunError(f"URI {uri!r} is outside run {self.uri}: file URI names host {parts.netloc!r}")
         path = parts.netloc + parts.path if scheme == "s3" else parts.path
         _check_segments(path, f"URI {uri!r}")
         prefix = self.path + "/"

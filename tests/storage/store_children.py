@@ -1,0 +1,30 @@
+"""Child-process bodies of the store tests, in a module light enough for ``spawn`` children to import quickly."""
+
+from __future__ import annotations
+
+import os
+
+from storage.errors import KeyExistsError
+
+
+def race_payload(i: int) -> bytes:
+    """The distinct bytes writer ``i`` puts in the exclusive-put races (6 KiB)."""
+    return f"writer {i:02d};".encode() * 512
+
+
+def race_in_child(store, key: str, i: int, barrier) -> None:
+    """One exclusive put of ``key``; exit 0 = won, 17 = ``KeyExistsError``."""
+    barrier.wait(timeout=60)
+    try:
+        store.put(key, race_payload(i), exclusive=True)
+    except KeyExistsError:
+        os._exit(17)
+    os._exit(0)
+
+
+def use_in_child(store, queue) -> None:
+    """Read the parent's object, write ``child/obj``, report (bytes read, fs rebuilt, pid recorded)."""
+    inherited_fs = store._fs
+    got = store.get("parent/obj")
+    store.put("child/obj", b"from child " + str(os.getpid()).encode(), exclusive=True)
+    queue.put((got, store.fs is not inherited_fs, store._pid == os.getpid()))

@@ -1,0 +1,288 @@
+"""One conformance suite for every store backend (zarr's ``StoreTests`` style).
+
+``StoreConformance`` holds the tests; each backend subclasses it once and supplies the
+``backend`` fixture: the store and a raw view (plain files, or a boto3 client of its own)
+that bypasses it. S3 runs against the real moto server from ``tests/conftest.py``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from storage.errors import (ChunkNotFoundError, KeyExistsError, OutsideRunError, StorageError,
+                            TransientStorageError)
+from storage.store import LocalStore, S3Store, open_store
+from store_children import race_in_child, race_payload, use_in_child
+from storage_helpers import Backend, FsOps, S3Requests, make_backend
+
+DATA = bytes(range(256)) * 3
+BAD_KEYS = ["../run_2/x", "a/../../x", "/etc/passwd", "a//b", "./a", "a/.", "a\\b", "", "a/\x00b"]
+
+
+class StoreConformance:
+    """Subclass once per backend: supply the ``backend`` fixture (``storage_helpers.Backend``)."""
+
+    def test_put_get_round_trip(self, backend: Backend):
+        store, raw = backend.store, backend.raw
+        store.put("a/b/one", DATA)
+        store.put("a/b/two", [b"head", bytearray(b"-mid-"), memoryview(b"tail"), np.arange(3, dtype=np.uint8)])
+        store.put("a/empty", b"")
+        assert store.get("a/b/one") == DATA
+        assert raw.get("a/b/one") == DATA
+        assert store.get("a/b/two") == b"head-mid-tail\x00\x01\x02"
+        assert store.get("a/empty") == b""
+        assert raw.keys() == ["a/b/one", "a/b/two", "a/empty"]  # no temp objects left behind
+
+    def test_put_replaces(self, backend: Backend):
+        backend.store.put("k", b"first")
+        backend.store.put("k", b"second version")
+        assert backend.store.get("k") == b"second version"
+        assert backend.raw.keys() == ["k"]
+
+    @pytest.mark.parametrize("start,end", [(0, 10), (10, 20), (760, 768), (700, None), (None, 7), (0, 5000),
+                                           (768, 800), (900, 950), (5, 5), (9, 3), (0, 0)])
+    def test_byte_ranges(self, backend: Backend, start, end):
+        backend.store.put("ranged", DATA)
+        assert backend.store.get("ranged", start, end) == DATA[start:end]
+
+    @pytest.mark.parametrize("start,end", [(None, None), (0, 4), (3, None), (2, 2)])
+    def test_get_missing_raises_chunk_not_found(self, backend: Backend, start, end):
+        backend.store.put("present/x", b"x")
+        for key in ("absent", "present/missing", "present/x/below_an_object"):
+            with pytest.raises(ChunkNotFoundError, match="does not exist") as info:
+                backend.store.get(key, start, end)
+            assert backend.store.uri(key) in str(info.value)
+            assert isinstance(info.value, FileNotFoundError)
+
+    def test_exclusive_put_of_existing_key_raises_and_keeps_first(self, backend: Backend):
+        backend.store.put("k", b"first", exclusive=True)
+        with pytest.raises(KeyExistsError, match="already exists") as info:
+            backend.store.put("k", [b"sec", b"ond"], exclusive=True)
+        assert backend.store.uri("k") in str(info.value)
+        assert isinstance(info.value, FileExistsError)
+        assert backend.store.get("k") == b"first"
+        assert backend.raw.keys() == ["k"]
+
+    def test_exclusive_put_16_threads_one_winner(self, backend: Backend):
+        n = 16
+        barrier = threading.Barrier(n)
+        outcome: list[str | None] = [None] * n
+
+        def attempt(i: int) -> None:
+            barrier.wait(timeout=30)
+            try:
+                backend.store.put("race/key", race_payload(i), exclusive=True)
+                outcome[i] = "won"
+            except KeyExistsError:
+                outcome[i] = "lost"
+
+        threads = [threading.Thread(target=attempt, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        winners = [i for i, o in enumerate(outcome) if o == "won"]
+        assert len(winners) == 1 and outcome.count("lost") == n - 1, outcome
+        assert backend.store.get("race/key") == race_payload(winners[0])
+        assert backend.raw.keys() == ["race/key"]
+
+    def test_delete_known_keys_absent_keys_are_not_errors(self, backend: Backend):
+        for key in ("a/1", "a/2", "b/3"):
+            backend.store.put(key, key.encode())
+        backend.store.delete(["a/1", "b/3", "a/never", "zz/never/x"])
+        backend.store.delete([])
+        backend.store.delete(["a/1"])
+        assert backend.raw.keys() == ["a/2"]
+        assert backend.store.get("a/2") == b"a/2"
+
+    def test_delete_more_than_1000_keys(self, backend: Backend):
+        keys = [f"many/{i:05d}" for i in range(1001)]
+        present = [keys[0], keys[500], keys[999], keys[1000]]  # both sides of S3's 1,000-key batch limit
+        for key in present + ["keep/me"]:
+            backend.store.put(key, b".")
+        backend.store.delete(keys)
+        assert backend.raw.keys() == ["keep/me"]
+
+    def test_exists(self, backend: Backend):
+        backend.store.put("e/x", b"")
+        assert backend.store.exists("e/x") is True
+        assert backend.store.exists("e/y") is False
+        assert backend.store.exists("e/x/z") is False
+
+    def test_list_prefix(self, backend: Backend):
+        for key in ("x/b1/k", "x/b10/k", "x/b1/sub/k2", "y/k"):
+            backend.store.put(key, b"v")
+        assert backend.store.list_prefix("x/b1") == ["x/b1/k", "x/b1/sub/k2"]
+        assert backend.store.list_prefix("x") == ["x/b1/k", "x/b1/sub/k2", "x/b10/k"]
+        assert backend.store.list_prefix("") == ["x/b1/k", "x/b1/sub/k2", "x/b10/k", "y/k"]
+        assert backend.store.list_prefix("nope") == []
+        assert backend.store.list_prefix("y/k") == []  # an object is not a prefix
+
+    @pytest.mark.parametrize("key", BAD_KEYS)
+    def test_keys_outside_the_run_are_refused_before_io(self, backend: Backend, key):
+        store = backend.store
+        for verb in (lambda: store.get(key), lambda: store.put(key, b"x"), lambda: store.put(key, b"x", exclusive=True),
+                     lambda: store.delete([key]), lambda: store.exists(key), lambda: store.uri(key)):
+            with pytest.raises(OutsideRunError):
+                verb()
+        assert backend.raw.objects() == []
+
+    def test_pickled_into_spawned_child(self, backend: Backend):
+        self._run_child(backend, "spawn")
+
+    def test_forked_child_rebuilds_filesystem(self, backend: Backend):
+        assert backend.store.fs is not None  # the parent's filesystem exists before the fork
+        self._run_child(backend, "fork")
+
+    @staticmethod
+    def _run_child(backend: Backend, method: str) -> None:
+        backend.store.put("parent/obj", b"from parent")
+        ctx = multiprocessing.get_context(method)
+        queue = ctx.Queue()
+        child = ctx.Process(target=use_in_child, args=(backend.store, queue))
+        child.start()
+        got, rebuilt, pid_matches = queue.get(timeout=120)
+        child.join(60)
+        assert child.exitcode == 0
+        assert got == b"from parent"
+        assert rebuilt and pid_matches
+        assert backend.raw.get("child/obj") == b"from child " + str(child.pid).encode()
+
+    def test_pickle_drops_the_filesystem(self, backend: Backend):
+        backend.store.put("p", b"1")
+        clone = pickle.loads(pickle.dumps(backend.store))
+        assert clone._fs is None and clone.prefix == backend.store.prefix and clone.config == backend.store.config
+        assert clone.get("p") == b"1"
+
+
+class TestLocalStore(StoreConformance):
+    @pytest.fixture
+    def backend(self, local_config) -> Backend:
+        backend = make_backend("local", local_config)
+        assert isinstance(backend.store, LocalStore)
+        return backend
+
+    def test_exclusive_put_16_processes_one_winner(self, backend: Backend):
+        ctx = multiprocessing.get_context("fork")
+        barrier = ctx.Barrier(16)
+        children = [ctx.Process(target=race_in_child, args=(backend.store, "race/key", i, barrier))
+                    for i in range(16)]
+        for child in children:
+            child.start()
+        for child in children:
+            child.join(60)
+        codes = [child.exitcode for child in children]
+        assert sorted(codes) == [0] + [17] * 15, codes
+        assert backend.store.get("race/key") == race_payload(codes.index(0))
+        assert backend.raw.keys() == ["race/key"]
+
+    def test_exclusive_put_creates_one_entry_and_no_temp_name(self, backend: Backend):
+        backend.store.put("d/first", b"1")
+        with FsOps(backend.store.prefix.path) as ops:
+            backend.store.put("d/second", [b"2", b"2"], exclusive=True)
+        assert ops.ops == [("open", backend.store.path("d")), ("os.link", backend.store.path("d/second"))]
+        assert backend.store.get("d/second") == b"22"
+
+    def test_get_is_open_and_nothing_else(self, backend: Backend):
+        backend.store.put("d/x", DATA)
+        with FsOps(backend.store.prefix.path) as ops:
+            assert backend.store.get("d/x", 3, 9) == DATA[3:9]
+            assert backend.store.get("d/x") == DATA
+        assert ops.ops == [("open", backend.store.path("d/x"))] * 2
+
+    def test_delete_removes_empty_branch_directory_keeps_shard(self, backend: Backend):
+        backend.store.put("payloads/ab/b1/c.0", b"c")
+        backend.store.put("payloads/ab/b1/zarr.json", b"{}")
+        backend.store.put("payloads/ab/b2/c.0", b"c")
+        backend.store.delete(["payloads/ab/b1/c.0"])
+        assert os.path.isdir(backend.store.path("payloads/ab/b1"))
+        backend.store.delete(["payloads/ab/b1/zarr.json"])
+        assert not os.path.exists(backend.store.path("payloads/ab/b1"))
+        assert os.listdir(backend.store.path("payloads/ab")) == ["b2"]
+
+    def test_unreadable_key_is_a_storage_error(self, backend: Backend):
+        backend.store.put("d/x", b"1")
+        with pytest.raises(StorageError, match="cannot read") as info:
+            backend.store.get("d")  # a directory
+        assert not isinstance(info.value, ChunkNotFoundError)
+
+    def test_retrying_retries_transient_errors_only(self, backend: Backend):
+        store = open_store(backend.config.model_copy(update={"retry_backoff_s": 0.001, "max_retries": 3}))
+        calls = []
+
+        def flaky():
+            calls.append(1)
+            if len(calls) < 3:
+                raise TransientStorageError("busy")
+            return "ok"
+
+        assert store.retrying("flaky op", flaky) == "ok" and len(calls) == 3
+        calls.clear()
+        with pytest.raises(TransientStorageError, match="flaky op: gave up after 4 attempts"):
+            store.retrying("flaky op", lambda: calls.append(1) or (_ for _ in ()).throw(TransientStorageError("x")))
+        assert len(calls) == 4
+        calls.clear()
+        with pytest.raises(StorageError, match="broken"):
+            store.retrying("op", lambda: calls.append(1) or (_ for _ in ()).throw(StorageError("broken")))
+        assert len(calls) == 1
+
+
+class TestS3Store(StoreConformance):
+    @pytest.fixture
+    def backend(self, s3_config) -> Backend:
+        backend = make_backend("s3", s3_config)
+        assert isinstance(backend.store, S3Store)
+        return backend
+
+    def test_requests_per_verb(self, backend: Backend):
+        store = backend.store
+        requests = S3Requests(store)
+        store.put("k", DATA)
+        store.put("x", DATA, exclusive=True)
+        assert requests.log == [("PUT", None), ("PUT", None)]
+        requests.clear()
+        store.get("k")
+        store.get("k", 2, 5)
+        store.get("k", 700)
+        assert requests.log == [("GET", None), ("GET", "bytes=2-4"), ("GET", "bytes=700-")]
+        requests.clear()
+        store.delete(["k", "x", "never"])
+        assert requests.kinds() == ["DELETE"]
+
+    def test_delete_batches_1000_keys_per_request(self, backend: Backend):
+        keys = [f"many/{i:05d}" for i in range(2001)]
+        backend.store.put(keys[1000], b".")
+        backend.store.put(keys[2000], b".")
+        batches = []
+        backend.store.fs.s3.meta.events.register(
+            "request-created.s3.DeleteObjects", lambda request, **_: batches.append(request.body.count(b"<Key>")))
+        backend.store.delete(keys)
+        assert batches == [1000, 1000, 1]
+        assert backend.raw.keys() == []
+
+    def test_requests_outside_the_run_are_never_sent(self, backend: Backend):
+        requests = S3Requests(backend.store)
+        for key in BAD_KEYS:
+            with pytest.raises(OutsideRunError):
+                backend.store.get(key)
+            with pytest.raises(OutsideRunError):
+                backend.store.delete(["ok/key", key])
+        assert requests.log == []
+
+    def test_unreachable_endpoint_is_a_transient_error_after_retries(self, s3_config):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]  # closed once the block ends: nothing listens there
+        config = s3_config.model_copy(update={"s3_endpoint_url": f"http://127.0.0.1:{port}", "max_retries": 1,
+                                              "retry_backoff_s": 0.001})
+        store = open_store(config)
+        for verb in (lambda: store.get("k"), lambda: store.put("k", b"x", exclusive=True), lambda: store.delete(["k"])):
+            with pytest.raises(TransientStorageError, match="gave up after 2 attempts.*EndpointConnectionError"):
+                verb()
