@@ -98,6 +98,7 @@ class Orchestrator:
         self._pending: dict[str, list[Episode]] = {}
         self._ready: deque[_ReadyGroup] = deque()
         self._closed: dict[str, str] = {}
+        self._queued_refs: set[str] = set()
 
     @property
     def ready_groups(self) -> int:
@@ -118,22 +119,29 @@ class Orchestrator:
         """
         check_episode(episode, self.store.prefix)
         queued = self._pending.get(episode.group_id, [])
-        if any(e.episode_id == episode.episode_id for e in queued):
-            raise EpisodeError(f"episode {episode.episode_id!r} of group {episode.group_id!r} was already submitted")
+        self._check_new(episode, queued)
         self.ledger.record("receive", episode_id=episode.episode_id, group_id=episode.group_id,
                            branch_ids=[r.branch_id for r in episode.refs()])
         what = f"episode {episode.episode_id} of group {episode.group_id}"
         if episode.is_eval:
             self.eval_rewards += [(episode.env_name, float(r)) for r in episode.branch_rewards()]
-            return self._delete("eval", episode.refs(), f"{what} is an eval episode")
-        if episode.group_id in self._closed:
-            return self._delete("late", episode.refs(), f"{what} arrived after its group was "
-                                                        f"{self._closed[episode.group_id]}")
-        self._delete("untrained", [b.ref for b in episode.branches if not b.trainable and b.ref],
-                     f"{what}: branch not trainable")
-        self._pending[episode.group_id] = queued + [episode]
-        if len(queued) + 1 == self.config.group_size:
-            self._complete_group(episode.group_id)
+            self._delete("eval", episode.refs(), f"{what} is an eval episode")
+        elif episode.group_id in self._closed:
+            self._delete("late", episode.refs(), f"{what} arrived after its group was {self._closed[episode.group_id]}")
+        else:
+            self._delete("untrained", [b.ref for b in episode.branches if not b.trainable and b.ref],
+                         f"{what}: branch not trainable")
+            self._pending[episode.group_id] = queued + [episode]
+            self._queued_refs.update(r.branch_id for r in _trainable_refs([episode]))
+            if len(queued) + 1 == self.config.group_size:
+                self._complete_group(episode.group_id)
+
+    def _check_new(self, episode: Episode, queued: list[Episode]) -> None:
+        """Refuse an episode already queued in its group, or carrying a ref that is queued."""
+        again = [r.branch_id for r in episode.refs() if r.branch_id in self._queued_refs]
+        if again or any(e.episode_id == episode.episode_id for e in queued):
+            raise EpisodeError(f"episode {episode.episode_id!r} of group {episode.group_id!r} was already submitted"
+                               f"{f' (refs {again} are queued)' if again else ''}")
 
     def build_step(self, step: int) -> StepHeader | None:
         """Void stale samples, pack up to ``groups_per_step`` ready groups, publish step ``step``.
@@ -156,6 +164,7 @@ class Orchestrator:
         uri = publish_step_file(self.store, header, streams)
         for _ in groups:
             self._ready.popleft()
+        self._queued_refs.difference_update(r.branch_id for r in header.refs)
         self.ledger.record("ship", step=step, uri=uri, branch_ids=[r.branch_id for r in header.refs])
         self.ledger.flush()
         return header
@@ -167,6 +176,7 @@ class Orchestrator:
         self._delete("shutdown", refs, "queued when the orchestrator shut down")
         self._pending.clear()
         self._ready.clear()
+        self._queued_refs.clear()
         self.ledger.close()
 
     def _complete_group(self, group_id: str) -> None:
@@ -178,23 +188,29 @@ class Orchestrator:
         self._delete("truncated", [b.ref for (_, b, _), k in zip(units, kept) if k == 0 and b.ref],
                      f"group {group_id}: prompt leaves no completion token within seq_len={self.config.seq_len}")
         units, kept = [u for u, k in zip(units, kept) if k > 0], kept[kept > 0]
-        if not units:
-            return
         rewards = np.array([r for _, _, r in units], np.float64)
-        if not reward_in_range(rewards, self.config.reward_range):
-            self._closed[group_id] = "filtered"
-            return self._delete("filtered_group", _unit_refs(units), f"group {group_id}: mean reward "
-                                f"{rewards.mean():.4g} outside reward_range {list(self.config.reward_range)}")
         adv = group_advantages(rewards, kept, std_normalize=self.config.std_normalize,
                                length_weighted_baseline=self.config.length_weighted_baseline)
         zero = zero_advantage(adv) if self.config.prune_zero_advantage else np.zeros(len(units), np.bool_)
-        if zero.all():
+        problem = self._group_filter(rewards, zero)
+        if problem:
             self._closed[group_id] = "filtered"
-            return self._delete("filtered_group", _unit_refs(units), f"group {group_id}: every advantage is zero")
+            self._delete("filtered_group", _unit_refs(units), f"group {group_id}: {problem}")
+            return
         self._delete("pruned", _unit_refs(u for u, z in zip(units, zero) if z), f"group {group_id}: zero advantage")
         samples = [build_sample(e, b, reward=r, advantage=float(a), seq_len=self.config.seq_len)
                    for (e, b, r), a, z in zip(units, adv, zero) if not z]
         self._ready.append(_ReadyGroup(group_id, samples))
+
+    def _group_filter(self, rewards: np.ndarray, zero: np.ndarray) -> str | None:
+        """Why a group with ``rewards`` [G] and zero-advantage mask ``zero`` [G] is filtered, or None."""
+        if rewards.size == 0:
+            return "no trainable sample"
+        if not reward_in_range(rewards, self.config.reward_range):
+            return f"mean reward {rewards.mean():.4g} outside reward_range {list(self.config.reward_range)}"
+        if zero.all():
+            return "every advantage is zero"
+        return None
 
     def _void_stale(self, step: int) -> None:
         """Delete queued samples too old for ``step``; drop incomplete groups holding a stale episode."""
@@ -217,6 +233,7 @@ class Orchestrator:
         if refs:
             self.ledger.delete(refs, reason=f"orchestrator {path}: {detail}")
             self.deleted[path] += len(refs)
+            self._queued_refs.difference_update(r.branch_id for r in refs)
 
 
 def _trainable_refs(episodes: Iterable[Episode]) -> list[PayloadRef]:

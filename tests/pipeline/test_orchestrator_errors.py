@@ -82,6 +82,8 @@ def test_same_ref_twice_and_resubmitted_episode(env):
     orch.submit(e)
     with pytest.raises(EpisodeError, match=r"episode 'e0' of group 'g0' was already submitted"):
         orch.submit(e)
+    with pytest.raises(EpisodeError, match=r"episode 'e9' of group 'g1' was already submitted \(refs \['e0-b0'\] "):
+        orch.submit(replace(e, episode_id="e9", group_id="g1"))
     assert chunks(store) == {"e0-b0"} and tombstones(store) == set() and orch.pending_groups == 1
 
 
