@@ -1,0 +1,1 @@
+"""The main job's model side: the MoE policy, sampling with side channels, the task, the loss."""

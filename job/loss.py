@@ -62,12 +62,15 @@ def policy_loss(
         advantages: [R] float32 advantage of each token's sample.
         loss_mask: [R] bool; rows outside it (padding, prompt-only) contribute exactly 0,
             whatever values they hold (NaN/-inf included).
-        topk_ids: [R, k] int32/int64 inference head ids.
+        topk_ids: [R, k] int32/int64 inference head ids (masked rows: any id in [-1, V)).
         topk_logprobs: [R, k] float32 inference head logprobs.
         temperature: the sampler's temperature.
     """
     logp_all = torch.log_softmax(logits / temperature, dim=-1)
     logp = logp_all.gather(-1, tokens.long()[:, None])[:, 0]
+    # Masked rows get harmless stand-ins, so garbage there cannot reach the gradient as NaN * 0.
+    inference_logprobs = torch.where(loss_mask, inference_logprobs, logp.detach())
+    topk_logprobs = torch.where(loss_mask[:, None], topk_logprobs, torch.zeros((), dtype=topk_logprobs.dtype))
     ratio = torch.exp(logp - inference_logprobs)
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
