@@ -1,0 +1,157 @@
+"""The ledger on both backends: event segments per session, deletes exactly once, typed refusals."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from storage.chunk import ArraySpec, PayloadRef, encode_chunk
+from storage.errors import ChunkNotFoundError, ConfigError, DoubleDeleteError, OutsideRunError, UnknownRefError
+from storage.fetch import fetch_arrays, put_chunk
+from storage.ledger import SEGMENT_MAX_EVENTS, Ledger, parse_segment_key, tombstone_key
+from storage.store import Store
+
+
+def kept(store: Store, branch_id: str, num_tokens: int = 4) -> PayloadRef:
+    """Keep one chunk holding ``x = arange(num_tokens) + len(branch_id)`` int32 [num_tokens]."""
+    spec = {"x": ArraySpec("<i4", (num_tokens,), "tokens")}
+    x = np.arange(num_tokens, dtype=np.int32) + len(branch_id)
+    chunk = encode_chunk(branch_id, {"x": x}, spec, num_prompt_tokens=num_tokens, num_completion_tokens=0,
+                         writer="test")
+    uri = put_chunk(store, branch_id, chunk)
+    return PayloadRef(uri=uri, branch_id=branch_id, num_prompt_tokens=num_tokens, num_completion_tokens=0,
+                      arrays=spec, nbytes=chunk.nbytes, checksum=chunk.checksum)
+
+
+def events_of(store: Store, actor: str) -> list[list[dict]]:
+    """Every segment of ``actor``, in order, as lists of events."""
+    keys = store.list_prefix(f"ledger/events/{actor}")
+    return [[json.loads(line) for line in store.get(k).splitlines()] for k in keys]
+
+
+def test_open_is_written_at_once_and_events_are_buffered_into_segments(store):
+    ledger = Ledger(store, "env_worker_0")
+    [[opened]] = events_of(store, "env_worker_0")
+    assert opened["event"] == "open" and opened["actor"] == "env_worker_0"
+    [key] = store.list_prefix("ledger/events")
+    assert parse_segment_key(key) == ("env_worker_0", ledger.session, 0)
+
+    ledger.record("receive", branch_ids=["a", "b"])
+    ledger.record("release", step=3, dp_rank=1)
+    assert len(events_of(store, "env_worker_0")) == 1  # buffered: no I/O per record
+    ledger.flush()
+    ledger.flush()  # nothing buffered: no empty segment
+    ledger.close()
+    segments = events_of(store, "env_worker_0")
+    assert [[e["event"] for e in s] for s in segments] == [["open"], ["receive", "release"], ["close"]]
+    assert segments[1][0]["branch_ids"] == ["a", "b"] and segments[1][1]["step"] == 3
+    assert [parse_segment_key(k)[2] for k in store.list_prefix("ledger/events")] == [0, 1, 2]
+
+
+def test_a_segment_is_written_every_512_events(store):
+    ledger = Ledger(store, "a")
+    for i in range(SEGMENT_MAX_EVENTS + 1):
+        ledger.record("x", i=i)
+    sizes = [len(s) for s in events_of(store, "a")]
+    assert sizes == [1, SEGMENT_MAX_EVENTS]
+    assert ledger.ledger_seconds > 0
+
+
+def test_sessions_of_one_actor_never_share_segments(store):
+    sessions = [Ledger(store, "trainer_dp0").session for _ in range(4)]
+    assert len(set(sessions)) == 4
+    assert len(store.list_prefix("ledger/events/trainer_dp0")) == 4
+
+
+@pytest.mark.parametrize("actor", ["", "a/b", "..", "-x", "a" * 129])
+def test_bad_actor_names_are_refused(store, actor):
+    with pytest.raises(ConfigError, match="ledger actor"):
+        Ledger(store, actor)
+    assert store.list_prefix("ledger") == []
+
+
+def test_delete_is_exactly_once_and_a_second_delete_names_both_holders(store):
+    refs = [kept(store, f"b{i}") for i in range(3)]
+    first = Ledger(store, "trainer_dp3")
+    result = first.delete(refs[:2], reason="step 7")
+    assert result.deleted == [refs[0].uri, refs[1].uri] and not result.double_deletes and not result.unknown
+    record = json.loads(store.get(tombstone_key("b0")))
+    assert (record["holder"], record["reason"], record["uri"]) == ("trainer_dp3", "step 7", refs[0].uri)
+    with pytest.raises(ChunkNotFoundError):
+        fetch_arrays(store, refs[0])
+
+    second = Ledger(store, "orchestrator")
+    with pytest.raises(DoubleDeleteError, match="already deleted by trainer_dp3 \\(step 7\\); second delete "
+                                                "from orchestrator \\(filtered\\)") as info:
+        second.delete([refs[1], refs[2]], reason="filtered")
+    assert info.value.result.deleted == [refs[2].uri]
+    [double] = info.value.result.double_deletes
+    assert (double.first_holder, double.second_holder) == ("trainer_dp3", "orchestrator")
+    assert json.loads(store.get(tombstone_key("b1")))["holder"] == "trainer_dp3"
+    assert store.list_prefix("payloads") == []
+    # the double delete is on record at once, before any close
+    problems = [e for s in events_of(store, "orchestrator") for e in s if e["event"] == "double_delete"]
+    assert problems == [{"event": "double_delete", "actor": "orchestrator", "t": problems[0]["t"], "branch_id": "b1",
+                         "uri": refs[1].uri, "reason": "filtered", "first": "trainer_dp3"}]
+
+
+def test_a_double_delete_deletes_nothing_else(store):
+    refs = [kept(store, f"c{i}") for i in range(2)]
+    ledger = Ledger(store, "a")
+    ledger.delete(refs[:1], reason="first")
+    kept_bytes = store.get(f"{store.prefix.key_of(refs[1].uri)}/c.0")
+    with pytest.raises(DoubleDeleteError) as info:
+        ledger.delete([refs[0], refs[0]], reason="again")
+    assert info.value.result.deleted == [] and len(info.value.result.double_deletes) == 2
+    assert store.get(f"{store.prefix.key_of(refs[1].uri)}/c.0") == kept_bytes
+    np.testing.assert_array_equal(fetch_arrays(store, refs[1])["x"], np.arange(4, dtype=np.int32) + 2)
+
+
+def test_the_same_ref_twice_in_one_call_is_deleted_once(store):
+    ref = kept(store, "d0")
+    with pytest.raises(DoubleDeleteError) as info:
+        Ledger(store, "a").delete([ref, ref], reason="twice")
+    assert info.value.result.deleted == [ref.uri] and len(info.value.result.double_deletes) == 1
+    assert store.list_prefix("ledger/deletes") == [tombstone_key("d0")]
+
+
+def test_a_ref_never_kept_is_refused_and_recorded(store):
+    real = kept(store, "e0")
+    ghost = real.model_copy(update={"uri": store.uri("payloads/00/ghost"), "branch_id": "ghost"})
+    ledger = Ledger(store, "orchestrator")
+    with pytest.raises(UnknownRefError, match="was never kept") as info:
+        ledger.delete([ghost, real], reason="shutdown")
+    assert info.value.result.deleted == [real.uri] and len(info.value.result.unknown) == 1
+    assert store.list_prefix("ledger/deletes") == [tombstone_key("e0")]
+    unknown = [e for s in events_of(store, "orchestrator") for e in s if e["event"] == "unknown_delete"]
+    assert [(e["branch_id"], e["reason"]) for e in unknown] == [("ghost", "shutdown")]
+
+
+@pytest.mark.parametrize("uri", ["{run}0/payloads/00/f0", "{run}/../run_1/payloads/00/f0", "file:///etc/passwd"])
+def test_a_ref_outside_the_run_deletes_nothing(store, uri):
+    ref = kept(store, "f0")
+    outside = ref.model_copy(update={"uri": uri.format(run=store.prefix.uri)})
+    before = store.list_prefix("")
+    with pytest.raises(OutsideRunError):
+        Ledger(store, "a").delete([ref, outside], reason="x")
+    assert [k for k in store.list_prefix("") if not k.startswith("ledger/events/")] == \
+           [k for k in before if not k.startswith("ledger/events/")]
+    np.testing.assert_array_equal(fetch_arrays(store, ref)["x"], np.arange(4, dtype=np.int32) + 2)
+
+
+def test_ledger_seconds_counts_claims_and_segment_puts(store):
+    refs = [kept(store, f"g{i}") for i in range(4)]
+    ledger = Ledger(store, "a")
+    after_open = ledger.ledger_seconds
+    assert after_open > 0
+    ledger.delete(refs, reason="x")
+    after_delete = ledger.ledger_seconds
+    assert after_delete > after_open
+    ledger.record_keep(refs[0])
+    assert ledger.ledger_seconds == after_delete  # recording is in memory
+    ledger.flush()
+    assert ledger.ledger_seconds > after_delete
+    [keep_event] = events_of(store, "a")[1]
+    assert (keep_event["event"], keep_event["branch_id"], keep_event["nbytes"]) == ("keep", "g0", refs[0].nbytes)
