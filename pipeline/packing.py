@@ -182,6 +182,7 @@ def step_contents(packed: Sequence[PackedMicroBatch], *, step: int, run_uri: str
 def _record(mb: PackedMicroBatch, index_of: Mapping[str, int], seq_len: int) -> MicroBatchRecord:
     sequences = [SequenceRecord(num_tokens=s.num_tokens, env_name=s.env_name,
                                 ref=None if s.payload is None else index_of[s.payload.ref.branch_id],
-                                borrowed=mb.is_dummy and s.payload is not None) for s in mb.samples]
+                                borrowed=mb.is_dummy and s.payload is not None,
+                                policy_version=s.policy_version) for s in mb.samples]
     return MicroBatchRecord(dp_rank=mb.dp_rank, index=mb.index, sequences=sequences,
                             num_padding_tokens=seq_len - mb.num_tokens, has_routing=mb.has_routing)

@@ -61,6 +61,9 @@ class SequenceRecord(BaseModel):
     """Index into ``StepHeader.refs`` of the chunk holding this sequence's side channels; None: none."""
     borrowed: bool = False
     """A zero-loss padding dummy reusing ``refs[ref]``'s rows; the chunk's owner deletes it, once."""
+    policy_version: int = Field(default=0, ge=0)
+    """Trainer step whose weights sampled the sequence (a padding dummy: its source's), so the
+    trainer can tell on-policy tokens from off-policy ones."""
 
 
 class MicroBatchRecord(BaseModel):
