@@ -301,7 +301,7 @@ class S3Store(Store):
         # by default, which multiplies into minutes against a dead endpoint.
         fs = fsspec.core.url_to_fs(self.prefix.uri, skip_instance_cache=True, use_listings_cache=False,
                                    client_kwargs=client_kwargs,
-                                   config_kwargs={"retries": {"max_attempts": 1, "mode": "standard"}})[0]
+                                   config_kwargs={"retries": {"total_max_attempts": 1, "mode": "standard"}})[0]
         fs.retries = 1
         return fs
 
