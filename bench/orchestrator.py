@@ -222,6 +222,11 @@ def main() -> None:
         shutil.rmtree(os.path.join(args.workdir, "run_bench"), ignore_errors=True)
         if owned:
             shutil.rmtree(args.workdir, ignore_errors=True)
+    report(args, per_branch, env, inline, refpipe)
+
+
+def report(args, per_branch: int, env: dict, inline: dict, refpipe: dict) -> None:
+    """Print the figures; the last line is the JSON summary."""
     mib = 2**20
     print(f"{args.branches} branches x {args.tokens} tokens, side channels {per_branch / mib:.2f} MiB/branch "
           f"({env['chunk_bytes'] / 2**30:.2f} GiB kept)")

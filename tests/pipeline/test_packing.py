@@ -69,6 +69,7 @@ def test_packing_invariants(seed):
     for routing in (True, False):
         assert sum(mb.num_tokens * 2 <= seq_len for mb in real if mb.has_routing == routing) <= 1
     # streams and cu_seqlens: the concatenation of the samples, in order
+    assert len(header.micro_batches) == len(packed) and set(streams) == {(mb.dp_rank, mb.index) for mb in packed}
     for mb, record in zip(packed, header.micro_batches):
         cu = record.cu_seqlens()
         assert cu[0] == 0 and cu[-1] == mb.num_tokens == record.num_tokens and cu.dtype == np.int32
@@ -76,7 +77,12 @@ def test_packing_invariants(seed):
         for name in STREAMS:
             assert streams[(mb.dp_rank, mb.index)][name].tobytes() == b"".join(
                 getattr(s, name).tobytes() for s in mb.samples)
-    # every kept slice accounted once, owned by its sample's DP rank; borrows point at owned refs
+    _check_refs(samples, packed, header)
+
+
+def _check_refs(samples, packed, header):
+    """Every kept slice accounted once, owned by its sample's DP rank; borrows point at owned refs."""
+    real = [mb for mb in packed if not mb.is_dummy]
     owner_of = {s.payload.ref.branch_id: mb.dp_rank for mb in real for s in mb.samples if s.payload}
     assert [r.branch_id for r in header.refs] == list(owner_of) and header.owners == list(owner_of.values())
     step_routes = any(s.has_routing for s in samples)
