@@ -106,7 +106,7 @@ class TrainerRank:
                             max_concurrency=self.storage.max_concurrent_fetches)
         dropped = self.agree_failures(header, fetched)
         batches = self.assemble(step_file, fetched, dropped[self.topology.dp_rank])
-        train([to_torch(mb) for mb in batches])
+        train([to_torch(mb, rec) for mb, rec in zip(batches, header.micro_batches_of(self.topology.dp_rank))])
         deletes, problems = self.release(header)
         return self.metrics(header, fetched, dropped, deletes, problems, self.store.retries - retries_before)
 

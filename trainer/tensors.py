@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pipeline.step_file import MicroBatchRecord
 from trainer.assemble import AssembledMicroBatch
 
 STREAM_TORCH_DTYPES: dict[str, np.dtype] = {
@@ -52,17 +53,19 @@ class TrainMicroBatch:
     fields: dict[str, FieldTensors]
     dropped: bool
     """True: shapes only; its ``loss_mask`` is all False and it must not contribute to the loss."""
+    record: MicroBatchRecord
+    """The step file's record of this micro batch (sequences, env names, policy versions)."""
 
 
 def _wrap(a: np.ndarray | None) -> torch.Tensor | None:
     return None if a is None else torch.from_numpy(a)
 
 
-def to_torch(mb: AssembledMicroBatch) -> TrainMicroBatch:
+def to_torch(mb: AssembledMicroBatch, record: MicroBatchRecord) -> TrainMicroBatch:
     """Tensors of ``mb``: one widening copy per stream, field arrays shared with ``mb``."""
     streams = {name: torch.from_numpy(a.astype(STREAM_TORCH_DTYPES[name])) for name, a in mb.streams.items()}
     fields = {name: FieldTensors(_wrap(f.values), _wrap(f.cu_seqlens), _wrap(f.counts), _wrap(f.padded),
                                  _wrap(f.row_ids))
               for name, f in mb.fields.items()}
     return TrainMicroBatch(mb.dp_rank, mb.index, mb.num_tokens, streams, torch.from_numpy(mb.cu_seqlens), fields,
-                           mb.dropped)
+                           mb.dropped, record)

@@ -136,9 +136,10 @@ def test_to_torch_widens_streams_once_and_shares_field_memory(local):
     store, step = local
     header = step.header
     arrays = {i: fetch_arrays(store, header.refs[i], n) for i, n in own_requests(header, 0).items()}
-    mb = assemble_micro_batch(header.micro_batches_of(0)[0], step.streams[(0, 0)], arrays, header.refs,
-                              seq_len=SEQ_LEN, fields=FIELDS)
-    t = to_torch(mb)
+    record = header.micro_batches_of(0)[0]
+    mb = assemble_micro_batch(record, step.streams[(0, 0)], arrays, header.refs, seq_len=SEQ_LEN, fields=FIELDS)
+    t = to_torch(mb, record)
+    assert t.record is record
     assert t.streams["input_ids"].dtype == torch.int64 and t.streams["position_ids"].dtype == torch.int64
     assert t.streams["loss_mask"].dtype == torch.bool and t.streams["temperatures"].dtype == torch.float32
     assert t.fields["routed_experts"].padded.data_ptr() == mb.fields["routed_experts"].padded.ctypes.data
