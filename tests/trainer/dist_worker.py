@@ -1,0 +1,66 @@
+"""One trainer rank of a distributed test world: ``python dist_worker.py <spec.json> <rank>``.
+
+Joins a gloo world at the spec's ``init_method``, runs ``TrainerRank.run_step`` for each step of
+the spec, and writes per step ``step<N>_rank<r>.npz`` (every tensor the train callback got, as
+numpy, keyed ``mb<i>.<name>``) and ``step<N>_rank<r>.json`` (metrics or the error, dropped flags,
+how long the step took). A rank listed in ``exit_before`` leaves the world with ``os._exit`` at
+that step, as a crashed rank would.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.fields import FieldsConfig
+from storage.config import StorageConfig
+from storage.store import open_store
+from trainer.config import TrainerConfig
+from trainer.dist import init_process_group
+from trainer.step import TrainerRank
+
+sys.path.insert(0, str(Path(__file__).parent))
+from trainer_helpers import flatten  # noqa: E402
+
+
+def main(spec_path: str, rank: int) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    out = Path(spec["out_dir"])
+    logging.basicConfig(level=logging.INFO, format=f"rank{rank} %(name)s %(levelname)s %(message)s")
+    config = TrainerConfig(**spec["trainer"])
+    storage = StorageConfig(**spec["storage"])
+    init_process_group(config, rank=rank, world_size=spec["world_size"], init_method=spec["init_method"])
+    rank_obj = TrainerRank(open_store(storage), FieldsConfig(**spec["fields"]), storage, config)
+    for step in spec["steps"]:
+        if step in spec.get("exit_before", {}).get(str(rank), []):
+            os._exit(3)
+        got: dict[str, np.ndarray] = {}
+        result: dict = {"rank": rank, "dp_rank": rank_obj.topology.dp_rank, "dropped": []}
+
+        def train(batches):
+            for mb in batches:
+                result["dropped"].append(mb.dropped)
+                got.update({f"mb{mb.index}.{k}": v for k, v in flatten(mb.streams, mb.cu_seqlens, mb.fields).items()})
+
+        started = time.monotonic()
+        try:
+            result["metrics"] = rank_obj.run_step(step, train).model_dump()
+        except Exception as e:  # noqa: BLE001 -- the test asserts on what each rank raised
+            result["error"], result["message"] = type(e).__name__, str(e)
+        result["seconds"] = time.monotonic() - started
+        np.savez(out / f"step{step}_rank{rank}.npz", **got)
+        (out / f"step{step}_rank{rank}.json").write_text(json.dumps(result))
+        if "error" in result and result["error"] != "FetchError":
+            break  # the world is broken (a peer left); the remaining steps cannot run
+    rank_obj.close()
+    os._exit(0)  # skip process-group teardown, which can wait on peers that already left
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))

@@ -1,0 +1,212 @@
+"""Trainer ranks as real processes (torch.distributed, gloo on 127.0.0.1): byte identity and faults.
+
+Each test starts one world and runs several steps in it, each step a scenario prepared on
+the store beforehand; the ranks write what they trained and what they measured, and the
+test checks every rank's tensors, decisions and metrics, and exactly which chunks remain.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.fields import spread_expert_rows
+from storage.config import StorageConfig
+from storage.fetch import chunk_keys
+from storage.ledger import tombstone_key
+from storage.store import open_store
+from slowdown_proxy import SlowDownProxy
+from trainer_helpers import FIELDS, Seq, assert_same, build_step, expected_micro_batch, keep_all, make_branch
+
+SEQ_LEN = 24
+WORKER = Path(__file__).with_name("dist_worker.py")
+
+
+def _layout(s: int) -> list[list[list[Seq]]]:
+    """Step ``s``: 2 DP ranks x 3 micro batches; branch names are ``s<s>_<x>``."""
+    n = lambda x: f"s{s}_{x}"  # noqa: E731
+    return [
+        [[Seq(n("a"), 11), Seq(n("b"), 9), Seq(n("f"), 4)],             # a cut in its completion, f routing only
+         [Seq(n("g"), 10), Seq(n("h"), 7)],                            # padding 7
+         [Seq(n("c"), 8), Seq(None, 5), Seq(n("d"), 6), Seq(n("e"), 3)]],  # no routing: with and without arrays
+        [[Seq(n("a"), 14, borrowed=True), Seq(n("i"), 6)],              # borrows a (owned by DP 0)
+         [Seq(n("j"), 12)],                                             # j cut: ranged reads
+         [Seq(n("k"), 11), Seq(None, 4)]],
+    ]
+
+
+def _branches(s: int, rng) -> dict:
+    shapes = {"a": (5, 9, True), "b": (3, 6, True), "f": (2, 3, True), "g": (4, 8, True), "h": (3, 4, True),
+              "c": (4, 7, False), "d": (1, 5, False), "e": (6, 4, False), "i": (2, 4, True), "j": (5, 9, True),
+              "k": (4, 7, False)}
+    return {f"s{s}_{x}": make_branch(rng, p, c, f"s{s}_{x}", routing=r, completion=(x != "f"))
+            for x, (p, c, r) in shapes.items()}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_world(tmp_path: Path, storage: StorageConfig, world_size: int, model_parallel_size: int, steps: list[int],
+              exit_before: dict[str, list[int]] | None = None) -> dict:
+    """Start ``world_size`` ranks, wait for all; return ``{(step, rank): (result, arrays)}``."""
+    out = tmp_path / "ranks"
+    out.mkdir()
+    spec = {"out_dir": str(out), "world_size": world_size, "init_method": f"tcp://127.0.0.1:{_free_port()}",
+            "storage": storage.model_dump(), "fields": FIELDS.model_dump(), "steps": steps,
+            "exit_before": exit_before or {},
+            "trainer": {"model_parallel_size": model_parallel_size, "step_timeout_s": 30, "step_poll_s": 0.1,
+                        "collective_timeout_s": 20}}
+    (out / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(out / "spec.json"), str(r)], env=env,
+                              stderr=open(out / f"rank{r}.log", "w")) for r in range(world_size)]
+    try:
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    logs = "\n".join((out / f"rank{r}.log").read_text()[-3000:] for r in range(world_size))
+    assert all(c in (0, 3) for c in codes), f"exit codes {codes}\n{logs}"
+    results = {}
+    for path in out.glob("step*_rank*.json"):
+        step, rank = (int(x) for x in path.stem.removeprefix("step").split("_rank"))
+        with np.load(path.with_suffix(".npz")) as z:
+            results[(step, rank)] = (json.loads(path.read_text()), dict(z))
+    return results
+
+
+def _micro_batch(arrays: dict, index: int) -> dict:
+    prefix = f"mb{index}."
+    return {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
+
+
+def _check_trained(built, results, step: int, world_size: int, mp: int, dropped: set[tuple[int, int]],
+                   stand_in_rows: dict[tuple[int, int], np.ndarray | None]) -> dict:
+    """Every rank's tensors: fetched micro batches byte-identical, dropped ones shape-only; peers agree."""
+    for rank in range(world_size):
+        result, arrays = results[(step, rank)]
+        dp = rank // mp
+        assert result["dp_rank"] == dp and "error" not in result, result
+        assert result["dropped"] == [(dp, i) in dropped for i in range(3)]
+        for i in range(3):
+            got = _micro_batch(arrays, i)
+            if (dp, i) not in dropped:
+                assert_same(got, expected_micro_batch(built, dp, i), widened=True)
+                continue
+            assert not got["stream.loss_mask"].any()
+            assert got["stream.input_ids"][:built.header.micro_batches_of(dp)[i].num_tokens].tolist() == \
+                built.streams[(dp, i)]["input_ids"].tolist()
+            assert all(len(got[f"field.{f}.values"]) == 0 and (got[f"field.{f}.row_ids"] == -1).all()
+                       for f in ("topk_ids", "topk_logprobs", "sample_support", "sampling_mask"))
+            if (dp, i) in stand_in_rows:
+                rows = stand_in_rows[(dp, i)]
+                want = spread_expert_rows(SEQ_LEN, 2, 2, 8, np.uint8) if rows is None else np.resize(rows, (SEQ_LEN, 2, 2))
+                assert got["field.routed_experts.padded"].tobytes() == want.tobytes()
+        peer = results[(step, rank - rank % mp)][1]
+        assert sorted(arrays) == sorted(peer) and all(arrays[k].tobytes() == peer[k].tobytes() for k in arrays)
+    metrics = [results[(step, r)][0]["metrics"] for r in range(world_size)]
+    assert all(m == metrics[0] for m in metrics)
+    return metrics[0]
+
+
+def _routing(built, name: str, n: int) -> np.ndarray:
+    return built.branches[name].fields["routed_experts"][:n]
+
+
+def _release_events(store) -> list[tuple[int, int, str]]:
+    events = []
+    for key in store.list_prefix("ledger/events"):
+        if key.startswith("ledger/events/trainer_dp"):
+            for line in store.get(key).decode().splitlines():
+                e = json.loads(line)
+                if e["event"] == "release":
+                    events.append((e["step"], e["dp_rank"], e["actor"]))
+    return sorted(events)
+
+
+def test_two_dp_ranks_of_two_peers_train_identical_bytes_and_survive_faults(tmp_path, local_config):
+    """4 ranks (2 DP x 2 model-parallel): clean step, missing, corrupt, a raising fetch, nothing fetchable, a dead rank."""
+    store = open_store(local_config)
+    rng = np.random.default_rng(11)
+    built = {}
+    for s in range(6):
+        branches = _branches(s, rng)
+        refs = keep_all(store, local_config, branches)
+        if s == 3:  # DP 1's whole-read ref i claims more routing rows than its chunk holds: fetch raises ValueError
+            i = refs["s3_i"]
+            arrays = {**i.arrays, "routed_experts": i.arrays["routed_experts"]._replace(shape=(10_006, 2, 2))}
+            refs["s3_i"] = i.model_copy(update={"arrays": arrays})
+        built[s] = build_step(store, s, SEQ_LEN, _layout(s), branches, refs, rng)
+    ref_of = lambda s, x: built[s].refs[f"s{s}_{x}"]  # noqa: E731
+    store.delete(list(chunk_keys(store, ref_of(1, "g"))))                       # step 1: g gone (DP 0 mb 1)
+    k_data = chunk_keys(store, ref_of(2, "k"))[0]                               # step 2: k bit-flipped (whole read)
+    data = bytearray(store.get(k_data))
+    data[40] ^= 0x01
+    store.put(k_data, bytes(data))
+    j_data = chunk_keys(store, ref_of(2, "j"))[0]                               # step 2: j truncated (ranged read)
+    store.put(j_data, store.get(j_data)[:30])
+    store.delete([chunk_keys(store, ref)[0] for ref in built[4].header.refs])   # step 4: every chunk's data gone
+
+    results = run_world(tmp_path, local_config, 4, 2, list(range(6)), exit_before={"3": [5]})
+
+    n_refs = len(built[0].header.refs)  # 11; DP 0 uses 8 (a b f g h c d e), DP 1 uses 4 (a i j k)
+    m0 = _check_trained(built[0], results, 0, 4, 2, set(), {})
+    assert m0 == {"step": 0, "micro_batches": 6, "dropped_micro_batches": 0, "fetched_chunks": 2 * (8 + 4),
+                  "fetched_bytes": m0["fetched_bytes"], "fetch_seconds_mean": m0["fetch_seconds_mean"],
+                  "fetch_seconds_max": m0["fetch_seconds_max"], "failed_fetches": 0, "retries": 0,
+                  "deletes": n_refs, "delete_problems": 0}
+    assert m0["fetch_seconds_max"] >= m0["fetch_seconds_mean"] > 0
+    mb0_rows = np.concatenate([_routing(built[1], "s1_a", 11), _routing(built[1], "s1_b", 9), _routing(built[1], "s1_f", 4)])
+    m1 = _check_trained(built[1], results, 1, 4, 2, {(0, 1)}, {(0, 1): mb0_rows})
+    assert (m1["dropped_micro_batches"], m1["failed_fetches"], m1["fetched_chunks"]) == (1, 2, 2 * (7 + 4))
+    assert (m1["deletes"], m1["delete_problems"]) == (n_refs - 1, 1)  # g was never there to delete
+    dp1_rows = np.concatenate([_routing(built[2], "s2_a", 14), _routing(built[2], "s2_i", 6)])
+    m2 = _check_trained(built[2], results, 2, 4, 2, {(1, 1), (1, 2)}, {(1, 1): dp1_rows})
+    assert (m2["dropped_micro_batches"], m2["failed_fetches"], m2["deletes"]) == (2, 4, n_refs)
+    m3 = _check_trained(built[3], results, 3, 4, 2, {(1, 0), (1, 1), (1, 2)}, {(1, 0): None, (1, 1): None})
+    assert (m3["dropped_micro_batches"], m3["failed_fetches"], m3["fetched_chunks"], m3["deletes"]) == (3, 2, 16, n_refs)
+    for rank in range(4):
+        result = results[(4, rank)][0]
+        assert result["error"] == "FetchError" and "step 4: none of its 6 micro batches" in result["message"]
+    for rank in range(3):
+        assert results[(5, rank)][0]["error"] in ("DistBackendError", "RuntimeError"), results[(5, rank)][0]
+    assert (5, 3) not in results
+
+    assert set(store.list_prefix("payloads")) == {chunk_keys(store, r)[1] for r in built[4].header.refs} | {
+        k for r in built[5].header.refs for k in chunk_keys(store, r)}
+    for s in range(6):  # a tombstone for every chunk released, except g (never there to claim)
+        assert all(store.exists(tombstone_key(r.branch_id)) == (s < 4 and r.branch_id != "s1_g")
+                   for r in built[s].header.refs), s
+    assert _release_events(store) == [(s, dp, f"trainer_dp{dp}") for s in range(4) for dp in range(2)]
+
+
+def test_two_ranks_on_s3_retry_throttled_reads(tmp_path, s3_endpoint, s3_bucket):
+    """2 ranks (2 DP x 1) on S3 behind a proxy that answers 503 SlowDown to every chunk's first GET."""
+    writer_cfg = StorageConfig(root=f"s3://{s3_bucket}/prefix", run_id="run_1", s3_endpoint_url=s3_endpoint)
+    store = open_store(writer_cfg)
+    rng = np.random.default_rng(5)
+    branches = _branches(0, rng)
+    built = build_step(store, 0, SEQ_LEN, _layout(0), branches, keep_all(store, writer_cfg, branches), rng)
+    with SlowDownProxy(s3_endpoint) as proxy:
+        trainer_cfg = writer_cfg.model_copy(update={"s3_endpoint_url": proxy.url, "retry_backoff_s": 0.01})
+        results = run_world(tmp_path, trainer_cfg, 2, 1, [0])
+    metrics = _check_trained(built, results, 0, 2, 1, set(), {})
+    # one 503 per chunk read: DP 0 and DP 1 both read a (only the first read is throttled); e is kept to
+    # 3 of its 6 prompt tokens and carries no routing, so it has no rows to read and gets no GET
+    assert proxy.failures == 10
+    assert (metrics["retries"], metrics["dropped_micro_batches"], metrics["fetched_chunks"]) == (10, 0, 12)
+    assert (metrics["deletes"], metrics["delete_problems"]) == (11, 0)
+    assert store.list_prefix("payloads") == []
+    assert all(store.exists(tombstone_key(r.branch_id)) for r in built.header.refs)
+    assert _release_events(store) == [(0, 0, "trainer_dp0"), (0, 1, "trainer_dp1")]
