@@ -134,9 +134,13 @@ def validate_branch(
         ``sampling_mask.ids`` for the ragged field).
 
     Raises:
-        FieldError: unknown or unconfigured field, wrong dtype, trailing shape or row
-            count, or a bad value (expert id out of range, NaN logprob, id < -1).
+        FieldError: negative token counts, unknown or unconfigured field, wrong dtype,
+            trailing shape or row count, or a bad value (expert id out of range, NaN
+            logprob, id < -1).
     """
+    for count_name, count in (("num_prompt_tokens", num_prompt_tokens), ("num_completion_tokens", num_completion_tokens)):
+        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
+            raise FieldError(f"{what}: {count_name}={count!r}: expected an integer >= 0")
     arrays: dict[str, np.ndarray] = {}
     specs: dict[str, ArraySpec] = {}
     for name, value in fields.items():
@@ -152,14 +156,14 @@ def validate_branch(
         else:
             a = _check_array(fdef, name, value, (rows, *trailing), cfg, what)
             arrays[name] = a
-            specs[name] = ArraySpec(a.dtype.str, a.shape, fdef.domain)
+            specs[name] = ArraySpec(_stored_dtype(a), a.shape, fdef.domain)
     return arrays, specs
 
 
 def _check_array(fdef: FieldDef, name: str, a, shape: tuple[int, ...], cfg: FieldsConfig, what: str) -> np.ndarray:
     if not isinstance(a, np.ndarray):
         raise FieldError(f"{what}: field {name!r} is {type(a).__name__}: expected a numpy array")
-    if a.dtype.newbyteorder("<").str not in fdef.dtypes and a.dtype.str not in fdef.dtypes:
+    if _stored_dtype(a) not in fdef.dtypes:
         raise FieldError(f"{what}: field {name!r} has dtype {a.dtype}: expected one of {[str(np.dtype(d)) for d in fdef.dtypes]}")
     if a.shape != shape:
         raise FieldError(f"{what}: field {name!r} has shape {list(a.shape)}: expected {list(shape)} "
@@ -178,8 +182,13 @@ def _add_ragged(fdef, value, rows, cfg, what, arrays, specs) -> None:
     ids = _check_array(fdef, f"{fdef.name}.ids", value.ids, (total,), cfg, what)
     counts_name, ids_name = f"{fdef.name}.counts", f"{fdef.name}.ids"
     arrays[counts_name], arrays[ids_name] = counts, ids
-    specs[counts_name] = ArraySpec(counts.dtype.str, counts.shape, fdef.domain)
-    specs[ids_name] = ArraySpec(ids.dtype.str, ids.shape, f"values:{counts_name}")
+    specs[counts_name] = ArraySpec(_stored_dtype(counts), counts.shape, fdef.domain)
+    specs[ids_name] = ArraySpec(_stored_dtype(ids), ids.shape, f"values:{counts_name}")
+
+
+def _stored_dtype(a: np.ndarray) -> str:
+    """The little-endian ``dtype.str`` an array is stored as (big-endian inputs are byte-swapped on write)."""
+    return a.dtype.newbyteorder("<").str
 
 
 def spread_expert_rows(num_rows: int, num_layers: int, top_k: int, num_experts: int, dtype: np.dtype) -> np.ndarray:

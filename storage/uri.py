@@ -107,8 +107,11 @@ class RunPrefix:
         if scheme == "file" and parts.netloc not in ("", "localhost"):
             raise OutsideRunError(f"URI {uri!r} is outside run {self.uri}: file URI names host {parts.netloc!r}")
         path = parts.netloc + parts.path if scheme == "s3" else parts.path
-        _check_segments(path, f"URI {uri!r}")
+        _check_segments(path, f"URI {uri!r} is outside run {self.uri}")
         prefix = self.path + "/"
         if not path.startswith(prefix):
             raise OutsideRunError(f"URI {uri!r} is outside run {self.uri}: expected a URI under {self.uri}/")
-        return self.check_key(path[len(prefix):])
+        try:
+            return self.check_key(path[len(prefix):])
+        except OutsideRunError as e:
+            raise OutsideRunError(f"URI {uri!r} is outside run {self.uri}: {e}") from None

@@ -1,0 +1,162 @@
+"""A missing, truncated or corrupted chunk is a typed error, never data; refs outside the run are refused before I/O."""
+
+from __future__ import annotations
+
+import google_crc32c
+import numpy as np
+import pytest
+import zarr
+
+from pipeline.keep import Branch, Keeper
+from storage.chunk import DATA_KEY, META_KEY, PayloadRef, node_key
+from storage.config import StorageConfig
+from storage.errors import ChunkCorruptError, ChunkNotFoundError, OutsideRunError
+from storage.fetch import fetch_arrays, fetch_many
+from storage.ledger import Ledger
+from storage.store import open_store
+from storage_helpers import FIELDS_CFG, Backend, FsOps, S3Requests, make_backend, make_fields
+
+P, C = 4, 6
+
+
+@pytest.fixture(params=["local", "s3"])
+def backend(request) -> Backend:
+    return make_backend(request.param, request.getfixturevalue(f"{request.param}_config"))
+
+
+def keep(backend: Backend, branch_id: str = "b1", compression: str = "none", seed: int = 0) -> PayloadRef:
+    config = backend.config.model_copy(update={"compression": compression})
+    keeper = Keeper(backend.store, Ledger(backend.store, "env_worker_0"), FIELDS_CFG, config)
+    return keeper.keep(Branch(P, C, make_fields(seed, P, C), branch_id))
+
+
+def data_key(ref: PayloadRef) -> str:
+    return f"{node_key(ref.branch_id)}/{DATA_KEY}"
+
+
+@pytest.mark.parametrize("num_tokens", [None, P + 1, P - 1])
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_missing_chunk_is_chunk_not_found_never_zeros(backend, num_tokens, compression):
+    ref = keep(backend, compression=compression)
+    backend.raw.remove(data_key(ref))
+    with pytest.raises(ChunkNotFoundError, match="does not exist") as info:
+        fetch_arrays(backend.store, ref, num_tokens)
+    assert backend.store.uri(data_key(ref)) in str(info.value)
+    storage_options = ({"client_kwargs": {"endpoint_url": backend.config.s3_endpoint_url}}
+                       if backend.name == "s3" else None)
+    zeros = zarr.open(ref.uri, zarr_format=3, mode="r", storage_options=storage_options)[:]
+    assert not zeros.any()  # what a plain zarr reader returns for the missing chunk: fill values
+
+
+def test_missing_node_is_chunk_not_found(backend):
+    ref = keep(backend)
+    backend.raw.remove(data_key(ref))
+    backend.raw.remove(f"{node_key(ref.branch_id)}/{META_KEY}")
+    with pytest.raises(ChunkNotFoundError):
+        fetch_arrays(backend.store, ref)
+
+
+@pytest.mark.parametrize("keep_bytes", [-1, -4, -5, 100, 1, 0])
+def test_truncated_chunk_is_corrupt(backend, keep_bytes):
+    ref = keep(backend)
+    stored = backend.raw.get(data_key(ref))
+    backend.raw.put(data_key(ref), stored[:keep_bytes])
+    with pytest.raises(ChunkCorruptError, match=f"expected {ref.nbytes} bytes, got {len(stored[:keep_bytes])}"):
+        fetch_arrays(backend.store, ref)
+
+
+def test_truncated_chunk_is_corrupt_for_a_first_n_fetch_that_reaches_past_the_end(backend):
+    ref = keep(backend)
+    end_of_routing = ref.layout()[1].offset  # the next array starts here
+    backend.raw.put(data_key(ref), backend.raw.get(data_key(ref))[: end_of_routing + 8])
+    with pytest.raises(ChunkCorruptError, match="truncated chunk"):
+        fetch_arrays(backend.store, ref, P + 2)
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+@pytest.mark.parametrize("where", ["first", "each_array", "last_payload", "checksum"])
+def test_flipped_byte_is_corrupt(backend, compression, where):
+    ref = keep(backend, compression=compression)
+    stored = backend.raw.get(data_key(ref))
+    positions = {"first": [0], "last_payload": [len(stored) - 5], "checksum": [len(stored) - 1],
+                 "each_array": [lay.offset + lay.nbytes // 2 for lay in ref.layout()]}[where]
+    for pos in positions:
+        if pos >= len(stored):
+            continue  # compressed chunks are shorter than the payload
+        corrupted = bytearray(stored)
+        corrupted[pos] ^= 0x01
+        backend.raw.put(data_key(ref), bytes(corrupted))
+        with pytest.raises(ChunkCorruptError, match="crc32c mismatch"):
+            fetch_arrays(backend.store, ref)
+
+
+def test_another_valid_chunk_of_the_same_size_is_corrupt(backend):
+    ref = keep(backend, "b1", seed=1)
+    other = keep(backend, "b2", seed=2)
+    assert ref.nbytes == other.nbytes and ref.checksum != other.checksum
+    backend.raw.put(data_key(ref), backend.raw.get(data_key(other)))
+    with pytest.raises(ChunkCorruptError, match=f"reference {ref.checksum:#010x}"):
+        fetch_arrays(backend.store, ref)
+
+
+def test_zstd_frame_that_does_not_decode_is_corrupt(backend):
+    ref = keep(backend, compression="zstd")
+    body = b"\x28\xb5\x2f\xfd" + b"not a zstd frame" * 4
+    crc = google_crc32c.value(body)
+    backend.raw.put(data_key(ref), body + np.array([crc], "<u4").tobytes())
+    forged = ref.model_copy(update={"nbytes": len(body) + 4, "checksum": crc})
+    with pytest.raises(ChunkCorruptError, match="zstd frame does not decode"):
+        fetch_arrays(backend.store, forged)
+
+
+def test_num_tokens_out_of_range(backend):
+    ref = keep(backend)
+    for bad in (-1, P + C + 1):
+        with pytest.raises(ValueError, match=f"num_tokens={bad}.*expected 0..{P + C}"):
+            fetch_arrays(backend.store, ref, bad)
+
+
+def _outside_uris(backend: Backend, sibling_ref: PayloadRef) -> list[str]:
+    node = node_key("b1")
+    run = backend.store.prefix
+    if backend.name == "s3":
+        bucket, _, rest = run.path.partition("/")
+        others = [f"s3://other-bucket/{rest}/{node}", f"file:///{run.path}/{node}"]
+    else:
+        others = [f"s3://bucket{run.path}/{node}", f"file://otherhost{run.path}/{node}",
+                  f"{run.path.rpartition('/')[0]}/other_root/run_1/{node}"]
+    return [sibling_ref.uri, f"{run.uri}/../run_10/{node}", f"{run.uri}/payloads/../../run_10/{node}",
+            f"{run.uri}/{node}/../../../../run_10/{node}", f"{run.uri}"] + others
+
+
+def test_refs_outside_the_run_are_refused_before_any_io(backend):
+    """The sibling run ``run_10`` of ``run_1`` holds a real chunk at every URI tried; none is read or deleted."""
+    sibling = make_backend(backend.name, backend.config.model_copy(update={"run_id": "run_10"}))
+    sibling_ref = keep(sibling, "b1")
+    before = sibling.raw.keys()
+    keep(backend, "b2")
+    ledger = Ledger(backend.store, "trainer_dp0")
+    refs = [sibling_ref.model_copy(update={"uri": uri}) for uri in _outside_uris(backend, sibling_ref)]
+    requests = S3Requests(backend.store) if backend.name == "s3" else None
+    with FsOps(backend.raw.root) as ops:
+        for ref in refs:
+            with pytest.raises(OutsideRunError, match="outside run"):
+                fetch_arrays(backend.store, ref)
+            with pytest.raises(OutsideRunError, match="outside run"):
+                ledger.delete([ref], reason="test")
+        results = fetch_many(backend.store, [(ref, P + C) for ref in refs], max_concurrency=4)
+    assert [type(r) for r in results] == [OutsideRunError] * len(refs)
+    assert ops.ops == [] and (requests is None or requests.log == [])
+    assert sibling.raw.keys() == before
+    assert fetch_arrays(sibling.store, sibling_ref)["routed_experts"].shape == (P + C, 3, 2)
+
+
+def test_a_ref_of_another_run_under_the_same_root_is_refused(tmp_path):
+    """run_1 and run_10 share a root; a run_1 store refuses run_10's refs by name, not by luck."""
+    root = str(tmp_path / "root")
+    stores = {run: open_store(StorageConfig(root=root, run_id=run)) for run in ("run_1", "run_10")}
+    keeper = Keeper(stores["run_10"], Ledger(stores["run_10"], "w"), FIELDS_CFG, StorageConfig(root=root))
+    ref = keeper.keep(Branch(P, C, make_fields(0, P, C), "b1"))
+    assert ref.uri.startswith(f"file://{root}/run_10/")
+    with pytest.raises(OutsideRunError, match=r"run_10.*is outside run file://.*/run_1: expected a URI under"):
+        fetch_arrays(stores["run_1"], ref)
