@@ -54,16 +54,17 @@ def one_line(message: str) -> str:
 
 
 def clean_errors(command: Callable[..., T]) -> Callable[..., T]:
-    """Wrap a command so refpipe and OS errors end it with one line on stderr and exit code 2."""
+    """Wrap a command so refpipe and OS errors (missing, unreadable, no permission) end it with one line
+    on stderr and exit code 2, never a traceback."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
-        except PermissionError as e:
-            fail(f"permission denied: {e.filename or e}")
-        except (RefpipeError, OSError) as e:
+        except RefpipeError as e:
             fail(str(e) or type(e).__name__)
+        except OSError as e:  # from a listing: "permission denied: /runs/run_0/steps"
+            fail(f"{e.strerror.lower()}: {e.filename}" if e.strerror and e.filename else str(e) or type(e).__name__)
 
     return wrapper
 

@@ -135,9 +135,9 @@ def invoke(args: list[str]):
 
 
 def snapshot(store: Store) -> dict[str, tuple]:
-    """Every object under the run prefix with its size and modification stamp (mtime or ETag)."""
+    """Every object under the run prefix: size and modification stamps (local mtime; S3 ETag and LastModified)."""
     found = store.fs.find(store.prefix.path, detail=True)
-    return {name: (info["size"], info.get("mtime") or info.get("ETag") or info.get("LastModified"))
+    return {name: (info["size"], info.get("mtime"), info.get("ETag"), str(info.get("LastModified")))
             for name, info in found.items()}
 
 

@@ -1,0 +1,92 @@
+"""``refpipe verify``: intact steps pass; deleted, corrupted, truncated, mistyped and outside refs are flagged."""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+
+from test_inspect import invoke, local_run, run, snapshot  # noqa: F401 (fixtures)
+
+from pipeline.step_file import HEADER_MEMBER, step_key
+from storage.fetch import chunk_keys
+from storage.ledger import Ledger
+
+
+def rewrite_step_file(store, step: int, edit_header=None, edit_member=None) -> None:
+    """Overwrite a step file in place with its header and/or one member's bytes edited."""
+    src = zipfile.ZipFile(io.BytesIO(store.get(step_key(step))))
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            data = src.read(info.filename)
+            if info.filename == HEADER_MEMBER and edit_header:
+                header = json.loads(data)
+                edit_header(header)
+                data = json.dumps(header).encode()
+            dst.writestr(info.filename, data)
+    data = bytearray(buf.getvalue())
+    if edit_member:  # flip a byte inside a member's stored bytes, after the zip wrote its CRC
+        info = zipfile.ZipFile(io.BytesIO(bytes(data))).getinfo(edit_member)
+        start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
+        data[start + info.compress_size // 2] ^= 0xFF
+    store.put(step_key(step), bytes(data))
+
+
+def test_verify_passes_an_intact_step(run):
+    before = snapshot(run.store)
+    result = invoke(["verify", run.step_uris[0], *run.cli_args()])
+    nbytes = sum(ref.nbytes for ref in run.refs.values())
+    assert (result.exit_code, result.stdout) == (0, "")
+    assert result.stderr == f"step 0: 7 chunks ({nbytes} bytes), 4 micro batches: all intact\n"
+    assert snapshot(run.store) == before
+
+
+def test_verify_flags_every_problem_once(run):
+    store, refs = run.store, run.refs
+    Ledger(store, "trainer_dp0").delete([refs["a"]], reason="step 0 trained")
+    data_key, meta_key = chunk_keys(store, refs["b"])
+    store.put(data_key, store.get(data_key)[:-9])  # truncated
+    data_key, _ = chunk_keys(store, refs["c"])
+    flipped = bytearray(store.get(data_key))
+    flipped[10] ^= 0xFF
+    store.put(data_key, bytes(flipped))  # corrupted
+    _, meta_key = chunk_keys(store, refs["f"])
+    meta = json.loads(store.get(meta_key))
+    meta["attributes"]["refpipe"]["arrays"]["topk_ids"]["dtype"] = "<u4"
+    store.put(meta_key, json.dumps(meta).encode())  # zarr.json disagrees with the reference
+    store.delete(list(chunk_keys(store, refs["g"])))  # gone without a delete record
+    outside = refs["d"].uri.replace("/run_1/", "/run_10/")
+
+    def point_d_outside(header):
+        header["refs"][3]["uri"] = outside
+    rewrite_step_file(store, 1, point_d_outside)
+    before = snapshot(store)
+
+    result = invoke(["verify", run.step_uris[1], *run.cli_args()])
+    assert result.exit_code == 1
+    f_layout = {lay.name: lay for lay in refs["f"].layout()}["topk_ids"]
+    f_spec = ("<i4", f_layout.shape, "completion", f_layout.offset)
+    c = refs["c"]
+    lines = result.stdout.splitlines()
+    assert lines[:2] == [f"missing {refs['a'].uri}: deleted by trainer_dp0 (step 0 trained)",
+                         f"corrupt {refs['b'].uri}: chunk {refs['b'].uri}: expected {refs['b'].nbytes} bytes, got "
+                         f"{refs['b'].nbytes - 9} (truncated or replaced)"]
+    assert lines[2].startswith(f"corrupt {c.uri}: chunk {c.uri}: crc32c mismatch: reference {c.checksum:#010x}, "
+                               f"stored {c.checksum:#010x}, computed ")
+    assert lines[3:] == [
+        f"outside the run: URI {outside!r} is outside run {store.prefix.uri}: expected a URI under {store.prefix.uri}/",
+        f"mismatch {refs['f'].uri}: array topk_ids is {('<u4', *f_spec[1:])} (dtype, shape, domain, offset) in "
+        f"zarr.json, {f_spec} in the reference",
+        f"missing {refs['g'].uri}: no delete record",
+    ]
+    assert result.stderr.endswith(": 6 problems\n")
+    assert snapshot(store) == before
+
+
+def test_verify_flags_a_corrupted_stream_of_the_step_file(local_run):
+    rewrite_step_file(local_run.store, 0, edit_member="dp1.mb0.advantages.npy")
+    result = invoke(["verify", local_run.step_uris[0]])
+    assert result.exit_code == 1
+    assert result.stdout == (f"corrupt step file: step file {local_run.step_uris[0]}: member dp1.mb0.advantages.npy "
+                             "unreadable: Bad CRC-32 for file 'dp1.mb0.advantages.npy'\n")
