@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from storage.chunk import META_KEY, PayloadRef, node_key
-from storage.errors import ChunkNotFoundError, ConfigError, DoubleDeleteError, KeyExistsError, UnknownRefError
+from storage.errors import (ChunkNotFoundError, ConfigError, DoubleDeleteError, KeyExistsError, StorageError,
+                            UnknownRefError)
 from storage.fetch import chunk_keys
 from storage.store import Store
 
@@ -97,7 +98,7 @@ class Ledger:
     Every process creates one ``Ledger`` per actor it plays, with a unique ``actor``
     name (``env_worker_3``, ``orchestrator``, ``trainer_dp0``), after any fork, and
     calls ``close`` at a clean shutdown. Construction writes the session's ``open``
-    event at once (one put): from then on the audit counts the session as a live
+    event at once (one put, plus one refused put that probes exclusivity): from then on the audit counts the session as a live
     holder of the chunks it keeps. Later events are buffered and written as one
     segment per 512 events, per 2 s (checked on the next ``record``), on ``flush``,
     at ``close``, and right after a delete that found a problem.
@@ -114,6 +115,8 @@ class Ledger:
 
     Raises:
         ConfigError: ``actor`` is not a valid name.
+        StorageError: the store does not honour exclusive puts (probed once per session by
+            putting the ``open`` segment twice), so exactly-once deletes cannot be guaranteed.
     """
 
     def __init__(self, store: Store, actor: str):
@@ -129,7 +132,8 @@ class Ledger:
         self.session = self._open()
 
     def _open(self) -> str:
-        """Write the ``open`` segment under a fresh session id (the next millisecond on a clash)."""
+        """Write the ``open`` segment under a fresh session id (the next millisecond on a clash),
+        then probe that the store honours exclusive puts by putting it again."""
         opened_ms = int(time.time() * 1000)
         event = {"event": "open", "actor": self.actor, "t": round(time.time(), 3), "pid": os.getpid(),
                  "host": socket.gethostname()}
@@ -140,8 +144,15 @@ class Ledger:
             except KeyExistsError:
                 opened_ms += 1
                 continue
+            break
+        try:
+            self._put_segment(session, 0, [event])
+        except KeyExistsError:
             self._seq = 1
             return session
+        raise StorageError(f"store {self.store.prefix.uri} does not honour exclusive puts (a second exclusive put "
+                           f"of a ledger segment succeeded; a proxy dropping If-None-Match?): refusing to run "
+                           f"without delete-exactly-once")
 
     def record(self, event: str, **fields) -> None:
         """Append an event (JSON-serialisable fields) to this session's log; no I/O unless a segment is due."""

@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 
 from storage.chunk import ArraySpec, PayloadRef, encode_chunk
-from storage.errors import ChunkNotFoundError, ConfigError, DoubleDeleteError, OutsideRunError, UnknownRefError
+from storage.errors import (ChunkNotFoundError, ConfigError, DoubleDeleteError, OutsideRunError, StorageError,
+                            UnknownRefError)
 from storage.fetch import fetch_arrays, put_chunk
 from storage.ledger import SEGMENT_MAX_EVENTS, Ledger, parse_segment_key, tombstone_key
-from storage.store import Store
+from storage.store import LocalStore, S3Store, Store
+from storage.uri import RunPrefix
 
 
 def kept(store: Store, branch_id: str, num_tokens: int = 4) -> PayloadRef:
@@ -155,3 +157,16 @@ def test_ledger_seconds_counts_claims_and_segment_puts(store):
     assert ledger.ledger_seconds > after_delete
     [keep_event] = events_of(store, "a")[1]
     assert (keep_event["event"], keep_event["branch_id"], keep_event["nbytes"]) == ("keep", "g0", refs[0].nbytes)
+
+
+def test_a_store_that_ignores_exclusive_puts_is_refused(storage_config):
+    """A proxy that drops ``If-None-Match`` (here: the backend's store with exclusivity switched off)."""
+    prefix = RunPrefix.from_root(storage_config.root, storage_config.run_id)
+    base = S3Store if prefix.scheme == "s3" else LocalStore
+
+    class DroppingStore(base):
+        def put(self, key, data, *, exclusive=False):
+            super().put(key, data)
+
+    with pytest.raises(StorageError, match="does not honour exclusive puts"):
+        Ledger(DroppingStore(prefix, storage_config), "env_worker_0")
