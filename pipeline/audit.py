@@ -1,6 +1,6 @@
 """Audit and sweep of a run's chunks: the proof of invariants 1-3 (DESIGN.md).
 
-The audit merges four sources under the run prefix, read-only:
+The audit merges four sources under the run prefix, read-only (``pipeline.audit_scan``):
 
 - the listing of ``payloads/``: present chunks; a chunk node with ``zarr.json`` is
   committed, one without is an incomplete keep (its writer died mid-keep, or is mid-keep);
@@ -37,31 +37,19 @@ chunk of an untrained step file.
 
 from __future__ import annotations
 
-import json
-import re
-from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import TypeVar
+from collections import Counter
 
 from pydantic import BaseModel, ConfigDict, computed_field
 from rich.progress import Progress
 
-from pipeline.step_file import StepFile, StepHeader, step_key
-from storage.chunk import META_KEY, node_key, read_attributes
-from storage.errors import ChunkNotFoundError, ConfigError, DoubleDeleteError, StepFileError, UnknownRefError
-from storage.ledger import DELETES_PREFIX, Ledger, parse_segment_key, session_opened_ms
+from pipeline.audit_scan import RunScan, committed, scan_run
+from storage.errors import DoubleDeleteError, StepFileError, UnknownRefError
+from storage.ledger import Ledger, session_opened_ms
 from storage.store import Store
 
 ORCHESTRATOR_ACTOR = "orchestrator"
 SWEEP_ACTOR = "sweep"
 SWEEP_REASON = "sweep: no live holder (left behind by a crash)"
-_STEP_KEY = re.compile(r"^steps/step_(\d+)\.npz$")
-_DRAWN_ID = re.compile(r"^(?P<writer>.+)-[0-9a-f]{32}$")
-"""Branch ids drawn by ``Keeper.keep``: ``<actor>-<uuid4 hex>``; they name their writer."""
-T = TypeVar("T")
-R = TypeVar("R")
 
 
 class AuditReport(BaseModel):
@@ -132,155 +120,6 @@ class SweepResult(BaseModel):
     """Incomplete keeps removed (never committed, so nothing to claim)."""
     conflicts: int = 0
     """Leaked chunks someone else deleted during the sweep (double or unknown deletes)."""
-
-
-@dataclass
-class RunScan:
-    """Everything the audit reads, before judging it."""
-
-    nodes: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
-    """Node key (``payloads/<shard>/<branch_id>``) -> every key listed under it."""
-    tombstoned: set[str] = field(default_factory=set)
-    steps: dict[int, StepHeader] = field(default_factory=dict)
-    unreadable_steps: list[str] = field(default_factory=list)
-    sessions: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
-    closed: set[tuple[str, str]] = field(default_factory=set)
-    keeps: dict[str, tuple[str, str]] = field(default_factory=dict)
-    """Node key -> ``(actor, session)`` of its keep event."""
-    received: set[str] = field(default_factory=set)
-    released: dict[int, int] = field(default_factory=dict)
-    """DP rank -> highest step it released."""
-    problems: list[dict] = field(default_factory=list)
-    bad_records: list[str] = field(default_factory=list)
-    stray_keys: list[str] = field(default_factory=list)
-    writers: dict[str, str] = field(default_factory=dict)
-    """Node key -> writer, for the unshipped chunks without a keep event."""
-
-
-def committed(keys: Sequence[str]) -> bool:
-    """Whether a chunk node's keys include its commit marker."""
-    return any(k.endswith("/" + META_KEY) for k in keys)
-
-
-def _parallel(store: Store, fn: Callable[[T], R], items: Sequence[T], progress: Progress | None,
-              description: str) -> list[R]:
-    task = progress.add_task(description, total=len(items)) if progress else None
-    out: list[R] = []
-    with ThreadPoolExecutor(store.config.max_concurrent_fetches) as pool:
-        for result in pool.map(fn, items):
-            out.append(result)
-            if progress:
-                progress.advance(task)
-    return out
-
-
-def _list(store: Store, prefix: str, progress: Progress | None) -> list[str]:
-    task = progress.add_task(f"listing {prefix}/", total=None) if progress else None
-    keys = store.list_prefix(prefix)
-    if progress:
-        progress.update(task, total=len(keys), completed=len(keys))
-    return keys
-
-
-def scan_run(store: Store, progress: Progress | None = None) -> RunScan:
-    """List and read everything the audit needs (no writes)."""
-    scan = RunScan()
-    for key in _list(store, "payloads", progress):
-        parts = key.split("/")
-        if len(parts) == 4:
-            scan.nodes["/".join(parts[:3])].append(key)
-        else:
-            scan.stray_keys.append(key)
-    for key in _list(store, "ledger/deletes", progress):
-        if key.endswith(".json") and key.count("/") == 3:
-            scan.tombstoned.add("payloads/" + key[len(DELETES_PREFIX):-len(".json")])
-        else:
-            scan.stray_keys.append(key)
-    _scan_steps(store, scan, progress)
-    _scan_events(store, scan, progress)
-    _scan_writers(store, scan, progress)
-    return scan
-
-
-def _scan_steps(store: Store, scan: RunScan, progress: Progress | None) -> None:
-    keys = []
-    for key in _list(store, "steps", progress):
-        (keys if _STEP_KEY.match(key) else scan.stray_keys).append(key)
-
-    def read(key: str) -> StepHeader | str:
-        try:
-            return StepFile.from_bytes(store.get(key), store, store.uri(key)).header
-        except (StepFileError, ChunkNotFoundError) as e:
-            return f"{store.uri(key)}: {e}"
-
-    for key, header in zip(keys, _parallel(store, read, keys, progress, "reading step files")):
-        if isinstance(header, str):
-            scan.unreadable_steps.append(header)
-        elif step_key(header.step) != key:
-            scan.unreadable_steps.append(f"{store.uri(key)}: holds step {header.step}")
-        else:
-            scan.steps[header.step] = header
-
-
-def _scan_events(store: Store, scan: RunScan, progress: Progress | None) -> None:
-    segments = []
-    for key in _list(store, "ledger/events", progress):
-        if parse_segment_key(key):
-            segments.append(key)
-        else:
-            scan.bad_records.append(f"{store.uri(key)}: not a published segment (its writer died mid-put)")
-    for key, data in zip(segments, _parallel(store, store.get, segments, progress, "reading ledger segments")):
-        actor, session, _ = parse_segment_key(key)
-        scan.sessions[actor].add(session)
-        for number, line in enumerate(data.split(b"\n"), 1):
-            if line:
-                _take_event(scan, actor, session, line, f"{store.uri(key)} line {number}",
-                            truncated=number == data.count(b"\n") + 1)
-
-
-def _take_event(scan: RunScan, actor: str, session: str, line: bytes, where: str, truncated: bool) -> None:
-    """Fold one ledger record into the scan; a bad record is noted, never fatal."""
-    try:
-        if truncated:
-            raise ValueError("truncated record (no line end)")
-        event = json.loads(line)
-        kind = event["event"]
-        if kind == "close":
-            scan.closed.add((actor, session))
-        elif kind == "keep":
-            scan.keeps[node_key(event["branch_id"])] = (actor, session)
-        elif kind == "receive":
-            scan.received.update(node_key(b) for b in event["branch_ids"])
-        elif kind == "release":
-            rank, step = int(event["dp_rank"]), int(event["step"])
-            scan.released[rank] = max(step, scan.released.get(rank, -1))
-        elif kind in ("double_delete", "unknown_delete"):
-            scan.problems.append(event)
-    except (ValueError, KeyError, TypeError, ConfigError) as e:
-        scan.bad_records.append(f"{where}: {type(e).__name__}: {e}")
-
-
-def _scan_writers(store: Store, scan: RunScan, progress: Progress | None) -> None:
-    """Writers of unshipped chunks without a keep event: from a drawn branch id, else ``zarr.json``."""
-    shipped = {store.prefix.key_of(ref.uri) for h in scan.steps.values() for ref in h.refs}
-    unnamed = []
-    for node, keys in scan.nodes.items():
-        if node in scan.keeps or node in shipped or node in scan.tombstoned:
-            continue
-        drawn = _DRAWN_ID.match(node.rpartition("/")[2])
-        if drawn:
-            scan.writers[node] = drawn["writer"]
-        elif committed(keys):
-            unnamed.append(node)
-
-    def writer(node: str) -> str:
-        try:
-            return read_attributes(store.get(f"{node}/{META_KEY}")).get("writer", "")
-        except (ChunkNotFoundError, ValueError, KeyError, TypeError):
-            return ""
-
-    scan.writers.update(zip(unnamed, _parallel(store, writer, unnamed, progress, "reading chunk writers")))
-
 
 def _live_sessions(scan: RunScan, stopped: bool) -> set[tuple[str, str]]:
     if stopped:
