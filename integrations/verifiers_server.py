@@ -230,9 +230,11 @@ class RefDeltaStreamer(DeltaStreamer):
     async def _in_thread(self, fn: Callable, *args):
         """Run ``fn`` on the pool after this run's previous job; a cancelled caller does
         not cancel the job (a keep in flight is always tracked, so ``abandon`` sees it)."""
-        self._job = job = self.pool.submit(_after, self._job, fn, *args)
-        await asyncio.wait([asyncio.wrap_future(job)])
-        return job.result()
+        self._job = self.pool.submit(_after, self._job, fn, *args)
+        done = asyncio.wrap_future(self._job)
+        done.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even if we are cancelled
+        await asyncio.wait([done])
+        return done.result()
 
 
 class RefpipeEnvServer(EnvServer):

@@ -1,0 +1,270 @@
+"""RefDeltaStreamer against verifiers' own DeltaStreamer, on traces built offline through
+verifiers' data model: the same stream minus the arrays, refs that fetch the same bytes,
+stale and discarded keeps deleted exactly once, abandoned runs leave nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+pytest.importorskip("verifiers", minversion="0.4", reason="the verifiers extra is not installed "
+                    "(pip install 'refpipe[verifiers]'): skipping the verifiers integration tests")
+
+from verifiers.v1.serve.delta import DeltaStreamer, pack  # noqa: E402
+from vf_serving import Stream, byte_leaves, payload_nodes, same_bytes, tombstones  # noqa: E402
+from vf_traces import Engine, complete, inline_arrays, multi_turn, multi_turn_steps, new_trace  # noqa: E402
+
+from integrations.verifiers_branches import INFO_KEY, read_refs  # noqa: E402
+from integrations.verifiers_server import RefDeltaStreamer, RunKeeps  # noqa: E402
+from pipeline.audit import audit  # noqa: E402
+from pipeline.fields import FieldsConfig  # noqa: E402
+from pipeline.keep import Keeper  # noqa: E402
+from storage.errors import FieldError  # noqa: E402
+from storage.fetch import fetch_arrays  # noqa: E402
+from storage.ledger import Ledger  # noqa: E402
+from storage.store import open_store  # noqa: E402
+
+FIELDS = FieldsConfig(num_layers=3, top_k=2, num_experts=16, sampling_mask=True)
+BIG = dict(layers=16, top_k=8, num_experts=64, completion_scale=16)
+BIG_FIELDS = FieldsConfig(num_layers=16, top_k=8, num_experts=64, sampling_mask=True)
+
+
+class Refpipe:
+    """A keeper (ledger actor ``env_worker_0``) and a keep pool for RefDeltaStreamers."""
+
+    def __init__(self, config, fields=FIELDS):
+        self.store = open_store(config)
+        self.ledger = Ledger(self.store, "env_worker_0")
+        self.keeper = Keeper(self.store, self.ledger, fields, config)
+        self.pool = ThreadPoolExecutor(2)
+
+    def stream(self) -> Stream:
+        return Stream(lambda traces, send: RefDeltaStreamer(traces, send, RunKeeps(self.keeper), self.pool))
+
+    def all_refs(self, episode):
+        return [ref for t in episode.traces for ref in read_refs(t.info, t.id).values()]
+
+
+async def play(stream: Stream, seeds, engine_kw=None) -> None:
+    """Each seed's trace streamed turn by turn (a flush per turn), completed, then the run ends."""
+    async with stream.streamer:
+        for seed in seeds:
+            trace = new_trace(f"t{seed}")
+            stream.traces.append(trace)
+            for _ in multi_turn_steps(trace, Engine(seed, **(engine_kw or {}))):
+                await stream.streamer.flush()
+            complete(trace, reward=float(seed))
+            await stream.streamer.flush()
+
+
+def strip_arrays(delta: dict) -> dict:
+    d = copy.deepcopy(delta)
+    d.pop("routing_repairs", None)
+    for node in d.get("nodes", ()):
+        node.pop("routed_experts", None)
+        node.pop("sampling_mask", None)
+    return d
+
+
+def strip_refs(delta: dict) -> dict:
+    d = copy.deepcopy(delta)
+    info = d.get("set", {}).get("info")
+    if info is not None and info.pop(INFO_KEY, None) is not None and not info:
+        del d["set"]["info"]
+    return d
+
+
+def test_refs_replace_arrays_byte_for_byte(storage_config):
+    rp = Refpipe(storage_config)
+    vanilla = Stream(DeltaStreamer)
+    refpipe = rp.stream()
+    asyncio.run(play(vanilla, [1, 2]))
+    asyncio.run(play(refpipe, [1, 2]))
+    inline_ep, ref_ep = vanilla.episode(), refpipe.episode()
+
+    # verifiers' own stream repaired placeholder rows in flight (turns 2 and 3 of each trace; the
+    # fork's prefill routes a1's last token as turn 2's did); refpipe's carries no bytes at all
+    assert sum(len(d.get("routing_repairs", {})) for d in vanilla.deltas) == 4
+    assert byte_leaves(refpipe.deltas) == []
+    assert not any(k in node for d in refpipe.deltas for node in d.get("nodes", ()) for k in ("routed_experts", "sampling_mask"))
+    # and is otherwise the same stream, delta for delta
+    assert len(vanilla.deltas) == len(refpipe.deltas) == 10
+    assert [pack(strip_arrays(d)) for d in vanilla.deltas] == [pack(strip_refs(d)) for d in refpipe.deltas]
+
+    # the refs fetch exactly the arrays verifiers' client assembled from the inline stream
+    fetched = 0
+    for vt, rt in zip(inline_ep.traces, ref_ep.traces, strict=True):
+        refs = read_refs(rt.info, rt.id)
+        inline = inline_arrays(vt)
+        assert sorted(refs) == sorted(inline) == [5, 7]
+        for leaf, (prompt, routed, mask) in inline.items():
+            got = fetch_arrays(rp.store, refs[leaf])
+            assert same_bytes(got["routed_experts"], routed)
+            assert same_bytes(np.concatenate([np.zeros(prompt, np.int32), got["sampling_mask.counts"]]), mask.counts)
+            assert same_bytes(got["sampling_mask.ids"], mask.ids)
+            fetched += 1
+    assert fetched == 4
+    assert payload_nodes(rp.store) == {r.branch_id for r in rp.all_refs(ref_ep)}
+
+
+def test_stream_size_before_and_after(local_config):
+    rp = Refpipe(local_config, BIG_FIELDS)
+    vanilla, refpipe = Stream(DeltaStreamer), rp.stream()
+    asyncio.run(play(vanilla, [3, 4], BIG))
+    asyncio.run(play(refpipe, [3, 4], BIG))
+    before, after = sum(vanilla.sizes), sum(refpipe.sizes)
+    side_channel = sum(len(b) for b in byte_leaves(vanilla.deltas))
+    # verifiers sends each node's arrays once, plus one routing row per repair
+    repairs = sum(len(d.get("routing_repairs", {})) for d in vanilla.deltas)
+    nodes = [n for t in vanilla.traces for n in t.nodes]
+    assert side_channel == (sum(n.routed_experts.nbytes for n in nodes) + repairs * 16 * 8
+                            + sum(n.sampling_mask.ids.nbytes + n.sampling_mask.counts.nbytes
+                                  for n in nodes if n.sampling_mask is not None))
+    refs_json = sum(len(pack(strip_arrays(d))) for d in refpipe.deltas) - sum(len(pack(strip_refs(d))) for d in refpipe.deltas)
+    # every side-channel byte is gone; what replaced them is 4 refs (two branches per trace)
+    assert byte_leaves(refpipe.deltas) == []
+    assert side_channel > 50_000 and 0 < refs_json < 4 * 1024  # 4 refs, whatever the token count
+    assert after < before - side_channel + refs_json
+    assert after * 5 < before  # 16 layers x top-8 routing: ~6.8x smaller (48 x 8 would be ~25x)
+
+
+def test_repair_after_completion_rekeeps_and_deletes_stale_chunk(local_config):
+    rp = Refpipe(local_config)
+    stream = rp.stream()
+
+    async def go():
+        async with stream.streamer:
+            trace = new_trace("late")
+            stream.traces.append(trace)
+            steps = multi_turn_steps(trace, Engine(7))
+            next(steps)
+            trace.stop("agent_timeout")  # completed while a turn is still in flight
+            await stream.streamer.flush()
+            (stale,) = read_refs(trace.info, "late").values()
+            stale_rows = fetch_arrays(rp.store, stale)["routed_experts"].copy()
+            for _ in steps:  # the in-flight turn lands: repairs a1's placeholder row, adds nodes
+                pass
+        return trace, stale, stale_rows
+
+    trace, stale, stale_rows = asyncio.run(go())
+    final = read_refs(stream.episode().traces[0].info, "late")
+    assert sorted(final) == [5, 7]
+    assert tombstones(rp.store, [stale])[stale.branch_id]["reason"] == "stale: trace late changed after keep"
+    assert payload_nodes(rp.store) == {r.branch_id for r in final.values()}
+    for leaf, (prompt, routed, mask) in inline_arrays(trace).items():
+        got = fetch_arrays(rp.store, final[leaf])
+        assert same_bytes(got["routed_experts"], routed)
+        assert same_bytes(np.concatenate([np.zeros(prompt, np.int32), got["sampling_mask.counts"]]), mask.counts)
+        # the first keep shipped a1's placeholder last row; the final keep has the repaired one
+        n = stale.num_tokens
+        assert same_bytes(got["routed_experts"][: n - 1], stale_rows[:-1])
+        assert not np.array_equal(got["routed_experts"][n - 1], stale_rows[-1])
+
+
+def test_discarded_attempt_deleted_once_and_stream_says_so(local_config):
+    rp = Refpipe(local_config)
+    stream = rp.stream()
+
+    async def go():
+        async with stream.streamer:
+            first = new_trace("attempt1")
+            stream.traces.append(first)
+            multi_turn(first, Engine(1))
+            complete(first, reward=0.0)
+            await stream.streamer.flush()
+            refs = list(read_refs(first.info, "attempt1").values())
+            stream.traces.remove(first)  # the agent retries: verifiers drops the attempt from the live view
+            second = new_trace("attempt2")
+            stream.traces.append(second)
+            multi_turn(second, Engine(2))
+            complete(second)
+            await stream.streamer.flush()
+        return refs
+
+    discarded = asyncio.run(go())
+    assert {"trace": "attempt1", "discard": True} in stream.deltas
+    kept = list(read_refs(stream.episode().traces[0].info, "attempt2").values())
+    records = tombstones(rp.store, discarded + kept)
+    assert sorted(records) == sorted(r.branch_id for r in discarded)
+    assert {r["holder"] for r in records.values()} == {"env_worker_0"}
+    assert {r["reason"] for r in records.values()} == {"discarded attempt: trace attempt1 left the run (retried)"}
+    assert payload_nodes(rp.store) == {r.branch_id for r in kept}
+    rp.ledger.delete(kept, reason="test: trained")
+    rp.ledger.close()
+    report = audit(rp.store, finished=True)
+    assert report.clean and (report.kept, report.deleted, report.present, report.double_deletes) == (4, 4, 0, 0)
+
+
+def test_cancelled_run_leaves_nothing(local_config):
+    rp = Refpipe(local_config)
+    stream = rp.stream()
+    kept = asyncio.Event()
+
+    async def go():
+        async with stream.streamer:
+            trace = new_trace("t")
+            stream.traces.append(trace)
+            multi_turn(trace, Engine(1))
+            complete(trace)
+            await stream.streamer.flush()
+            kept.set()
+            await asyncio.Event().wait()
+
+    async def cancel():
+        task = asyncio.create_task(go())
+        await kept.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel())
+    refs = list(read_refs(stream.traces[0].info, "t").values())
+    assert len(refs) == 2 and payload_nodes(rp.store) == set()
+    assert {r["reason"] for r in tombstones(rp.store, refs).values()} == {"run abandoned: cancelled"}
+    rp.ledger.close()
+    assert audit(rp.store, finished=True).clean
+
+
+def test_keep_failure_fails_the_run_and_deletes_what_was_kept(local_config):
+    rp = Refpipe(local_config, FieldsConfig(num_layers=3, top_k=2, num_experts=16, sampling_mask=True))
+    stream = rp.stream()
+
+    async def go():
+        async with stream.streamer:
+            good = new_trace("good")
+            stream.traces.append(good)
+            multi_turn(good, Engine(1))
+            complete(good)
+            await stream.streamer.flush()
+            bad = new_trace("bad")
+            stream.traces.append(bad)
+            multi_turn(bad, Engine(2, num_experts=200))  # expert ids past num_experts=16
+            complete(bad)
+
+    with pytest.raises(FieldError, match="expert id .* out of range"):
+        asyncio.run(go())
+    kept = list(read_refs(stream.traces[0].info, "good").values())
+    assert len(kept) == 2 and payload_nodes(rp.store) == set()
+    assert {r["reason"] for r in tombstones(rp.store, kept).values()} == {"run abandoned: failed: FieldError"}
+    assert INFO_KEY not in stream.traces[1].info
+
+
+def test_untrainable_traces_keep_nothing_and_stream_no_arrays(local_config):
+    rp = Refpipe(local_config)
+    stream = rp.stream()
+
+    async def go():
+        async with stream.streamer:
+            judge = new_trace("judge", trainable=False)
+            stream.traces.append(judge)
+            multi_turn(judge, Engine(1))
+            complete(judge)
+
+    asyncio.run(go())
+    assert byte_leaves(stream.deltas) == []
+    assert INFO_KEY not in stream.episode().traces[0].info
+    assert payload_nodes(rp.store) == set()
