@@ -25,7 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from pipeline.step_file import StepFile
 from storage.chunk import PayloadRef
 from storage.config import StorageConfig
-from storage.errors import ChunkNotFoundError, ConfigError, OutsideRunError, RefpipeError
+from storage.errors import ChunkNotFoundError, ConfigError, RefpipeError
 from storage.fetch import chunk_keys
 from storage.ledger import tombstone_key
 from storage.store import Store, open_store
@@ -149,15 +149,16 @@ class ChunkState:
 
     present: bool
     problem: str = ""
-    """Empty when present; else ``missing``, ``deleted by <holder> (<reason>)`` or ``outside the run: ...``."""
+    """Empty when present; else ``deleted by <holder> (<reason>)`` or ``missing (no delete record)``."""
 
 
 def chunk_state(store: Store, ref: PayloadRef) -> ChunkState:
-    """Check the ref's commit marker (``zarr.json``) and, when it is gone, its delete record."""
-    try:
-        _, meta_key = chunk_keys(store, ref)
-    except OutsideRunError as e:
-        return ChunkState(False, f"outside the run: {e}")
+    """Check the ref's commit marker (``zarr.json``) and, when it is gone, its delete record.
+
+    Raises:
+        OutsideRunError: the ref lies outside the run (``StepFile`` already refuses such step files).
+    """
+    _, meta_key = chunk_keys(store, ref)
     if store.exists(meta_key):
         return ChunkState(True)
     return ChunkState(False, deleted_by(store, ref) or "missing (no delete record)")

@@ -255,3 +255,36 @@ def test_s3_endpoint_from_aws_environment(s3_config, monkeypatch):
     assert json.loads(result.stdout)["chunks"]["num_chunks"] == 7
     result = invoke(["inspect", run.step_uris[0], "--json"])
     assert json.loads(result.stdout)["num_chunks_present"] == 7
+
+
+def test_inspect_and_verify_a_step_the_orchestrator_packed(storage_config):
+    """A step packed by the real orchestrator: every shipped sample is one non-borrowed sequence with its tokens."""
+    from pipeline.orchestrator import Orchestrator, OrchestratorConfig
+    from pipeline.samples import BranchResult, Episode
+
+    store = open_store(storage_config)
+    rng = np.random.default_rng(3)
+    keeper = Keeper(store, Ledger(store, "env_worker_0"), FIELDS_CFG, storage_config)
+    orchestrator = Orchestrator(OrchestratorConfig(seq_len=24, dp_world_size=2, groups_per_step=3, group_size=2),
+                                store)
+    shipped = {}
+    for g, env in enumerate(("math", "code", "chat")):
+        for e in range(2):
+            branch = make_branch(rng, f"g{g}e{e}", routing=g == 0)
+            ref = keeper.keep(branch)
+            p, c = branch.num_prompt_tokens, branch.num_completion_tokens
+            result = BranchResult(np.arange(p, dtype=np.int32), np.arange(c, dtype=np.int32),
+                                  np.zeros(c, np.float32), 1.0, 0, ref)
+            orchestrator.submit(Episode(f"g{g}e{e}", f"g{g}", env, float(e), [result]))
+            shipped[ref.branch_id] = (p + c, env)
+    header = orchestrator.build_step(0)
+    step_uri = store.uri(step_key(0))
+    endpoint = ["--s3-endpoint-url", storage_config.s3_endpoint_url] if storage_config.s3_endpoint_url else []
+    summary = json.loads(invoke(["inspect", step_uri, "--json", *endpoint]).stdout)
+    sequences = [s for mb in summary["micro_batches"] for s in mb["sequences"] if not s["borrowed"]]
+    assert {s["branch_id"]: (s["num_tokens"], s["env_name"]) for s in sequences} == shipped
+    assert len(sequences) == len(shipped) == summary["num_chunks_present"] == len(header.refs)
+    assert [(mb["num_tokens"] + mb["num_padding_tokens"], mb["num_chunks_missing"])
+            for mb in summary["micro_batches"]] == [(24, 0)] * len(header.micro_batches)
+    result = invoke(["verify", step_uri, *endpoint])
+    assert (result.exit_code, result.stdout) == (0, "") and result.stderr.endswith(": all intact\n")

@@ -7,14 +7,12 @@ import os
 import shutil
 import subprocess
 import sys
-import zipfile
 
 import numpy as np
 from test_inspect import build_run, invoke, local_run, run, snapshot  # noqa: F401 (fixtures)
 
 from pipeline.step_file import step_key
 from storage.config import StorageConfig
-from storage.store import open_store
 
 REFPIPE = os.path.join(os.path.dirname(sys.executable), "refpipe")
 STEP_COMMANDS = (["inspect"], ["inspect", "--json"], ["verify"], ["show", "--micro-batch", "0"])
