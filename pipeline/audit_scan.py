@@ -22,7 +22,7 @@ from rich.progress import Progress
 from pipeline.step_file import StepFile, StepHeader, step_key
 from storage.chunk import META_KEY, node_key, read_attributes
 from storage.errors import ChunkNotFoundError, ConfigError, StepFileError
-from storage.ledger import DELETES_PREFIX, parse_segment_key
+from storage.ledger import DELETES_PREFIX, parse_segment_key, tombstone_key
 from storage.store import Store
 
 _STEP_KEY = re.compile(r"^steps/step_(\d+)\.npz$")
@@ -81,23 +81,39 @@ def _list(store: Store, prefix: str, progress: Progress | None) -> list[str]:
 
 
 def scan_run(store: Store, progress: Progress | None = None) -> RunScan:
-    """List and read everything the audit needs (no writes)."""
+    """List and read everything the audit needs (no writes).
+
+    Read in the order that keeps an audit of a live run free of false alarms: step files
+    and ledger events first (evidence of holding is never newer than the listing of
+    chunks), delete records before chunks (a record older than a present chunk means an
+    unfinished delete), and a final check of the delete record of every chunk that a keep
+    event or step file names but that was neither listed nor present (deleted meanwhile).
+    """
     scan = RunScan()
+    _scan_steps(store, scan, progress)
+    _scan_events(store, scan, progress)
+    for key in _list(store, "ledger/deletes", progress):
+        if key.endswith(".json") and key.count("/") == 3:
+            scan.tombstoned.add("payloads/" + key[len(DELETES_PREFIX):-len(".json")])
+        else:
+            scan.stray_keys.append(key)
     for key in _list(store, "payloads", progress):
         parts = key.split("/")
         if len(parts) == 4:
             scan.nodes["/".join(parts[:3])].append(key)
         else:
             scan.stray_keys.append(key)
-    for key in _list(store, "ledger/deletes", progress):
-        if key.endswith(".json") and key.count("/") == 3:
-            scan.tombstoned.add("payloads/" + key[len(DELETES_PREFIX):-len(".json")])
-        else:
-            scan.stray_keys.append(key)
-    _scan_steps(store, scan, progress)
-    _scan_events(store, scan, progress)
+    _recheck_deletes(store, scan, progress)
     _scan_writers(store, scan, progress)
     return scan
+
+
+def _recheck_deletes(store: Store, scan: RunScan, progress: Progress | None) -> None:
+    named = set(scan.keeps) | {store.prefix.key_of(ref.uri) for h in scan.steps.values() for ref in h.refs}
+    gone = sorted(n for n in named if n not in scan.nodes and n not in scan.tombstoned)
+    found = _parallel(store, lambda n: store.exists(tombstone_key(n.rpartition("/")[2])), gone, progress,
+                      "checking delete records")
+    scan.tombstoned.update(n for n, deleted in zip(gone, found) if deleted)
 
 
 def _scan_steps(store: Store, scan: RunScan, progress: Progress | None) -> None:

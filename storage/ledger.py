@@ -267,9 +267,10 @@ class Ledger:
             else:
                 result.unknown.append(problem)
                 self.record("unknown_delete", branch_id=target.branch_id, uri=target.uri, reason=reason)
+        if result.double_deletes or result.unknown:
+            self.flush()  # on record before anything else can fail
         self.store.delete(doomed)
         if result.double_deletes or result.unknown:
-            self.flush()
             self._raise_problems(result)
         return result
 
