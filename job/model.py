@@ -14,6 +14,8 @@ Vocabulary: byte ``b`` is token ``b`` (0..255); ``BOS_ID``, ``EOS_ID``, ``PAD_ID
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -107,18 +109,34 @@ class Block(nn.Module):
         y, ids = self.moe(self.norm_mlp(x), replay)
         return x + y, ids
 
-    def _attend(self, qkv: torch.Tensor, layout: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """Attention within each sequence: scatter packed rows into [N, L_max] padded form."""
-        seq, offset, n, l_max = layout
-        padded = qkv.new_zeros(n, l_max, qkv.shape[-1])
-        padded[seq, offset] = qkv
-        q, k, v = padded.view(n, l_max, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return out.transpose(1, 2).reshape(n, l_max, -1)[seq, offset]
+    def _attend(self, qkv: torch.Tensor, layout: list[Bucket]) -> torch.Tensor:
+        """Attention within each sequence: per bucket, scatter packed rows into padded form and back."""
+        out = qkv.new_empty(qkv.shape[0], qkv.shape[1] // 3)
+        for b in layout:
+            padded = qkv.new_zeros(b.num_rows, b.length, qkv.shape[-1])
+            padded[b.row, b.offset] = qkv[b.tokens]
+            q, k, v = padded.view(b.num_rows, b.length, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+            attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out[b.tokens] = attended.transpose(1, 2).reshape(b.num_rows, b.length, -1)[b.row, b.offset]
+        return out
 
 
-def packed_layout(cu_seqlens: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """Per-token sequence index and offset [T] int64, the number of sequences N and the longest length.
+class Bucket(NamedTuple):
+    """Sequences of similar length, attended together as one padded batch [num_rows, length]."""
+
+    tokens: torch.Tensor
+    """[T_b] int64 packed indices of the bucket's tokens."""
+    row: torch.Tensor
+    """[T_b] int64 padded row of each token."""
+    offset: torch.Tensor
+    """[T_b] int64 position of each token in its sequence."""
+    num_rows: int
+    length: int
+
+
+def packed_layout(cu_seqlens: torch.Tensor, num_tokens: int) -> list[Bucket]:
+    """Group the packed sequences into buckets of lengths in (2^(b-1), 2^b], so a long sequence
+    (e.g. a padding sequence) pads only its own bucket's attention.
 
     Padding sits at the end of each padded row, so a causal mask alone keeps every real
     query off padding and off other sequences.
@@ -132,8 +150,16 @@ def packed_layout(cu_seqlens: torch.Tensor, num_tokens: int) -> tuple[torch.Tens
         raise FieldError(f"cu_seqlens {cu.tolist()[:8]}...: expected [N + 1] non-decreasing from 0 to T={num_tokens}")
     lengths = cu.diff()
     seq = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-    offset = torch.arange(num_tokens) - cu[seq]
-    return seq, offset, lengths.numel(), max(int(lengths.max()), 1)
+    bucket_of_seq = torch.tensor([(n - 1).bit_length() if n else -1 for n in lengths.tolist()])
+    buckets = []
+    for b in sorted(set(bucket_of_seq.tolist()) - {-1}):
+        members = (bucket_of_seq == b).nonzero()[:, 0]
+        row_of_seq = torch.full_like(lengths, -1)
+        row_of_seq[members] = torch.arange(members.numel())
+        tokens = (row_of_seq[seq] >= 0).nonzero()[:, 0]
+        buckets.append(Bucket(tokens, row_of_seq[seq[tokens]], tokens - cu[seq[tokens]], members.numel(),
+                              int(lengths[members].max())))
+    return buckets
 
 
 class MoELM(nn.Module):

@@ -40,6 +40,19 @@ def test_attention_does_not_cross_sequences(model):
     assert not torch.allclose(logits[:6], packed_logits[:6])
 
 
+def test_sequences_of_every_length_bucket_match_their_forward_alone(model):
+    lengths = [1, 6, 0, 100, 7, 33]  # buckets 0, 3, empty, 7, 3, 6; the 100-token one stands for padding
+    ids, _, cu = _packed(lengths, seed=3)
+    pos = torch.cat([torch.arange(n).clamp(max=63) for n in lengths])
+    with torch.no_grad():
+        packed_logits, packed_routing = model(ids, pos, cu)
+        for start, end in zip(cu.tolist(), cu.tolist()[1:]):
+            if end > start:
+                logits, routing = model(ids[start:end], pos[start:end], torch.tensor([0, end - start], dtype=torch.int32))
+                torch.testing.assert_close(packed_logits[start:end], logits, rtol=0, atol=1e-5)
+                assert torch.equal(packed_routing[start:end], routing)
+
+
 def test_replay_reproduces_the_forward_bit_for_bit(model):
     batch = _packed([8, 11, 4], seed=1)
     logits, routing = model(*batch)
