@@ -81,9 +81,10 @@ def render(summary: dict, console: Console) -> None:
     """Print the summary as one table per DP rank, then the missing chunks."""
     console.print(f"[bold]step {summary['step']}[/] of {summary['run_uri']}  seq_len={summary['seq_len']}  "
                   f"dp_world_size={summary['dp_world_size']}  chunks: {summary['num_chunks_present']} present, "
-                  f"{summary['num_chunks_missing']} missing", highlight=False)
+                  f"{summary['num_chunks_missing']} missing", highlight=False, soft_wrap=True)
     if summary["metrics"]:
-        console.print("metrics: " + "  ".join(f"{k}={v:g}" for k, v in summary["metrics"].items()), highlight=False)
+        console.print("metrics: " + "  ".join(f"{k}={v:g}" for k, v in summary["metrics"].items()),
+                      highlight=False, soft_wrap=True)
     for dp_rank in range(summary["dp_world_size"]):
         table = Table(title=f"DP rank {dp_rank}", title_justify="left")
         for column in ("micro batch", "sequences", "tokens", "padding", "borrowed", "env names", "fields", "chunks"):

@@ -113,16 +113,17 @@ def run_summary(store: Store) -> dict:
 def render(summary: dict, console: Console) -> None:
     """Print the run summary: steps, chunks per writer, ledger per actor."""
     steps, chunks, ledger = summary["steps"], summary["chunks"], summary["ledger"]
-    console.print(f"[bold]run[/] {summary['run_uri']}", highlight=False)
+    console.print(f"[bold]run[/] {summary['run_uri']}", highlight=False, soft_wrap=True)
     span = f" (first {steps['first']}, latest {steps['latest']})" if steps["num_steps"] else ""
-    console.print(f"steps: {steps['num_steps']}{span}, {decimal(steps['nbytes'])}", highlight=False)
+    console.print(f"steps: {steps['num_steps']}{span}, {decimal(steps['nbytes'])}", highlight=False, soft_wrap=True)
     console.print(f"chunks: {chunks['num_chunks']}, {decimal(chunks['nbytes'])}; "
-                  f"{chunks['num_incomplete']} incomplete, {chunks['num_temp_files']} temp files", highlight=False)
+                  f"{chunks['num_incomplete']} incomplete, {chunks['num_temp_files']} temp files",
+                  highlight=False, soft_wrap=True)
     writers = Table("writer", "chunks", "bytes")
     for writer, w in chunks["writers"].items():
         writers.add_row(writer, str(w["num_chunks"]), decimal(w["nbytes"]))
     console.print(writers)
-    console.print(f"ledger: {ledger['num_delete_records']} delete records", highlight=False)
+    console.print(f"ledger: {ledger['num_delete_records']} delete records", highlight=False, soft_wrap=True)
     actors = Table("actor", "event segments", "sessions", "closed cleanly")
     for actor, a in ledger["actors"].items():
         closed = f"{a['num_closed']}/{a['num_sessions']}"

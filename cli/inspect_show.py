@@ -163,7 +163,8 @@ def show_arrays(
     micro_batch: Annotated[int, typer.Option("--micro-batch", help="Micro batch index within the DP rank.")],
     dp_rank: Annotated[int, typer.Option(help="DP rank whose micro batch to show.")] = 0,
     sequence: Annotated[Optional[int], typer.Option(help="Only this sequence of the micro batch.")] = None,
-    field: Annotated[Optional[str], typer.Option(help="Only this field or stream (e.g. routed_experts, input_ids).")] = None,
+    field: Annotated[Optional[str], typer.Option(
+        help="Only this field or stream (e.g. routed_experts, input_ids).")] = None,
     npy: Annotated[Optional[str], typer.Option(help="Write one .npy per array into this local directory.")] = None,
     num_experts: Annotated[Optional[int], typer.Option(
         help="The run's FieldsConfig.num_experts: also show the routing rows of padding tokens.")] = None,
