@@ -11,7 +11,7 @@ from pipeline.audit import audit, sweep
 from storage.chunk import node_key
 from storage.errors import DoubleDeleteError, StepFileError, UnknownRefError
 from storage.ledger import Ledger, tombstone_key
-from storage.store import open_store
+from storage.store import LocalStore, open_store
 
 LEAKED = "{} leaked chunks (present, no live holder; `refpipe sweep` deletes them)"
 
@@ -226,3 +226,26 @@ def test_a_dry_run_writes_nothing_and_a_second_sweep_finds_nothing(run):
     assert (again.deleted, again.finished_deletes, again.removed_incomplete) == ([], [], [])
     holders = {json.loads(store.get(tombstone_key(r.branch_id)))["holder"] for r in refs}
     assert holders == {"sweep"}
+
+
+def test_deletes_racing_the_audit_raise_no_false_alarm(local_config):
+    """A trainer deletes one chunk just before and one just after the audit lists ``payloads/``."""
+    store = open_store(local_config)
+    keeper = make_keeper(store, local_config)
+    refs = [keep(keeper, seed) for seed in range(2)]
+    publish(store, 0, refs, [0, 0], dp_world_size=1)
+    trainer = Ledger(store, "trainer_dp0")
+
+    class RacingStore(LocalStore):
+        def list_prefix(self, key_prefix):
+            if key_prefix == "payloads":
+                trainer.delete(refs[:1], reason="step 0")
+            keys = super().list_prefix(key_prefix)
+            if key_prefix == "payloads":
+                trainer.delete(refs[1:], reason="step 0")
+            return keys
+
+    report = audit(RacingStore(store.prefix, local_config))
+    assert report.outstanding_by_holder == {"trainer step 0": 1}  # listed present; its delete record came later
+    assert report.deleted == 1 and report.missing == [] and report.unfinished_deletes == []
+    assert report.violations == []
