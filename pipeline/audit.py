@@ -121,6 +121,7 @@ class SweepResult(BaseModel):
     conflicts: int = 0
     """Leaked chunks someone else deleted during the sweep (double or unknown deletes)."""
 
+
 def _live_sessions(scan: RunScan, stopped: bool) -> set[tuple[str, str]]:
     if stopped:
         return set()
@@ -223,9 +224,10 @@ def audit(store: Store, *, stopped: bool = False, finished: bool = False,
           progress: Progress | None = None) -> AuditReport:
     """Audit a run: kept, shipped, deleted, outstanding by holder, leaks and ledger violations.
 
-    Read-only. Cost: one listing each of ``payloads/``, ``steps/``, ``ledger/``; one GET per
-    step file and per ledger segment; one GET of ``zarr.json`` per unshipped chunk whose
-    writer neither a keep event nor its branch id names.
+    Read-only. Cost: one listing each of ``steps/``, ``ledger/events/``, ``ledger/deletes/``,
+    ``payloads/``; one GET per step file (whole) and per ledger segment; one GET of
+    ``zarr.json`` per unshipped chunk whose writer neither a keep event nor its branch id
+    names; one HEAD per chunk deleted while the audit was listing.
 
     Args:
         stopped: no process of the run is running (every session is dead).
@@ -261,7 +263,8 @@ def sweep(store: Store, *, stopped: bool = False, dry_run: bool = False,
     unfinished = {n: scan.nodes[n] for n in map(store.prefix.key_of, report.unfinished_deletes)}
     if dry_run:
         return SweepResult(dry_run=True, deleted=[store.uri(n) for n in whole],
-                           finished_deletes=report.unfinished_deletes, removed_incomplete=[store.uri(n) for n in incomplete])
+                           finished_deletes=report.unfinished_deletes,
+                           removed_incomplete=[store.uri(n) for n in incomplete])
     ledger = Ledger(store, SWEEP_ACTOR)
     try:
         result = ledger.delete_nodes(whole, reason=SWEEP_REASON)

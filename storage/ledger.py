@@ -98,8 +98,9 @@ class Ledger:
     Every process creates one ``Ledger`` per actor it plays, with a unique ``actor``
     name (``env_worker_3``, ``orchestrator``, ``trainer_dp0``), after any fork, and
     calls ``close`` at a clean shutdown. Construction writes the session's ``open``
-    event at once (one put, plus one refused put that probes exclusivity): from then on the audit counts the session as a live
-    holder of the chunks it keeps. Later events are buffered and written as one
+    event at once (one put, plus one refused put that probes exclusivity): from then
+    on the audit counts the session as a live holder of the chunks it keeps, and a new
+    ``Ledger`` under the same actor name ends it. Later events are buffered and written as one
     segment per 512 events, per 2 s (checked on the next ``record``), on ``flush``,
     at ``close``, and right after a delete that found a problem.
 
