@@ -1,0 +1,32 @@
+"""``refpipe run`` and ``refpipe train``: the main job and one trainer rank of it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from storage.errors import ConfigError
+
+
+def run_job(config: Path = typer.Option(Path("configs/local.toml"), "--config", "-c",
+                                        help="Run config (TOML); see configs/ and the README's config reference.")) -> None:
+    """Train the small MoE policy end to end through refpipe; end with the ledger audit."""
+    from job.config import load_config
+    from job.launcher import Launcher
+
+    console = Console()
+    try:
+        cfg = load_config(config)
+    except ConfigError as e:
+        console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from None
+    raise typer.Exit(Launcher(cfg, console).run())
+
+
+def train_rank(config: Path = typer.Argument(..., help="The run's resolved config.json (fixed run_id).")) -> None:
+    """One trainer rank of a run (torchrun environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+    from job.train_rank import main
+
+    main(str(config))

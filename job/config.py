@@ -1,0 +1,113 @@
+"""The main job's run config: one TOML file nesting every component's config.
+
+``configs/local.toml`` (the default of ``make run``), ``configs/s3.toml`` and
+``configs/lustre.toml`` are ready-made. A run writes its resolved config as
+``<run>/config.json`` next to its data.
+"""
+
+from __future__ import annotations
+
+import datetime
+import secrets
+import tomllib
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from job.model import ModelConfig
+from job.rollout import SamplingConfig
+from job.task import TaskConfig
+from pipeline.fields import FieldsConfig
+from pipeline.orchestrator import OrchestratorConfig
+from storage.config import StorageConfig
+from storage.errors import ConfigError
+from trainer.config import TrainerConfig
+
+
+class JobConfig(BaseModel):
+    """The main job's own settings: processes, steps, optimisation and checks."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_steps: int = Field(default=16, ge=1)
+    """Trainer steps (optimizer steps) of the run."""
+    num_env_workers: int = Field(default=2, ge=1)
+    """Env-server worker processes (replicas); each episode goes to the one with the fewest in flight."""
+    trainer_world_size: int = Field(default=2, ge=1)
+    """Trainer ranks ``refpipe run`` launches on this machine (torch.distributed, gloo)."""
+    eval_every_steps: int = Field(default=4, ge=0)
+    """Send one eval group every this many steps (0 = never); eval episodes are never trained."""
+    warm_start_steps: int = Field(default=150, ge=0)
+    """Supervised warm-start steps on the task format before RL (``job.task.warm_start``)."""
+    learning_rate: float = Field(default=1e-3, gt=0)
+    """Adam learning rate of the RL steps."""
+    clip_eps: float = Field(default=0.2, gt=0, lt=1)
+    """PPO-style ratio clip of the policy-gradient loss."""
+    kl_coef: float = Field(default=0.05, ge=0)
+    """Weight of the KL term to the fetched top-k head (``job.loss.policy_loss``)."""
+    alignment_tolerance: float = Field(default=1e-4, gt=0)
+    """Max |recomputed - inference| logprob allowed on on-policy completion tokens (float32)."""
+    alignment_shift_rows: int = Field(default=0, ge=0)
+    """Test hook: replay routing shifted down by this many rows; any value > 0 must fail the check."""
+    step_deadline_s: float = Field(default=300.0, gt=0)
+    """Seconds the launcher waits for a step's progress before giving up with an error."""
+    seed: int = 0
+    """Seeds the env workers' samplers."""
+
+
+class RunConfig(BaseModel):
+    """Everything one run needs; each section is the config of one component."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    storage: StorageConfig = StorageConfig()
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    orchestrator: OrchestratorConfig = OrchestratorConfig(seq_len=256, dp_world_size=2, groups_per_step=4,
+                                                          group_size=8)
+    trainer: TrainerConfig = TrainerConfig(step_timeout_s=300.0, collective_timeout_s=300.0)
+    job: JobConfig = JobConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "RunConfig":
+        mp = self.trainer.model_parallel_size
+        if self.job.trainer_world_size != self.orchestrator.dp_world_size * mp:
+            raise ConfigError(f"job.trainer_world_size={self.job.trainer_world_size}: expected orchestrator."
+                              f"dp_world_size ({self.orchestrator.dp_world_size}) x trainer.model_parallel_size ({mp})")
+        longest = self.task.max_letters + 6 + self.sampling.max_completion_tokens
+        if longest > self.model.max_positions:
+            raise ConfigError(f"model.max_positions={self.model.max_positions}: a prompt plus completion can take "
+                              f"{longest} positions")
+        return self
+
+    @property
+    def fields(self) -> FieldsConfig:
+        """The side-channel fields the job carries, shaped by the model and the sampler."""
+        return FieldsConfig(num_layers=self.model.num_layers, top_k=self.model.top_k,
+                            num_experts=self.model.num_experts, logprobs_k=self.sampling.logprobs_k,
+                            support_width=self.sampling.support_width)
+
+
+def load_config(path: str | Path) -> RunConfig:
+    """Read a TOML (or a resolved ``config.json``) run config.
+
+    ``storage.run_id = "auto"`` is replaced by a fresh ``run-<UTC time>-<hex>`` id.
+
+    Raises:
+        ConfigError: the file is missing or unreadable, or a field is invalid (named in the message).
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+        raw = RunConfig.model_validate_json(text).model_dump() if path.suffix == ".json" else tomllib.loads(text)
+    except (OSError, tomllib.TOMLDecodeError, ValidationError) as e:
+        raise ConfigError(f"config {path}: cannot read: {e}") from e
+    storage = raw.setdefault("storage", {})
+    if storage.get("run_id", "auto") == "auto":
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        storage["run_id"] = f"run-{stamp}-{secrets.token_hex(2)}"
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(f"config {path}: {e}") from e

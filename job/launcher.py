@@ -1,0 +1,276 @@
+"""``refpipe run``: the main job on one machine — env workers, orchestrator, trainer ranks.
+
+The launcher process is the orchestrator. It warm-starts the policy and publishes
+weights version 0, spawns ``job.num_env_workers`` env-server workers and
+``job.trainer_world_size`` trainer ranks (``job.train_rank`` with torchrun's
+environment), then loops over named steps until every step was trained:
+
+    check processes -> dispatch group requests -> collect episodes -> build a step -> show progress
+
+Then it stops the workers, shuts the orchestrator down, sweeps what dead workers
+left behind, and ends with the ledger audit. The exit code is non-zero when the
+audit or the alignment check fails.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import queue
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from rich.console import Console
+
+from job.config import RunConfig
+from job.env_worker import GroupRequest, GroupResult, env_worker_main
+from job.model import MoELM
+from job.progress import ProgressView, StepRow
+from job.task import warm_start
+from job.train_rank import metrics_key
+from job.weights import latest_version, publish_weights
+from pipeline.audit import AuditReport, audit, sweep
+from pipeline.orchestrator import Orchestrator
+from pipeline.step_file import step_key
+from storage.errors import ChunkNotFoundError, RefpipeError
+from storage.store import Store, open_store
+
+
+SUMMARY_KEY = "summary.json"
+"""``<run>/summary.json``: the run's outcome (audit, deletes by actor and path, alignment, rewards)."""
+
+
+class RunError(RefpipeError, RuntimeError):
+    """The main job could not go on (a trainer rank died, no env worker left, a step timed out)."""
+
+
+@dataclass
+class Fleet:
+    """The processes of a run and the requests each env worker has in flight."""
+
+    workers: list[mp.Process]
+    requests: list[mp.Queue]
+    results: mp.Queue
+    stop: mp.Event
+    trainers: list[subprocess.Popen]
+    in_flight: list[dict[int, GroupRequest]] = field(default_factory=list)
+    dead: set[int] = field(default_factory=set)
+
+
+class Launcher:
+    """Drives one run; see the module docstring for the order of things."""
+
+    def __init__(self, cfg: RunConfig, console: Console):
+        self.cfg, self.console = cfg, console
+        self.store: Store = open_store(cfg.storage)
+        self.view = ProgressView(console, cfg)
+        self.next_request, self.next_step, self.trained = 0, 0, 0
+        self.deletes: Counter[str] = Counter()
+        self.kept_chunks = self.kept_bytes = 0
+        self.alignment_max = 0.0
+        self.rewards: list[float] = []
+        self.rows: dict[int, StepRow] = {}
+
+    def run(self) -> int:
+        """Run the job; return the process exit code (0: audit clean and alignment within tolerance)."""
+        config_path = self.prepare()
+        fleet = start_fleet(self.cfg, config_path)
+        self.orchestrator = Orchestrator(self.cfg.orchestrator, self.store)
+        error = None
+        try:
+            self.loop(fleet)
+        except RefpipeError as e:
+            error = e
+            self.console.log(f"[red]run stopped: {type(e).__name__}: {e}")
+        finally:
+            stop_fleet(fleet, self.collect, failed=error is not None)
+            self.orchestrator.shutdown()
+            self.deletes.update({f"orchestrator {k}": v for k, v in self.orchestrator.deleted.items()})
+        return self.finish(fleet, failed=error is not None)
+
+    def prepare(self) -> str:
+        """Write the resolved config next to the data and publish the warm-started weights (version 0)."""
+        text = self.cfg.model_dump_json(indent=2)
+        self.store.put("config.json", text.encode(), exclusive=True)
+        fd, path = tempfile.mkstemp(prefix=f"refpipe-{self.cfg.storage.run_id}-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        torch.manual_seed(self.cfg.model.seed)
+        model = MoELM(self.cfg.model)
+        with self.console.status(f"warm start: {self.cfg.job.warm_start_steps} supervised steps"):
+            losses = warm_start(model, self.cfg.task, steps=self.cfg.job.warm_start_steps)
+        if losses:
+            self.console.log(f"warm start done: loss {losses[0]:.3f} -> {losses[-1]:.3f} nats/token")
+        publish_weights(self.store, model, 0)
+        self.console.log(f"run {self.store.prefix.uri}: {self.cfg.job.num_env_workers} env workers, "
+                         f"{self.cfg.job.trainer_world_size} trainer ranks, {self.cfg.job.num_steps} steps")
+        return path
+
+    def loop(self, fleet: Fleet) -> None:
+        """Until every step is trained: check, dispatch, collect, build, show."""
+        deadline = time.monotonic() + self.cfg.job.step_deadline_s
+        with self.view:
+            while self.trained < self.cfg.job.num_steps:
+                check_fleet(fleet, self.console, self.redispatch)
+                self.dispatch(fleet)
+                self.collect(fleet, timeout_s=0.1)
+                progressed = self.build_step() | self.poll_trainer()
+                if progressed:
+                    deadline = time.monotonic() + self.cfg.job.step_deadline_s
+                elif time.monotonic() > deadline:
+                    raise RunError(f"no progress for {self.cfg.job.step_deadline_s:.0f} s at step {self.next_step} "
+                                   f"(trained {self.trained}, ready groups {self.orchestrator.ready_groups})")
+
+    def dispatch(self, fleet: Fleet) -> None:
+        """Request groups from the live workers with the fewest in flight, while fewer groups than
+        ``groups_per_step * (max_async_level + 1)`` are in flight or waiting for a step (more would only
+        go stale)."""
+        orch = self.cfg.orchestrator
+        limit = orch.groups_per_step * (orch.max_async_level + 1)
+        if self.next_step >= self.cfg.job.num_steps:
+            return
+        while sum(len(f) for f in fleet.in_flight) + self.orchestrator.ready_groups < limit:
+            every = self.cfg.job.eval_every_steps
+            is_eval = bool(every) and self.next_request % (every * self.cfg.orchestrator.groups_per_step) == 1
+            self.send(fleet, GroupRequest(self.next_request, f"g{self.next_request:06d}", self.next_request, is_eval))
+            self.next_request += 1
+
+    def send(self, fleet: Fleet, request: GroupRequest) -> None:
+        live = [w for w in range(len(fleet.workers)) if w not in fleet.dead]
+        if not live:
+            raise RunError("every env worker died; see the log above")
+        worker = min(live, key=lambda w: len(fleet.in_flight[w]))
+        fleet.in_flight[worker][request.request_id] = request
+        fleet.requests[worker].put(request)
+
+    def redispatch(self, fleet: Fleet, worker: int) -> None:
+        """A worker died: send its in-flight groups to the others (its kept chunks are swept at the end)."""
+        for request in fleet.in_flight[worker].values():
+            self.send(fleet, request)
+        fleet.in_flight[worker].clear()
+
+    def collect(self, fleet: Fleet, timeout_s: float) -> None:
+        """Submit every group result that arrived to the orchestrator."""
+        try:
+            result: GroupResult = fleet.results.get(timeout=timeout_s)
+        except queue.Empty:
+            return
+        while True:
+            fleet.in_flight[result.worker].pop(result.request_id, None)
+            self.kept_chunks += result.kept_chunks
+            self.kept_bytes += result.kept_bytes
+            self.deletes["env worker discard"] += result.discarded
+            for episode in result.episodes:
+                self.orchestrator.submit(episode)
+            try:
+                result = fleet.results.get_nowait()
+            except queue.Empty:
+                return
+
+    def build_step(self) -> bool:
+        """Publish the next step once enough groups are ready and the trainer is close enough."""
+        cfg = self.cfg
+        if (self.next_step >= cfg.job.num_steps or self.orchestrator.ready_groups < cfg.orchestrator.groups_per_step
+                or latest_version(self.store) < self.next_step - cfg.orchestrator.max_async_level):
+            return False
+        header = self.orchestrator.build_step(self.next_step)
+        if header is None:
+            return False
+        nbytes = self.store.fs.size(self.store.path(step_key(self.next_step)))
+        self.rows[self.next_step] = StepRow.from_header(header, nbytes, self.kept_chunks, self.kept_bytes)
+        self.rewards.append(header.metrics["reward_mean"])
+        self.next_step += 1
+        return True
+
+    def poll_trainer(self) -> bool:
+        """Show the trainer's metrics of every step it finished since the last look."""
+        progressed = False
+        while self.trained < self.next_step:
+            try:
+                metrics = json.loads(self.store.get(metrics_key(self.trained)))
+            except ChunkNotFoundError:
+                return progressed
+            self.deletes["trainer"] += metrics["deletes"]
+            self.alignment_max = max(self.alignment_max, metrics["on_policy_max_abs_diff"])
+            deletes = (sum(self.orchestrator.deleted.values()), self.deletes["trainer"],
+                       self.deletes["env worker discard"])
+            self.view.step_done(self.rows.pop(self.trained).with_trainer(metrics, deletes))
+            self.trained, progressed = self.trained + 1, True
+        return progressed
+
+    def finish(self, fleet: Fleet, *, failed: bool) -> int:
+        """Sweep what dead workers left, audit the run, print the summary; return the exit code.
+
+        A failed run is audited as stopped, not finished: untrained step files keep their chunks
+        for a restart, and ``refpipe sweep`` is left to the user.
+        """
+        if fleet.dead and not failed:
+            self.deletes["sweep"] += len(sweep(self.store, stopped=True).deleted)
+        report: AuditReport = audit(self.store, stopped=True, finished=not failed)
+        alignment_ok = self.alignment_max < self.cfg.job.alignment_tolerance
+        self.view.summary(report, self.deletes, self.alignment_max, alignment_ok, dead_workers=sorted(fleet.dead))
+        summary = {"failed": failed, "trained_steps": self.trained, "rewards": self.rewards,
+                   "deletes": dict(self.deletes), "alignment_max_abs_diff": self.alignment_max,
+                   "alignment_ok": alignment_ok, "dead_env_workers": sorted(fleet.dead), "audit": report.model_dump()}
+        self.store.put(SUMMARY_KEY, json.dumps(summary, indent=2).encode())
+        return 0 if report.clean and alignment_ok and not failed else 1
+
+
+def start_fleet(cfg: RunConfig, config_path: str) -> Fleet:
+    """Spawn the env workers and the trainer ranks (torchrun's environment, gloo on loopback)."""
+    ctx = mp.get_context("spawn")
+    results, stop = ctx.Queue(), ctx.Event()
+    requests = [ctx.Queue() for _ in range(cfg.job.num_env_workers)]
+    config_json = cfg.model_dump_json()
+    workers = [ctx.Process(target=env_worker_main, args=(config_json, i, requests[i], results, stop), daemon=True,
+                           name=f"env_worker_{i}") for i in range(cfg.job.num_env_workers)]
+    for w in workers:
+        w.start()
+    port = _free_port()
+    trainers = []
+    for rank in range(cfg.job.trainer_world_size):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(cfg.job.trainer_world_size),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        trainers.append(subprocess.Popen([sys.executable, "-m", "job.train_rank", config_path], env=env))
+    return Fleet(workers, requests, results, stop, trainers, [{} for _ in workers])
+
+
+def check_fleet(fleet: Fleet, console: Console, redispatch) -> None:
+    """Raise if a trainer rank failed; re-dispatch the groups of env workers that died."""
+    for rank, proc in enumerate(fleet.trainers):
+        if proc.poll() not in (None, 0):
+            raise RunError(f"trainer rank {rank} exited with code {proc.returncode}; see its log above")
+    for w, proc in enumerate(fleet.workers):
+        if w not in fleet.dead and not proc.is_alive():
+            fleet.dead.add(w)
+            console.log(f"[yellow]env worker {w} died (exit code {proc.exitcode}); its "
+                        f"{len(fleet.in_flight[w])} groups in flight go to the other workers")
+            redispatch(fleet, w)
+
+
+def stop_fleet(fleet: Fleet, collect, *, failed: bool) -> None:
+    """Stop the workers (late groups are discarded by them or queued for the orchestrator's shutdown)
+    and wait for the trainers (killed if the run failed)."""
+    fleet.stop.set()
+    for proc in fleet.workers:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+    collect(fleet, timeout_s=0.5)
+    for proc in fleet.trainers:
+        if failed:
+            proc.kill()
+        proc.wait(timeout=120)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,162 @@
+"""One trainer rank of the main job: the refpipe data path plus the MoE policy update.
+
+Launched by ``refpipe run`` (one process per rank, with the environment torchrun sets:
+``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), or on several nodes by
+``torchrun ... -m job.train_rank <resolved config.json>`` with the same code.
+
+Per step ``s`` every rank, in order: ``TrainerRank.run_step`` (load the step file, fetch
+its micro batches' chunks, all-reduce failures, assemble) calls ``train``: forward
+with the fetched routing replayed, the alignment check, the loss, a gradient
+all-reduce (SUM over the world, divided by the global loss tokens and the
+model-parallel size), one optimizer step; then rank 0 publishes weights version
+``s + 1`` and the step's metrics (``metrics/trainer_step_<s>.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from job.config import RunConfig, load_config
+from job.loss import policy_loss
+from job.model import MoELM
+from job.weights import load_weights, publish_weights
+from storage.store import Store, open_store
+from trainer.dist import init_process_group
+from trainer.step import TrainerRank
+from trainer.tensors import TrainMicroBatch
+
+log = logging.getLogger(__name__)
+
+
+def metrics_key(step: int) -> str:
+    """Key of trainer step ``step``'s metrics (written by rank 0)."""
+    return f"metrics/trainer_step_{step:08d}.json"
+
+
+@dataclass
+class StepStats:
+    """Per-rank sums of one step's training, reduced over the world by ``reduce``."""
+
+    loss_tokens: int = 0
+    loss_sum: float = 0.0
+    kl_sum: float = 0.0
+    on_policy_tokens: int = 0
+    on_policy_max_abs_diff: float = 0.0
+    off_policy_tokens: int = 0
+    off_policy_max_abs_diff: float = 0.0
+
+    def reduce(self) -> "StepStats":
+        sums = torch.tensor([self.loss_tokens, self.loss_sum, self.kl_sum, self.on_policy_tokens,
+                             self.off_policy_tokens], dtype=torch.float64)
+        maxes = torch.tensor([self.on_policy_max_abs_diff, self.off_policy_max_abs_diff], dtype=torch.float64)
+        dist.all_reduce(sums)
+        dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+        return StepStats(int(sums[0]), float(sums[1]), float(sums[2]), int(sums[3]), float(maxes[0]),
+                         int(sums[4]), float(maxes[1]))
+
+
+class PolicyTrainer:
+    """The ``train`` callback of ``TrainerRank.run_step`` for the MoE policy."""
+
+    def __init__(self, cfg: RunConfig, model: MoELM):
+        self.cfg, self.model = cfg, model
+        self.optimizer = torch.optim.Adam(model.parameters(), lr=cfg.job.learning_rate)
+        self.version = 0
+        self.stats = StepStats()
+
+    def __call__(self, micro_batches: list[TrainMicroBatch]) -> None:
+        """Forward/backward every fetched micro batch, all-reduce gradients, step the optimizer."""
+        live = [mb for mb in micro_batches if not mb.dropped]
+        total = torch.tensor([sum(int(mb.streams["loss_mask"].sum()) for mb in live)], dtype=torch.float64)
+        dist.all_reduce(total)
+        self.optimizer.zero_grad(set_to_none=False)
+        stats = StepStats()
+        for mb in live:
+            self._backward(mb, max(float(total[0]), 1.0), stats)
+        self._all_reduce_gradients()
+        self.optimizer.step()
+        self.stats = stats.reduce()
+        self.version += 1
+
+    def _backward(self, mb: TrainMicroBatch, total_tokens: float, stats: StepStats) -> None:
+        s = mb.streams
+        routing = mb.fields["routed_experts"].padded
+        if self.cfg.job.alignment_shift_rows:
+            routing = torch.roll(routing, self.cfg.job.alignment_shift_rows, dims=0)
+        # Padding (its own sequence, never in the loss) may count past the model's positions.
+        positions = s["position_ids"].clamp(max=self.cfg.model.max_positions - 1)
+        logits, _ = self.model(s["input_ids"], positions, mb.cu_seqlens, routing)
+        head = mb.fields["topk_ids"]
+        pos = torch.nonzero(head.row_ids >= 0)[:, 0]
+        rows, nxt = head.row_ids[pos], pos + 1
+        terms = policy_loss(logits[pos] / s["temperatures"][nxt, None], s["input_ids"][nxt],
+                            s["inference_logprobs"][nxt], s["advantages"][nxt], s["loss_mask"][nxt],
+                            head.values[rows], mb.fields["topk_logprobs"].values[rows], temperature=1.0,
+                            clip_eps=self.cfg.job.clip_eps, kl_coef=self.cfg.job.kl_coef)
+        (terms.loss_sum / total_tokens).backward()
+        stats.loss_tokens += terms.num_tokens
+        stats.loss_sum += float(terms.loss_sum.detach())
+        stats.kl_sum += terms.kl_sum
+        self._check_alignment(mb, terms.logprobs, s["inference_logprobs"][nxt], s["loss_mask"][nxt], nxt, stats)
+
+    def _check_alignment(self, mb: TrainMicroBatch, logprobs, inference, mask, positions, stats: StepStats) -> None:
+        """Max |recomputed - inference| logprob, apart for tokens sampled with these weights or older ones."""
+        version = torch.as_tensor(token_policy_versions(mb))[positions]
+        diff = (logprobs - inference).abs()
+        for on_policy, attr in ((True, "on_policy"), (False, "off_policy")):
+            sel = mask & ((version == self.version) if on_policy else (version < self.version))
+            if sel.any():
+                setattr(stats, f"{attr}_tokens", getattr(stats, f"{attr}_tokens") + int(sel.sum()))
+                setattr(stats, f"{attr}_max_abs_diff", max(getattr(stats, f"{attr}_max_abs_diff"),
+                                                            float(diff[sel].max())))
+
+    def _all_reduce_gradients(self) -> None:
+        scale = 1.0 / self.cfg.trainer.model_parallel_size
+        for p in self.model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad.mul_(scale)
+
+
+def token_policy_versions(mb: TrainMicroBatch) -> torch.Tensor:
+    """[seq_len] int64 policy version of each position's sequence (-1 on padding)."""
+    versions = torch.full((mb.streams["input_ids"].numel(),), -1, dtype=torch.int64)
+    starts = mb.cu_seqlens.tolist()
+    for seq, start, end in zip(mb.record.sequences, starts, starts[1:]):
+        versions[start:end] = seq.policy_version
+    return versions
+
+
+def publish_step_metrics(store: Store, step: int, metrics: dict) -> None:
+    """Rank 0: write one step's metrics for the launcher's progress view."""
+    store.put(metrics_key(step), json.dumps(metrics).encode())
+
+
+def main(config_path: str) -> None:
+    """Rank entry (torchrun environment). Trains ``job.num_steps`` steps, publishing weights after each."""
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING, format=f"[trainer rank {os.environ.get('RANK')}] %(message)s")
+    cfg = load_config(config_path)
+    init_process_group(cfg.trainer, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    store = open_store(cfg.storage)
+    model = MoELM(cfg.model)
+    load_weights(store, model, 0)
+    policy = PolicyTrainer(cfg, model)
+    rank = TrainerRank(store, cfg.fields, cfg.storage, cfg.trainer)
+    for step in range(cfg.job.num_steps):
+        metrics = rank.run_step(step, policy)
+        if dist.get_rank() == 0:
+            publish_weights(store, model, step + 1)
+            publish_step_metrics(store, step, {**metrics.model_dump(), **asdict(policy.stats)})
+    rank.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

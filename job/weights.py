@@ -1,0 +1,50 @@
+"""Policy weights through the run prefix: the trainer publishes, env workers load.
+
+``weights/policy_<version:08d>.pt`` holds a ``torch.save`` state dict (exclusive put);
+``weights/latest.json`` (``{"version": v}``, replaced atomically) names the newest.
+Version 0 is the warm-started initial policy; the trainer publishes version
+``s + 1`` after its optimizer step of step ``s``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import torch
+
+from storage.errors import ChunkNotFoundError
+from storage.store import Store
+
+LATEST_KEY = "weights/latest.json"
+
+
+def weights_key(version: int) -> str:
+    """Key of policy version ``version``."""
+    return f"weights/policy_{version:08d}.pt"
+
+
+def publish_weights(store: Store, model: torch.nn.Module, version: int) -> None:
+    """Write version ``version`` of the weights, then point ``latest`` at it."""
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    store.put(weights_key(version), buf.getvalue(), exclusive=True)
+    store.put(LATEST_KEY, json.dumps({"version": version}).encode())
+
+
+def latest_version(store: Store) -> int:
+    """Newest published version, or -1 when none is."""
+    try:
+        return int(json.loads(store.get(LATEST_KEY))["version"])
+    except ChunkNotFoundError:
+        return -1
+
+
+def load_weights(store: Store, model: torch.nn.Module, version: int) -> None:
+    """Load version ``version`` into ``model``.
+
+    Raises:
+        ChunkNotFoundError: that version was never published.
+    """
+    state = torch.load(io.BytesIO(store.get(weights_key(version))), weights_only=True)
+    model.load_state_dict(state)
