@@ -10,6 +10,10 @@ import json
 import numpy as np
 import pytest
 import zarr
+from zarr.codecs import BytesCodec, Crc32cCodec, ZstdCodec
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.dtype import parse_dtype
+from zarr.core.metadata.v3 import ArrayV3Metadata
 
 from pipeline.fields import FieldsConfig
 from pipeline.keep import Branch, Keeper
@@ -124,3 +128,18 @@ def test_payload_ref_is_small_and_round_trips_as_json(backend):
     assert PayloadRef.model_validate_json(text) == ref
     assert ref.uri == backend.store.uri(node_key(branch_id))
     assert ref.nbytes == len(backend.raw.get(f"{node_key(branch_id)}/{DATA_KEY}"))
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_metadata_document_is_what_zarr_writes(backend, compression):
+    ref = keep(backend, make_fields(6, P, C), compression=compression)
+    written = json.loads(backend.raw.get(f"{node_key('b1')}/{META_KEY}"))
+    _, payload_nbytes = layout_arrays(ref.arrays)
+    codecs = [BytesCodec()] + ([ZstdCodec(level=1, checksum=False)] if compression == "zstd" else []) + [Crc32cCodec()]
+    expected = ArrayV3Metadata(
+        shape=(payload_nbytes,), data_type=parse_dtype(np.dtype("uint8"), zarr_format=3),
+        chunk_grid={"name": "regular", "configuration": {"chunk_shape": [payload_nbytes]}},
+        chunk_key_encoding={"name": "default", "configuration": {"separator": "."}},
+        fill_value=0, codecs=codecs, attributes=written["attributes"], dimension_names=None, storage_transformers=None,
+    ).to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes()
+    assert written == json.loads(expected)

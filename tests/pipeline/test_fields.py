@@ -1,0 +1,96 @@
+"""The field registry (DESIGN.md, Fields), validate_branch's flattening and messages, and the padding rule."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline.fields import FIELDS, FieldsConfig, Ragged, spread_expert_rows, trailing_shape, validate_branch
+from storage.errors import FieldError
+
+CFG = FieldsConfig(num_layers=3, top_k=2, num_experts=8, logprobs_k=4, support_width=5, sampling_mask=True)
+
+
+def test_registry_declares_every_field_once_with_its_rules():
+    table = {name: (f.dtypes, trailing_shape(f, CFG), f.domain, f.padding, f.ragged) for name, f in FIELDS.items()}
+    assert table == {
+        "routed_experts": (("|u1", "<u2"), (3, 2), "tokens", "spread_experts", False),
+        "topk_ids": (("<i4",), (4,), "completion", "empty_rows", False),
+        "topk_logprobs": (("<f4",), (4,), "completion", "empty_rows", False),
+        "sample_support": (("<i4",), (5,), "completion", "empty_rows", False),
+        "sampling_mask": (("<i4",), (), "completion", "zero_count", True),
+    }
+    assert all(name == f.name for name, f in FIELDS.items())
+
+
+def test_unconfigured_fields_have_no_trailing_shape():
+    empty = FieldsConfig()
+    assert {name: trailing_shape(f, empty) for name, f in FIELDS.items()} == dict.fromkeys(FIELDS)
+    assert trailing_shape(FIELDS["routed_experts"], FieldsConfig(num_layers=3, top_k=2)) is None  # needs num_experts
+
+
+def test_validate_branch_flattens_ragged_fields_and_stores_little_endian():
+    counts = np.array([2, 0, 1], np.int32)
+    fields = {
+        "routed_experts": np.zeros((5, 3, 2), np.uint8),
+        "topk_ids": np.arange(12, dtype=">i4").reshape(3, 4),
+        "sampling_mask": Ragged(np.array([7, 8, 9], np.int32), counts),
+    }
+    arrays, specs = validate_branch(fields, CFG, num_prompt_tokens=2, num_completion_tokens=3, what="branch b")
+    assert list(arrays) == ["routed_experts", "topk_ids", "sampling_mask.counts", "sampling_mask.ids"]
+    assert {n: tuple(s) for n, s in specs.items()} == {
+        "routed_experts": ("|u1", (5, 3, 2), "tokens"),
+        "topk_ids": ("<i4", (3, 4), "completion"),
+        "sampling_mask.counts": ("<i4", (3,), "completion"),
+        "sampling_mask.ids": ("<i4", (3,), "values:sampling_mask.counts"),
+    }
+    assert arrays["topk_ids"] is fields["topk_ids"]  # no copy here; the codec converts once when it writes
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"topk_ids": np.zeros((3, 4), np.int64)}, r"field 'topk_ids' has dtype int64: expected one of \['int32'\]"),
+    ({"routed_experts": np.zeros((5, 3, 2), np.int8)}, r"has dtype int8: expected one of \['uint8', 'uint16'\]"),
+    ({"topk_logprobs": np.zeros((3, 5), np.float32)}, r"'topk_logprobs' has shape \[3, 5\]: expected \[3, 4\]"),
+    ({"topk_ids": np.zeros((5, 4), np.int32)}, r"'topk_ids' has shape \[5, 4\]: expected \[3, 4\] \(completion domain"),
+    ({"routed_experts": np.zeros((3, 3, 2), np.uint8)}, r"shape \[3, 3, 2\]: expected \[5, 3, 2\] \(tokens domain"),
+    ({"routed_experts": np.full((5, 3, 2), 8, np.uint8)}, r"expert id 8 out of range: expected < num_experts=8$"),
+    ({"routed_experts": np.full((5, 3, 2), 255, np.uint8)}, r"expert id 255 out of range.*-1 sentinel"),
+    ({"topk_logprobs": np.array([[0, np.nan, -1, np.nan]] * 3, np.float32)}, r"6 NaN values: expected finite"),
+    ({"topk_logprobs": np.full((3, 4), np.inf, np.float32)}, r"\+inf values"),
+    ({"sample_support": np.full((3, 5), -2, np.int32)}, r"value -2 below -1: expected ids >= -1"),
+    ({"topk_ids": np.full((3, 4), -1, np.int32)}, r"value -1 below 0"),
+    ({"routing": np.zeros((5, 3, 2), np.uint8)}, r"unknown field 'routing': expected one of \['routed_experts', "),
+    ({"topk_ids": [[0] * 4] * 3}, r"field 'topk_ids' is list: expected a numpy array"),
+    ({"sampling_mask": np.zeros(3, np.int32)}, r"'sampling_mask' is ndarray: expected Ragged\(ids, counts\)"),
+    ({"sampling_mask": Ragged(np.zeros(2, np.int32), np.ones(4, np.int32))}, r"'sampling_mask.counts' has shape \[4\]"),
+    ({"sampling_mask": Ragged(np.zeros(2, np.int32), np.ones(3, np.int32))}, r"'sampling_mask.ids' has shape \[2\]: expected \[3\]"),
+    ({"sampling_mask": Ragged(np.zeros(0, np.int32), np.array([1, -1, 0], np.int32))}, r"'sampling_mask.counts': value -1"),
+])
+def test_bad_fields_name_the_branch_the_field_and_the_expectation(fields, message):
+    with pytest.raises(FieldError, match=message) as info:
+        validate_branch(fields, CFG, num_prompt_tokens=2, num_completion_tokens=3, what="branch b7 (env worker w)")
+    assert str(info.value).startswith("branch b7 (env worker w): ")
+
+
+def test_unconfigured_field_is_refused():
+    with pytest.raises(FieldError, match="field 'sampling_mask' is not configured for this run"):
+        validate_branch({"sampling_mask": Ragged(np.zeros(0, np.int32), np.zeros(3, np.int32))},
+                        CFG.model_copy(update={"sampling_mask": False}), num_prompt_tokens=2,
+                        num_completion_tokens=3, what="branch b")
+
+
+@pytest.mark.parametrize("prompt,completion", [(-1, 3), (2, -1), (2.0, 3), (True, 3), ("2", 3)])
+def test_bad_token_counts(prompt, completion):
+    with pytest.raises(FieldError, match="expected an integer >= 0"):
+        validate_branch({}, CFG, num_prompt_tokens=prompt, num_completion_tokens=completion, what="branch b")
+
+
+def test_spread_expert_rows_route_padding_over_every_expert():
+    rows = spread_expert_rows(6, 3, 2, 8, np.dtype(np.uint8))
+    assert rows.dtype == np.uint8 and rows.shape == (6, 3, 2)
+    assert rows[:, 0, :].tolist() == [[0, 1], [2, 3], [4, 5], [6, 7], [0, 1], [2, 3]]
+    assert rows[1].tolist() == [[2, 3], [3, 4], [4, 5]]
+    assert (np.sort(rows, axis=-1)[..., 1:] != np.sort(rows, axis=-1)[..., :-1]).all()  # distinct per (token, layer)
+    assert set(rows.ravel().tolist()) == set(range(8))
+    wide = spread_expert_rows(200, 2, 4, 300, np.dtype(np.uint16))
+    assert wide.dtype == np.uint16 and int(wide.max()) == 299 and int(wide.min()) == 0
