@@ -83,6 +83,8 @@ def test_delete_is_exactly_once_and_a_second_delete_names_both_holders(store):
     assert (record["holder"], record["reason"], record["uri"]) == ("trainer_dp3", "step 7", refs[0].uri)
     with pytest.raises(ChunkNotFoundError):
         fetch_arrays(store, refs[0])
+    with pytest.raises(ChunkNotFoundError):
+        fetch_arrays(store, refs[0], 2)  # a ranged read of the first 2 tokens
 
     second = Ledger(store, "orchestrator")
     with pytest.raises(DoubleDeleteError, match="already deleted by trainer_dp3 \\(step 7\\); second delete "
