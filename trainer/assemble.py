@@ -34,6 +34,7 @@ rows of its ref's first ``num_tokens`` tokens, for each field its ref carries.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -154,7 +155,7 @@ def assemble_dropped_micro_batch(
         trailing = trailing_shape(fdef, fields)
         if fdef.domain == "tokens":
             if routing_rows is None or len(routing_rows) == 0:
-                padded = _padding_rows(fdef, seq_len, fields, np.dtype(fdef.dtypes[0]))
+                padded = _padding_rows(fdef, seq_len, fields, np.dtype(fdef.dtypes[0])).copy()
             else:
                 padded = np.resize(routing_rows, (seq_len, *trailing))
             out[fdef.name] = FieldBatch(padded[: mb.num_tokens], mb.cu_seqlens(), padded=padded)
@@ -228,10 +229,18 @@ def _cut(got: Mapping[str, np.ndarray], name: str, num_rows: int, trailing: tupl
 
 
 def _padding_rows(fdef: FieldDef, num_rows: int, cfg: FieldsConfig, dtype: np.dtype) -> np.ndarray:
-    """Rows for padding tokens of a token-domain field, by its padding rule."""
+    """Read-only rows for padding tokens of a token-domain field, by its padding rule (copy before writing)."""
     if fdef.padding != "spread_experts":
         raise FieldError(f"field {fdef.name}: token-domain padding rule {fdef.padding!r} is not implemented")
-    return spread_expert_rows(num_rows, cfg.num_layers, cfg.top_k, cfg.num_experts, dtype)
+    return _spread_rows(num_rows, cfg.num_layers, cfg.top_k, cfg.num_experts, np.dtype(dtype).str)
+
+
+@functools.lru_cache(maxsize=16)
+def _spread_rows(num_rows: int, num_layers: int, top_k: int, num_experts: int, dtype: str) -> np.ndarray:
+    """``spread_expert_rows``, computed once per shape: every micro batch of a step pads alike."""
+    rows = spread_expert_rows(num_rows, num_layers, top_k, num_experts, np.dtype(dtype))
+    rows.flags.writeable = False
+    return rows
 
 
 def _token_field(fdef: FieldDef, pieces: list, mb: MicroBatchRecord, seq_len: int, cfg: FieldsConfig,

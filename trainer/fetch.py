@@ -1,25 +1,36 @@
-"""A trainer rank's reads: wait for a step file, fetch its own micro batches' chunks.
+"""A trainer rank's reads: wait for a step file; fetch and assemble its own micro batches.
 
 Every rank fetches for itself (model-parallel peers of one DP rank each fetch the same
 chunks): only the refs its DP rank's micro batches use, each once, cut to the most
 tokens any of its sequences keeps, so a truncated slice reads only its kept rows
-(``storage.fetch.fetch_arrays``). Fetches run in parallel on at most
+(``storage.fetch.fetch_arrays``). Fetches run on at most
 ``StorageConfig.max_concurrent_fetches`` threads; transient store errors are retried
 inside the store (``StorageConfig.max_retries``).
+
+Assembly is pipelined with the reads: the thread that fetches a micro batch's last chunk
+assembles that micro batch (``trainer.assemble.assemble_micro_batch``) and then drops the
+chunks no other micro batch needs. Assembly so runs on the fetch threads while other
+reads are in flight, and each thread reuses the memory of the chunks it just released
+(``bench/trainer_fetch.py`` measures the difference; fetching everything first and then
+assembling on one thread was about 2x slower on a 2-core VM).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from pipeline.fields import FieldsConfig
 from pipeline.step_file import StepFile, StepHeader, step_key
-from storage.errors import ChunkNotFoundError, StepFileError
-from storage.fetch import FetchStats, fetch_many
+from storage.errors import ChunkNotFoundError, RefpipeError, StepFileError
+from storage.fetch import FetchStats, fetch_arrays
 from storage.store import Store
+from trainer.assemble import AssembledMicroBatch, assemble_micro_batch
 
 log = logging.getLogger(__name__)
 
@@ -45,20 +56,20 @@ def wait_for_step(store: Store, step: int, *, timeout_s: float, poll_s: float) -
 
 @dataclass
 class FetchedStep:
-    """What one rank fetched for its DP rank's micro batches of one step."""
+    """What one rank fetched and assembled of its DP rank's micro batches of one step."""
 
-    arrays: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
-    """ref index -> arrays (read-only), cut to the most tokens this DP rank keeps of that ref."""
+    assembled: dict[int, AssembledMicroBatch] = field(default_factory=dict)
+    """index (within the DP rank) -> the micro batch, for every micro batch fetched and assembled here."""
     failed: set[int] = field(default_factory=set)
-    """Indices (within the DP rank) of micro batches with at least one chunk that could not be fetched."""
+    """Indices of micro batches this rank could not fetch or assemble."""
     errors: list[str] = field(default_factory=list)
-    """One line per failed fetch (or one for an exception that ended the whole fetch)."""
+    """One line per failed fetch or assembly (or one for an exception that ended the whole fetch)."""
     chunks: int = 0
     """Chunks fetched."""
     nbytes: int = 0
     """Bytes of the arrays fetched (kept rows only)."""
     seconds: float = 0.0
-    """Wall time of the fetch."""
+    """Wall time of fetching and assembling."""
 
 
 def own_requests(header: StepHeader, dp_rank: int) -> dict[int, int]:
@@ -71,40 +82,105 @@ def own_requests(header: StepHeader, dp_rank: int) -> dict[int, int]:
     return need
 
 
-def fetch_own(store: Store, header: StepHeader, dp_rank: int, *, max_concurrency: int) -> FetchedStep:
-    """Fetch the chunks of DP rank ``dp_rank``'s micro batches; never raises for a failed fetch.
+def fetch_own(store: Store, step_file: StepFile, dp_rank: int, fields: FieldsConfig, *,
+              max_concurrency: int) -> FetchedStep:
+    """Fetch the chunks of DP rank ``dp_rank``'s micro batches and assemble each micro batch.
 
-    A fetch that ends in a typed error (missing, corrupt, still failing after retries)
-    fails the micro batches that use that ref. Any other exception out of the fetch (an
-    I/O error the store does not classify, a bug) is logged with its traceback and fails
-    every micro batch of the DP rank, so this rank still joins the failure all-reduce
-    instead of leaving its peers waiting.
+    Never raises for a failed fetch. A fetch or assembly that ends in a typed error (missing,
+    corrupt, still failing after retries, rows that disagree with the step file) fails the
+    micro batches that use that ref. Any other exception (an I/O error the store does not
+    classify, a bug) is logged with its traceback and fails every micro batch of the DP
+    rank, so this rank still joins the failure all-reduce instead of leaving its peers waiting.
 
     Returns:
-        ``FetchedStep`` with the arrays of every ref that was fetched.
+        ``FetchedStep``: the assembled micro batches, the failed indices and the counters.
     """
     started = time.monotonic()
-    need = own_requests(header, dp_rank)
-    order = sorted(need)
-    out, stats = FetchedStep(), FetchStats()
+    run = _OwnFetch(store, step_file, dp_rank, fields)
     try:
-        results = fetch_many(store, [(header.refs[i], need[i]) for i in order],
-                             max_concurrency=max_concurrency, stats=stats)
+        run.run(max_concurrency)
     except Exception as e:  # noqa: BLE001 -- the documented boundary: any failure becomes failure flags
-        log.exception("step %d dp_rank=%d: fetch raised; every micro batch of this DP rank fails", header.step, dp_rank)
-        out.failed = {mb.index for mb in header.micro_batches_of(dp_rank)}
-        out.errors.append(f"fetch raised {type(e).__name__}: {e}")
-        out.seconds = time.monotonic() - started
-        return out
-    bad = set()
-    for i, result in zip(order, results):
-        if isinstance(result, dict):
-            out.arrays[i] = result
-        else:
-            bad.add(i)
-            out.errors.append(f"ref {i} ({header.refs[i].uri}): {type(result).__name__}: {result}")
-    out.failed = {mb.index for mb in header.micro_batches_of(dp_rank) if any(s.ref in bad for s in mb.sequences)}
-    out.chunks, out.nbytes, out.seconds = stats.chunks, stats.nbytes, time.monotonic() - started
-    for line in out.errors:
-        log.warning("step %d dp_rank=%d: %s", header.step, dp_rank, line)
-    return out
+        log.exception("step %d dp_rank=%d: fetch raised; every micro batch of this DP rank fails",
+                      step_file.header.step, dp_rank)
+        run.out.assembled.clear()
+        run.out.failed = set(run.users_of_mb)
+        run.out.errors.append(f"fetch raised {type(e).__name__}: {e}")
+    run.out.chunks, run.out.nbytes = run.stats.chunks, run.stats.nbytes
+    run.out.seconds = time.monotonic() - started
+    for line in run.out.errors:
+        log.warning("step %d dp_rank=%d: %s", step_file.header.step, dp_rank, line)
+    return run.out
+
+
+class _OwnFetch:
+    """Shared state of one rank's pipelined fetch: which chunks each micro batch still waits for."""
+
+    def __init__(self, store: Store, step_file: StepFile, dp_rank: int, fields: FieldsConfig):
+        self.store, self.step_file, self.dp_rank, self.fields = store, step_file, dp_rank, fields
+        self.header = step_file.header
+        self.need = own_requests(self.header, dp_rank)
+        self.micro_batches = self.header.micro_batches_of(dp_rank)
+        self.users_of_mb = {mb.index: sorted({s.ref for s in mb.sequences if s.ref is not None})
+                            for mb in self.micro_batches}
+        self.users_of_ref: dict[int, list[int]] = {i: [] for i in self.need}
+        for index, refs in self.users_of_mb.items():
+            for ref in refs:
+                self.users_of_ref[ref].append(index)
+        self.pending = {index: len(refs) for index, refs in self.users_of_mb.items()}
+        self.refs_left = {ref: len(users) for ref, users in self.users_of_ref.items()}
+        self.arrays: dict[int, dict[str, np.ndarray]] = {}
+        self.out, self.stats, self.lock = FetchedStep(), FetchStats(), threading.Lock()
+
+    def run(self, max_concurrency: int) -> None:
+        """Fetch every ref on a bounded pool; micro batches without refs are assembled there too."""
+        no_refs = [index for index, refs in self.users_of_mb.items() if not refs]
+        with ThreadPoolExecutor(max_workers=max(1, min(max_concurrency, len(self.need) or 1))) as pool:
+            futures = [pool.submit(self.fetch_ref, ref) for ref in sorted(self.need)]
+            futures += [pool.submit(self.assemble, index) for index in no_refs]
+        for future in futures:
+            future.result()
+
+    def fetch_ref(self, ref: int) -> None:
+        """Fetch one ref; assemble each micro batch whose last chunk this was."""
+        try:
+            arrays = fetch_arrays(self.store, self.header.refs[ref], self.need[ref])
+        except RefpipeError as e:
+            arrays = None
+            self._fail(self.users_of_ref[ref], f"ref {ref} ({self.header.refs[ref].uri}): {type(e).__name__}: {e}")
+        self.stats.add(arrays)
+        ready = []
+        with self.lock:
+            if arrays is not None:
+                self.arrays[ref] = arrays
+            for index in self.users_of_ref[ref]:
+                self.pending[index] -= 1
+                if self.pending[index] == 0:
+                    ready.append(index)
+        for index in ready:
+            self.assemble(index)
+
+    def assemble(self, index: int) -> None:
+        """Assemble micro batch ``index`` unless it failed, then release chunks no one else waits for."""
+        mb = self.micro_batches[index]
+        with self.lock:
+            failed = index in self.out.failed
+            arrays = {ref: self.arrays[ref] for ref in self.users_of_mb[index] if ref in self.arrays}
+        if not failed:
+            try:
+                done = assemble_micro_batch(mb, self.step_file.streams(self.dp_rank, index), arrays, self.header.refs,
+                                            seq_len=self.header.seq_len, fields=self.fields)
+            except RefpipeError as e:
+                self._fail([index], f"micro batch {index}: {type(e).__name__}: {e}")
+            else:
+                with self.lock:
+                    self.out.assembled[index] = done
+        with self.lock:
+            for ref in self.users_of_mb[index]:
+                self.refs_left[ref] -= 1
+                if self.refs_left[ref] == 0:
+                    self.arrays.pop(ref, None)
+
+    def _fail(self, indices: list[int], line: str) -> None:
+        with self.lock:
+            self.out.failed.update(indices)
+            self.out.errors.append(line)

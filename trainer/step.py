@@ -1,4 +1,4 @@
-"""One trainer rank's per-step data path: load, fetch, agree, assemble, train, release, metrics."""
+"""One trainer rank's per-step data path: load, fetch + assemble, agree, stand in, train, release, metrics."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from storage.config import StorageConfig
 from storage.errors import ConfigError, DoubleDeleteError, FetchError, UnknownRefError
 from storage.ledger import Ledger
 from storage.store import Store
-from trainer.assemble import AssembledMicroBatch, assemble_dropped_micro_batch, assemble_micro_batch
+from trainer.assemble import AssembledMicroBatch, assemble_dropped_micro_batch
 from trainer.config import TrainerConfig
 from trainer.dist import Topology, agree_failures, gather_rank_values
 from trainer.fetch import FetchedStep, fetch_own, wait_for_step
@@ -42,9 +42,9 @@ class StepMetrics(BaseModel):
     fetched_bytes: int
     """Bytes of kept rows fetched, summed over every rank."""
     fetch_seconds_mean: float
-    """Wall seconds of a rank's fetch, mean over ranks."""
+    """Wall seconds of a rank's fetch (with the assembly pipelined into it), mean over ranks."""
     fetch_seconds_max: float
-    """Wall seconds of a rank's fetch, max over ranks."""
+    """Wall seconds of a rank's fetch (with the assembly pipelined into it), max over ranks."""
     failed_fetches: int
     """Fetches that ended in an error after retries, summed over ranks."""
     retries: int
@@ -66,11 +66,12 @@ class TrainerRank:
     2. every rank, for every step in the same order: ``run_step(step, train)``, which runs
 
        a. load step: wait for and validate the step file (every rank reads it);
-       b. fetch own: this DP rank's micro batches' chunks, in parallel; errors become flags;
+       b. fetch own: this DP rank's micro batches' chunks, in parallel, each micro batch
+          assembled into its padded numpy layout as soon as its chunks are in
+          (``trainer.fetch``); errors become failure flags;
        c. agree failures: world all-reduce of the flags (collective);
           if no micro batch was fetched anywhere, every rank raises ``FetchError`` here;
-       d. assemble: padded numpy layout per micro batch (dropped ones as shape-only stand-ins),
-          then tensors;
+       d. stand in for dropped micro batches (shape-only, no loss), then tensors;
        e. train: the caller's callback (its collectives are its own);
        f. release: the ``mp_rank == 0`` rank deletes the chunks its DP rank owns through the
           ledger and records ``release`` (after (c), so every rank has finished fetching);
@@ -101,12 +102,12 @@ class TrainerRank:
         """
         retries_before = self.store.retries
         step_file = self.load_step(step)
-        header = step_file.header
-        fetched = fetch_own(self.store, header, self.topology.dp_rank,
+        header, dp_rank = step_file.header, self.topology.dp_rank
+        fetched = fetch_own(self.store, step_file, dp_rank, self.fields,
                             max_concurrency=self.storage.max_concurrent_fetches)
         dropped = self.agree_failures(header, fetched)
-        batches = self.assemble(step_file, fetched, dropped[self.topology.dp_rank])
-        train([to_torch(mb, rec) for mb, rec in zip(batches, header.micro_batches_of(self.topology.dp_rank))])
+        batches = self.stand_in_dropped(step_file, fetched, dropped[dp_rank])
+        train([to_torch(mb, rec) for mb, rec in zip(batches, header.micro_batches_of(dp_rank))])
         deletes, problems = self.release(header)
         return self.metrics(header, fetched, dropped, deletes, problems, self.store.retries - retries_before)
 
@@ -134,31 +135,20 @@ class TrainerRank:
                              f"{fetched.errors[:3]}")
         return dropped
 
-    def assemble(self, step_file: StepFile, fetched: FetchedStep, dropped: np.ndarray) -> list[AssembledMicroBatch]:
-        """(d) This DP rank's micro batches in order; a dropped one repeats the routing rows of the
-        first micro batch that was not dropped, so every model-parallel peer builds the same.
+    def stand_in_dropped(self, step_file: StepFile, fetched: FetchedStep,
+                         dropped: np.ndarray) -> list[AssembledMicroBatch]:
+        """(d) This DP rank's micro batches in order, each dropped one replaced by its shape-only stand-in.
 
-        Fetched arrays are released as soon as their last micro batch is assembled.
+        A stand-in repeats the routing rows of the first micro batch that was not dropped, so every
+        model-parallel peer builds the same one (peers agree on ``dropped``, not on what they fetched).
         """
         header, dp_rank = step_file.header, self.topology.dp_rank
         mbs = header.micro_batches_of(dp_rank)
-        last_use = {seq.ref: mb.index for mb in mbs for seq in mb.sequences if seq.ref is not None}
-        out: dict[int, AssembledMicroBatch] = {}
-        routing_rows = None
-        for mb in mbs:
-            if not dropped[mb.index]:
-                out[mb.index] = assemble_micro_batch(mb, step_file.streams(dp_rank, mb.index), fetched.arrays,
-                                                     header.refs, seq_len=header.seq_len, fields=self.fields)
-                if routing_rows is None and "routed_experts" in out[mb.index].fields:
-                    routing_rows = out[mb.index].fields["routed_experts"].values
-            for ref in [r for r, last in last_use.items() if last == mb.index]:
-                fetched.arrays.pop(ref, None)
-        for mb in mbs:
-            if dropped[mb.index]:
-                out[mb.index] = assemble_dropped_micro_batch(mb, step_file.streams(dp_rank, mb.index),
-                                                             seq_len=header.seq_len, fields=self.fields,
-                                                             routing_rows=routing_rows)
-        return [out[mb.index] for mb in mbs]
+        kept = [fetched.assembled[mb.index] for mb in mbs if not dropped[mb.index]]
+        routing_rows = next((a.fields["routed_experts"].values for a in kept if "routed_experts" in a.fields), None)
+        return [assemble_dropped_micro_batch(mb, step_file.streams(dp_rank, mb.index), seq_len=header.seq_len,
+                                             fields=self.fields, routing_rows=routing_rows)
+                if dropped[mb.index] else fetched.assembled[mb.index] for mb in mbs]
 
     def release(self, header: StepHeader) -> tuple[int, int]:
         """(f) ``mp_rank == 0`` only: delete this DP rank's owned chunks, record ``release``, flush.

@@ -119,17 +119,22 @@ def test_bad_inputs_are_typed_errors(local):
         assemble_micro_batch(mb, step.streams[(0, 0)], arrays, header.refs, seq_len=20, fields=FIELDS)
 
 
-def test_fetch_own_dedups_reads_kept_rows_and_flags_failed_micro_batches(store, step):
-    header = step.header
-    assert own_requests(header, 1) == {0: 14, 1: 3, 3: 11, 4: 2}  # refs: a b f c d e
-    fetched = fetch_own(store, header, 1, max_concurrency=4)
+def test_fetch_own_dedups_reads_kept_rows_assembles_and_flags_failed_micro_batches(store, step):
+    step_file = StepFile.read(store, 3)
+    header = step_file.header
+    need = own_requests(header, 1)
+    assert need == {0: 14, 1: 3, 3: 11, 4: 2}  # refs: a b f c d e; a: the larger of its uses on DP 1
+    fetched = fetch_own(store, step_file, 1, FIELDS, max_concurrency=4)
     assert fetched.failed == set() and fetched.errors == [] and fetched.chunks == 4
-    assert fetched.nbytes == sum(a.nbytes for arrays in fetched.arrays.values() for a in arrays.values())
-    assert fetched.arrays[1]["topk_ids"].shape == (0, 3)  # b kept to its 3 prompt tokens: no completion rows read
+    kept = {i: fetch_arrays(store, header.refs[i], n) for i, n in need.items()}
+    assert fetched.nbytes == sum(a.nbytes for arrays in kept.values() for a in arrays.values())
+    assert kept[1]["topk_ids"].shape == (0, 3)  # b kept to its 3 prompt tokens: no completion rows read
+    for index, mb in fetched.assembled.items():
+        assert_same(flatten(mb.streams, mb.cu_seqlens, mb.fields), expected_micro_batch(step, 1, index))
     store.delete(list(chunk_keys(store, header.refs[4])))  # d: used by DP 1 index 1
-    fetched = fetch_own(store, header, 1, max_concurrency=4)
+    fetched = fetch_own(store, step_file, 1, FIELDS, max_concurrency=4)
     assert fetched.failed == {1} and len(fetched.errors) == 1 and "ChunkNotFoundError" in fetched.errors[0]
-    assert sorted(fetched.arrays) == [0, 1, 3]
+    assert sorted(fetched.assembled) == [0] and fetched.chunks == 3
 
 
 def test_to_torch_widens_streams_once_and_shares_field_memory(local):
