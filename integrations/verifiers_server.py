@@ -36,7 +36,8 @@ from verifiers.v1.serve.server import EnvServer
 from verifiers.v1.serve.types import RunRequest, RunResponse
 from verifiers.v1.trace import Trace
 
-from integrations.verifiers_branches import INFO_KEY, BranchRef, fingerprint, refs_record, side_channels, trainable_branches
+from integrations.verifiers_branches import (INFO_KEY, BranchRef, fingerprint, refs_record, side_channels,
+                                             trainable_branches)
 from pipeline.fields import FieldsConfig
 from pipeline.keep import Branch, Keeper
 from storage.config import StorageConfig
@@ -97,7 +98,8 @@ class RunKeeps:
         that left, (re)keep completed traces whose arrays are new or changed (``final``:
         every trace)."""
         live = {trace.id for trace in traces}
-        jobs = [_Job(tid, f"discarded attempt: trace {tid} left the run (retried)") for tid in self.kept if tid not in live]
+        jobs = [_Job(tid, f"discarded attempt: trace {tid} left the run (retried)")
+                for tid in self.kept if tid not in live]
         for trace in traces:
             if not (final or trace.is_completed):
                 continue
@@ -176,7 +178,8 @@ class RefDeltaStreamer(DeltaStreamer):
             await self._abandon(f"run failed while streaming its end: {type(e).__name__}")
             raise
         if exc_type is not None or self.failure is not None:
-            why = "cancelled" if exc_type is asyncio.CancelledError else f"failed: {(exc_type or type(self.failure)).__name__}"
+            failed = exc_type or type(self.failure)
+            why = "cancelled" if failed is asyncio.CancelledError else f"failed: {failed.__name__}"
             await self._abandon(f"run abandoned: {why}")
         if exc_type is None and self.failure is not None:
             raise self.failure

@@ -25,7 +25,6 @@ from pipeline.step_file import StepFile  # noqa: E402
 from storage.errors import EpisodeError  # noqa: E402
 from storage.ledger import Ledger  # noqa: E402
 from storage.store import open_store  # noqa: E402
-from trainer.assemble import assemble_micro_batch  # noqa: E402
 from trainer.fetch import fetch_own  # noqa: E402
 
 FIELDS = FieldsConfig(num_layers=3, top_k=2, num_experts=16, sampling_mask=True)
@@ -67,12 +66,11 @@ def test_trainer_rows_equal_inline_rows_through_the_orchestrator(storage_config)
     inline = {(t.id, leaf): (np.asarray(b.token_ids, np.int32), num_prompt_tokens(b), b.routed_experts, b.sampling_mask)
               for e in inline_eps for t in e.traces for leaf, b in trainable_branches(t)}
     step = StepFile.read(store, 0)
-    fetched = fetch_own(store, header, 0, max_concurrency=4)
-    assert not fetched.failed
+    fetched = fetch_own(store, step, 0, FIELDS, max_concurrency=4)  # fetches and assembles, as a trainer rank
+    assert not fetched.failed and fetched.chunks == 4
     checked = truncated = 0
     for mb in header.micro_batches_of(0):
-        batch = assemble_micro_batch(mb, step.streams(0, mb.index), fetched.arrays, header.refs,
-                                     seq_len=header.seq_len, fields=FIELDS)
+        batch = fetched.assembled[mb.index]
         routed, mask = batch.fields["routed_experts"], batch.fields["sampling_mask"]
         ids_start = np.concatenate([[0], np.cumsum(mask.counts)])
         start = 0
