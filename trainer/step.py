@@ -46,7 +46,8 @@ class StepMetrics(BaseModel):
     fetch_seconds_max: float
     """Wall seconds of a rank's fetch (with the assembly pipelined into it), max over ranks."""
     failed_fetches: int
-    """Fetches that ended in an error after retries, summed over ranks."""
+    """Fetches that ended in an error after retries (and micro batches whose rows disagreed with the step
+    file), summed over ranks."""
     retries: int
     """Store retries of transient errors during fetch and release, summed over ranks."""
     deletes: int
