@@ -68,9 +68,10 @@ def _check_experts(a: np.ndarray, cfg: FieldsConfig) -> str | None:
 
 
 def _check_logprobs(a: np.ndarray, cfg: FieldsConfig) -> str | None:
-    if np.isnan(a).any():
+    top = a.max() if a.size else 0.0  # one pass: max is NaN if any value is NaN, +inf if any is +inf
+    if np.isnan(top):
         return f"{int(np.isnan(a).sum())} NaN values: expected finite logprobs or -inf"
-    if np.isposinf(a).any():
+    if np.isposinf(top):
         return "+inf values: expected finite logprobs or -inf"
     return None
 

@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import aiohttp
@@ -143,7 +144,9 @@ class LocalStore(Store):
     key, which fails atomically with ``EEXIST`` when the key exists: one new
     directory entry per object and no temp name (where the filesystem lacks
     ``O_TMPFILE``: a named temp file, ``link(2)``, ``unlink(2)``). ``get`` is
-    ``open``, ``pread``, ``close`` (plus an ``fstat`` for whole reads).
+    ``open``, ``pread``, ``close`` (plus an ``fstat`` for whole reads). ``delete``
+    unlinks in order per directory and removes branch directories it empties,
+    directories in parallel.
     """
 
     def get(self, key, start=None, end=None):
@@ -213,14 +216,32 @@ class LocalStore(Store):
             os.unlink(tmp)
 
     def delete(self, keys):
+        by_directory: dict[str, list[tuple[str, str]]] = {}
         for key in keys:
+            path = self.path(key)
+            by_directory.setdefault(os.path.dirname(path), []).append((key, path))
+        if len(by_directory) <= 1:
+            for directory, items in by_directory.items():
+                self._delete_in(directory, items)
+            return
+        # rmdir(2) waits on the filesystem (~2-5 ms each on ext4 with discard, a metadata round trip on
+        # Lustre) while costing little CPU: empty the branch directories in parallel
+        with ThreadPoolExecutor(min(_DELETE_THREADS, len(by_directory))) as pool:
+            list(pool.map(lambda item: self._delete_in(*item), by_directory.items()))
+
+    def _delete_in(self, directory: str, items: list[tuple[str, str]]) -> None:
+        """Unlink ``items`` in order, then remove ``directory`` if this emptied a branch directory."""
+        removed = False
+        for key, path in items:
             try:
-                os.unlink(self.path(key))
+                os.unlink(path)
             except FileNotFoundError:
                 continue
             except OSError as e:
                 raise StorageError(f"cannot delete {self.uri(key)}: {e.strerror}") from e
-            self._remove_empty_dir(os.path.dirname(self.path(key)))
+            removed = True
+        if removed:
+            self._remove_empty_dir(directory)
 
     def _remove_empty_dir(self, directory: str) -> None:
         """Remove a branch directory once its last object is gone (shards stay)."""
@@ -230,7 +251,7 @@ class LocalStore(Store):
             os.rmdir(directory)
         except OSError as e:
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
-                raise
+                raise StorageError(f"cannot remove directory {directory}: {e.strerror}") from e
 
     def exists(self, key):
         return os.path.exists(self.path(key))
@@ -246,7 +267,10 @@ class LocalStore(Store):
 
 
 _HAVE_TMPFILE = hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")
-_IOV_MAX = 1024
+_DELETE_THREADS = 8
+_WRITE_PIECE_BYTES = 512 << 10
+"""Bytes per ``write(2)``. On ext4 under Linux 6.18 one write of >= 2 MiB took ~3x as long as the same
+bytes in <= 1 MiB writes (measured for bench/keep_fetch.py); smaller pieces cost nothing elsewhere."""
 
 
 def _open_dir_file(path: str, flags: int) -> int:
@@ -260,15 +284,11 @@ def _open_dir_file(path: str, flags: int) -> int:
 
 
 def _write_all(fd: int, buffers) -> None:
-    """Write buffers in order with ``writev(2)``, resuming after short writes."""
-    views = [memoryview(b).cast("B") for b in buffers]
-    views = [v for v in views if len(v)]
-    while views:
-        written = os.writev(fd, views[:_IOV_MAX])
-        while views and written >= len(views[0]):
-            written -= len(views.pop(0))
-        if written:
-            views[0] = views[0][written:]
+    """Write buffers in order, at most ``_WRITE_PIECE_BYTES`` per ``write(2)``, resuming after short writes."""
+    for buffer in buffers:
+        view = memoryview(buffer).cast("B")
+        while view:
+            view = view[os.write(fd, view[:_WRITE_PIECE_BYTES]):]
 
 
 def _read_all(fd: int, size: int, offset: int) -> bytes:
