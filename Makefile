@@ -11,7 +11,7 @@ CONFIG ?= configs/local.toml
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,verifiers]'
 	touch $(STAMP)
 
 run: $(STAMP)
