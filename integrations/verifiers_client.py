@@ -107,7 +107,8 @@ def _branch_result(branch, ref: PayloadRef | None, temperature: float, policy_ve
                            f"completion tokens: expected {prompt} + {len(tokens) - prompt} (the branch's tokens)")
     return BranchResult(prompt_ids=tokens[:prompt], completion_ids=tokens[prompt:],
                         inference_logprobs=logprobs[prompt:], temperature=temperature,
-                        policy_version=policy_version, ref=ref)
+                        policy_version=policy_version, ref=ref,
+                        completion_mask=np.asarray(branch.sampled_mask, np.bool_)[prompt:])
 
 
 def _check_no_inline_arrays(trace: Trace, what: str) -> None:

@@ -35,6 +35,8 @@ class BranchResult:
         policy_version: trainer step whose weights generated the completion (>= 0).
         ref: the branch's kept side channels (``Keeper.keep``), or None when it carries none.
         trainable: False for branches that are never trained; their chunks are deleted on arrival.
+        completion_mask: [C] bool, True on the completion tokens the policy sampled (trained on);
+            multi-turn branches mark tool and user tokens False. None: every completion token.
     """
 
     prompt_ids: np.ndarray
@@ -44,6 +46,7 @@ class BranchResult:
     policy_version: int
     ref: PayloadRef | None = None
     trainable: bool = True
+    completion_mask: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -167,6 +170,8 @@ def build_sample(episode: Episode, branch: BranchResult, *, reward: float, advan
                            f"token within seq_len={seq_len}")
     n = num_prompt + num_completion
     completion = np.arange(n) >= num_prompt
+    if branch.completion_mask is not None:
+        completion[num_prompt:] &= branch.completion_mask[:num_completion]
     logprobs = np.zeros(n, np.float32)
     logprobs[num_prompt:] = branch.inference_logprobs[:num_completion]
     payload = None if branch.ref is None else PayloadSlice(branch.ref, n)
@@ -209,8 +214,10 @@ def check_episode(episode: Episode, prefix: RunPrefix) -> None:
 def _check_branch(branch: BranchResult, what: str, prefix: RunPrefix) -> None:
     c = len(branch.completion_ids) if isinstance(branch.completion_ids, np.ndarray) else -1
     for name, dtype, shape in (("prompt_ids", "<i4", None), ("completion_ids", "<i4", None),
-                               ("inference_logprobs", "<f4", (c,))):
+                               ("inference_logprobs", "<f4", (c,)), ("completion_mask", "|b1", (c,))):
         a = getattr(branch, name)
+        if name == "completion_mask" and a is None:
+            continue
         if not isinstance(a, np.ndarray) or a.dtype.str != dtype or a.ndim != 1 or (shape and a.shape != shape):
             got = f"{a.dtype.str} {list(a.shape)}" if isinstance(a, np.ndarray) else type(a).__name__
             raise EpisodeError(f"{what}: {name} is {got}: expected {np.dtype(dtype)} [{shape[0] if shape else 'n'}]")

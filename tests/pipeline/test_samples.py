@@ -57,3 +57,15 @@ def test_sample_construction_checks_streams_and_slice():
         Sample(**{**fields, "loss_mask": good.loss_mask[:4]})
     with pytest.raises(PackingError, match=r"keeps 4 tokens of file:///runs/run_1/payloads/00/b0: expected 5"):
         Sample(**{**fields, "payload": PayloadSlice(REF, 4)})
+
+
+def test_completion_mask_keeps_unsampled_turns_out_of_the_loss():
+    """Multi-turn: tool/user tokens inside the completion get loss_mask False and advantage 0."""
+    mask = np.array([True, True, False, False, True])
+    branch = BranchResult(prompt_ids=np.arange(3, dtype=np.int32), completion_ids=np.arange(5, dtype=np.int32),
+                          inference_logprobs=np.full(5, -0.5, np.float32), temperature=1.0, policy_version=0,
+                          completion_mask=mask)
+    episode = Episode("e0", "g0", "env", 1.0, [branch])
+    sample = build_sample(episode, branch, reward=1.0, advantage=2.0, seq_len=7)
+    assert sample.loss_mask.tolist() == [False, False, False, True, True, False, False]
+    assert sample.advantages.tolist() == [0, 0, 0, 2.0, 2.0, 0, 0]
