@@ -25,12 +25,14 @@ from typing import TypeVar
 import aiohttp
 import botocore.exceptions
 import fsspec
+from typing_extensions import Buffer
 
 from storage.config import StorageConfig
 from storage.errors import ChunkNotFoundError, KeyExistsError, StorageError, TransientStorageError
 from storage.uri import RunPrefix
 
-Data = bytes | bytearray | memoryview | Sequence[bytes | bytearray | memoryview]
+Data = Buffer | list[Buffer] | tuple[Buffer, ...]
+"""What ``put`` writes: one bytes-like object (bytes, memoryview, a C-contiguous ndarray), or a list/tuple of them."""
 T = TypeVar("T")
 _RETRIES_LOCK = threading.Lock()
 _S3_DELETE_BATCH = 1000  # DeleteObjects takes at most 1,000 keys (AWS S3 API reference)
@@ -43,8 +45,9 @@ def open_store(config: StorageConfig) -> "Store":
     return cls(prefix, config)
 
 
-def _join(data: Data) -> bytes | bytearray | memoryview:
-    return data if isinstance(data, (bytes, bytearray, memoryview)) else b"".join(data)
+def _buffers(data: Data) -> list | tuple:
+    """``data`` as a list of buffers: a list or tuple is already one; anything else (bytes, an ndarray) is one buffer."""
+    return data if isinstance(data, (list, tuple)) else [data]
 
 
 class Store:
@@ -168,7 +171,7 @@ class LocalStore(Store):
 
     def put(self, key, data, *, exclusive=False):
         path = self.path(key)
-        buffers = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
+        buffers = _buffers(data)
         try:
             if exclusive and _HAVE_TMPFILE:
                 self._put_unnamed(path, key, buffers)
@@ -358,7 +361,7 @@ class S3Store(Store):
         bucket, object_key = self._split(key)
         match = {"IfNoneMatch": "*"} if exclusive else {}
         try:
-            self._call(f"PUT {self.uri(key)}", "put_object", Bucket=bucket, Key=object_key, Body=bytes(_join(data)), **match)
+            self._call(f"PUT {self.uri(key)}", "put_object", Bucket=bucket, Key=object_key, Body=b"".join(_buffers(data)), **match)
         except FileExistsError as e:
             raise KeyExistsError(f"{self.uri(key)} already exists") from e
         except StorageError as e:

@@ -34,11 +34,15 @@ class StoreConformance:
         store.put("a/b/one", DATA)
         store.put("a/b/two", [b"head", bytearray(b"-mid-"), memoryview(b"tail"), np.arange(3, dtype=np.uint8)])
         store.put("a/empty", b"")
+        store.put("a/array", np.arange(6, dtype="<i4").reshape(2, 3))  # one buffer, not a sequence of rows
+        store.put("a/tuple", (b"x", np.zeros(2, np.uint8)))
         assert store.get("a/b/one") == DATA
         assert raw.get("a/b/one") == DATA
         assert store.get("a/b/two") == b"head-mid-tail\x00\x01\x02"
         assert store.get("a/empty") == b""
-        assert raw.keys() == ["a/b/one", "a/b/two", "a/empty"]  # no temp objects left behind
+        assert store.get("a/array") == np.arange(6, dtype="<i4").tobytes()
+        assert store.get("a/tuple") == b"x\x00\x00"
+        assert raw.keys() == ["a/array", "a/b/one", "a/b/two", "a/empty", "a/tuple"]  # no temp objects left
 
     def test_put_replaces(self, backend: Backend):
         backend.store.put("k", b"first")
