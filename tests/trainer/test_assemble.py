@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pipeline.fields import spread_expert_rows
-from pipeline.step_file import StepFile
+from pipeline.step_file import StepFile, publish_step_file
 from storage.errors import FieldError, PackingError, StepFileError
 from storage.fetch import chunk_keys, fetch_arrays
 from storage.store import open_store
@@ -161,8 +161,6 @@ def test_wait_for_step_names_the_file_and_the_wait(store, storage_config, step):
     with pytest.raises(StepFileError, match=r"step file .*steps/step_00000004\.npz did not appear: waited [0-9.]+ s"):
         wait_for_step(store, 4, timeout_s=0.2, poll_s=0.05)
     later = step.header.model_copy(update={"step": 5})
-    from pipeline.step_file import publish_step_file
-
     timer = threading.Timer(0.2, publish_step_file, (store, later, step.streams))
     timer.start()
     try:

@@ -111,7 +111,8 @@ def _check_trained(built, results, step: int, world_size: int, mp: int, dropped:
                        for f in ("topk_ids", "topk_logprobs", "sample_support", "sampling_mask"))
             if (dp, i) in stand_in_rows:
                 rows = stand_in_rows[(dp, i)]
-                want = spread_expert_rows(SEQ_LEN, 2, 2, 8, np.uint8) if rows is None else np.resize(rows, (SEQ_LEN, 2, 2))
+                want = (spread_expert_rows(SEQ_LEN, 2, 2, 8, np.uint8) if rows is None
+                        else np.resize(rows, (SEQ_LEN, 2, 2)))
                 assert got["field.routed_experts.padded"].tobytes() == want.tobytes()
         peer = results[(step, rank - rank % mp)][1]
         assert sorted(arrays) == sorted(peer) and all(arrays[k].tobytes() == peer[k].tobytes() for k in arrays)
@@ -136,7 +137,7 @@ def _release_events(store) -> list[tuple[int, int, str]]:
 
 
 def test_two_dp_ranks_of_two_peers_train_identical_bytes_and_survive_faults(tmp_path, local_config):
-    """4 ranks (2 DP x 2 model-parallel): clean step, missing, corrupt, a raising fetch, nothing fetchable, a dead rank."""
+    """4 ranks (2 DP x 2 model-parallel): clean, missing, corrupt, a raising fetch, nothing fetchable, a dead rank."""
     store = open_store(local_config)
     rng = np.random.default_rng(11)
     built = {}
@@ -167,7 +168,7 @@ def test_two_dp_ranks_of_two_peers_train_identical_bytes_and_survive_faults(tmp_
                   "fetch_seconds_max": m0["fetch_seconds_max"], "failed_fetches": 0, "retries": 0,
                   "deletes": n_refs, "delete_problems": 0}
     assert m0["fetch_seconds_max"] >= m0["fetch_seconds_mean"] > 0
-    mb0_rows = np.concatenate([_routing(built[1], "s1_a", 11), _routing(built[1], "s1_b", 9), _routing(built[1], "s1_f", 4)])
+    mb0_rows = np.concatenate([_routing(built[1], f"s1_{x}", n) for x, n in (("a", 11), ("b", 9), ("f", 4))])
     m1 = _check_trained(built[1], results, 1, 4, 2, {(0, 1)}, {(0, 1): mb0_rows})
     assert (m1["dropped_micro_batches"], m1["failed_fetches"], m1["fetched_chunks"]) == (1, 2, 2 * (7 + 4))
     assert (m1["deletes"], m1["delete_problems"]) == (n_refs - 1, 1)  # g was never there to delete
@@ -176,7 +177,8 @@ def test_two_dp_ranks_of_two_peers_train_identical_bytes_and_survive_faults(tmp_
     assert (m2["dropped_micro_batches"], m2["failed_fetches"], m2["deletes"]) == (2, 4, n_refs)
     m3 = _check_trained(built[3], results, 3, 4, 2, {(1, 0), (1, 1), (1, 2)}, {(1, 0): None, (1, 1): None})
     # DP 1's other 3 chunks were read before its fetch raised; the raise still fails all of DP 1's micro batches
-    assert (m3["dropped_micro_batches"], m3["failed_fetches"], m3["fetched_chunks"], m3["deletes"]) == (3, 2, 22, n_refs)
+    assert (m3["dropped_micro_batches"], m3["failed_fetches"], m3["fetched_chunks"]) == (3, 2, 22)
+    assert m3["deletes"] == n_refs
     for rank in range(4):
         result = results[(4, rank)][0]
         assert result["error"] == "FetchError" and "step 4: none of its 6 micro batches" in result["message"]

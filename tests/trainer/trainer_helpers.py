@@ -175,7 +175,7 @@ def _expected_completion(out, name, width, mb, seq_branches, bounds, seq_len):
 
 
 def flatten(streams, cu_seqlens, fields) -> dict[str, np.ndarray]:
-    """Flat name -> numpy array of an assembled micro batch (numpy or torch arrays), keys as ``expected_micro_batch``."""
+    """Flat name -> numpy array of an assembled micro batch (numpy or torch), keys as ``expected_micro_batch``."""
     as_np = (lambda a: a.numpy() if hasattr(a, "numpy") else a)
     out = {f"stream.{k}": as_np(v) for k, v in streams.items()}
     out["cu_seqlens"] = as_np(cu_seqlens)
