@@ -18,6 +18,7 @@ import pytest
 
 from storage.errors import (ChunkNotFoundError, KeyExistsError, OutsideRunError, StorageError,
                             TransientStorageError)
+from storage import store as store_module
 from storage.store import LocalStore, S3Store, open_store
 from store_children import race_in_child, race_payload, use_in_child
 from storage_helpers import Backend, FsOps, S3Requests, make_backend
@@ -43,6 +44,14 @@ class StoreConformance:
         assert store.get("a/array") == np.arange(6, dtype="<i4").tobytes()
         assert store.get("a/tuple") == b"x\x00\x00"
         assert raw.keys() == ["a/array", "a/b/one", "a/b/two", "a/empty", "a/tuple"]  # no temp objects left
+
+    def test_large_objects_round_trip(self, backend: Backend):
+        parts = [np.random.default_rng(0).integers(0, 256, 1_500_007, dtype=np.uint8), b"mid", bytes(700_001)]
+        backend.store.put("big", parts, exclusive=True)
+        backend.store.put("big2", parts)
+        expected = b"".join(bytes(p) for p in parts)
+        assert backend.store.get("big") == expected and backend.store.get("big2") == expected
+        assert backend.store.get("big", 1_499_990, 1_500_020) == expected[1_499_990:1_500_020]
 
     def test_put_replaces(self, backend: Backend):
         backend.store.put("k", b"first")
@@ -236,6 +245,26 @@ class TestLocalStore(StoreConformance):
         with pytest.raises(StorageError, match="broken"):
             store.retrying("op", lambda: calls.append(1) or (_ for _ in ()).throw(StorageError("broken")))
         assert len(calls) == 1
+
+
+class TestLocalStoreWithoutTmpfile(TestLocalStore):
+    """The same suite where the filesystem has no ``O_TMPFILE`` (NFS, some Lustre): exclusive puts use a named
+    temp file, ``link(2)`` and ``unlink(2)``."""
+
+    @pytest.fixture
+    def backend(self, local_config, monkeypatch) -> Backend:
+        monkeypatch.setattr(store_module, "_HAVE_TMPFILE", False)
+        return make_backend("local", local_config)
+
+    def test_exclusive_put_creates_one_entry_and_no_temp_name(self, backend: Backend):
+        backend.store.put("d/first", b"1")
+        with FsOps(backend.store.prefix.path) as ops:
+            backend.store.put("d/second", [b"2", b"2"], exclusive=True)
+        tmp = ops.ops[0][1]
+        assert tmp.startswith(backend.store.path("d/second") + ".tmp-")
+        assert ops.ops == [("open", tmp), ("os.link", backend.store.path("d/second")), ("os.remove", tmp)]
+        assert backend.store.get("d/second") == b"22"
+        assert backend.raw.keys() == ["d/first", "d/second"]
 
 
 class TestS3Store(StoreConformance):
