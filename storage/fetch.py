@@ -99,7 +99,7 @@ def _read_rows(store: Store, data_key: str, ref: PayloadRef, lay: ArrayLayout, r
     row_nbytes = lay.dtype.itemsize * int(np.prod(lay.shape[1:], dtype=np.int64))
     end = lay.offset + rows * row_nbytes
     if rows == 0:
-        return np.empty((0, *lay.shape[1:]), lay.dtype)
+        return np.frombuffer(b"", lay.dtype).reshape(0, *lay.shape[1:])  # read-only, like every fetched array
     data = store.get(data_key, lay.offset, end)
     if len(data) != end - lay.offset:
         raise ChunkCorruptError(

@@ -71,6 +71,7 @@ def test_fetch_first_n_tokens_equals_the_input_cut(backend, compression, num_tok
     ref = keep(backend, fields, compression=compression)
     got = fetch_arrays(backend.store, ref, num_tokens)
     assert_same_bytes(got, stored_cut(fields, P, num_tokens))
+    assert all(not a.flags.writeable for a in got.values())
 
 
 def test_fetch_reads_only_the_chunk_and_only_needed_ranges(backend):
