@@ -12,11 +12,14 @@ Each rank, for ``--rounds`` rounds, both ranks at once (barriers between phases)
   refpipe  ``trainer.fetch.fetch_own`` (same threads; each micro batch assembled into its
            padded layout as its chunks arrive) + ``TrainerRank.stand_in_dropped``, i.e. what
            ``run_step`` does before the failure all-reduce and training.
-The best round of each is compared: ratio = raw seconds / refpipe seconds for the same bytes.
+Rounds are paired (raw, then refpipe, back to back): ratio = median over rounds of raw seconds /
+refpipe seconds, scaled to the same bytes (refpipe throughput / raw throughput), reported per rank
+and as the minimum over ranks; ``cpu_ratio`` is the same with process CPU seconds. On a shared
+2-core VM wall times swing by 2-3x between runs, hence pairing and medians.
 Then one full ``TrainerRank.run_step`` (fetch, all-reduce, assembly, tensors, release) gives
 ``fetch_seconds_per_step`` (its ``fetch_seconds_max``), and deletes the chunks.
 
-Usage: ``.venv/bin/python bench/trainer_fetch.py [--branches 1024] [--rounds 3] [--tmp /tmp]``.
+Usage: ``.venv/bin/python bench/trainer_fetch.py [--branches 1024] [--rounds 5] [--tmp /tmp]``.
 Last line: one JSON object with ``fetch_assemble_throughput_ratio`` (target >= 0.7) and
 ``fetch_seconds_per_step``.
 """
@@ -24,11 +27,14 @@ Last line: one JSON object with ``fetch_assemble_throughput_ratio`` (target >= 0
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import resource
 import shutil
 import socket
 import subprocess
+import statistics
 import sys
 import tempfile
 import time
@@ -101,6 +107,17 @@ def read_raw(paths: list[str], threads: int) -> int:
     return sum(len(d) for d in data)
 
 
+@contextlib.contextmanager
+def timed(wall_s: list[float], cpu_s: list[float]):
+    """Append the block's wall seconds and this process's CPU seconds (user + system, all threads)."""
+    cpu = resource.getrusage(resource.RUSAGE_SELF)
+    started = time.perf_counter()
+    yield
+    wall_s.append(time.perf_counter() - started)
+    end = resource.getrusage(resource.RUSAGE_SELF)
+    cpu_s.append(end.ru_utime + end.ru_stime - cpu.ru_utime - cpu.ru_stime)
+
+
 def rank_main(spec: dict, rank: int) -> None:
     """One trainer rank: timed rounds of raw reads and fetch + assembly, then one full step."""
     import torch.distributed as dist
@@ -119,23 +136,22 @@ def rank_main(spec: dict, rank: int) -> None:
     header, dp = step_file.header, trainer.topology.dp_rank
     paths = [store.path(chunk_keys(store, header.refs[i])[0]) for i in sorted(own_requests(header, dp))]
     not_dropped = np.zeros(len(header.micro_batches_of(dp)), bool)
-    raw_s, ours_s, nbytes = [], [], 0
+    raw_s, ours_s, raw_cpu_s, ours_cpu_s = [], [], [], []
     for _ in range(spec["rounds"]):
         dist.barrier()
-        started = time.perf_counter()
-        raw_nbytes = read_raw(paths, storage.max_concurrent_fetches)
-        raw_s.append(time.perf_counter() - started)
+        with timed(raw_s, raw_cpu_s):
+            raw_nbytes = read_raw(paths, storage.max_concurrent_fetches)
         dist.barrier()
-        started = time.perf_counter()
-        fetched = fetch_own(store, step_file, dp, FIELDS, max_concurrency=storage.max_concurrent_fetches)
-        batches = trainer.stand_in_dropped(step_file, fetched, not_dropped)
-        ours_s.append(time.perf_counter() - started)
+        with timed(ours_s, ours_cpu_s):
+            fetched = fetch_own(store, step_file, dp, FIELDS, max_concurrency=storage.max_concurrent_fetches)
+            batches = trainer.stand_in_dropped(step_file, fetched, not_dropped)
         nbytes = fetched.nbytes
         del fetched, batches
     dist.barrier()
     metrics = trainer.run_step(0, lambda batches: None)
     trainer.close()
-    result = {"rank": rank, "raw_s": raw_s, "fetch_assemble_s": ours_s, "nbytes": nbytes,
+    result = {"rank": rank, "raw_s": raw_s, "fetch_assemble_s": ours_s, "raw_cpu_s": raw_cpu_s,
+              "fetch_assemble_cpu_s": ours_cpu_s, "nbytes": nbytes,
               "raw_nbytes": raw_nbytes, "metrics": metrics.model_dump()}
     Path(spec["out"], f"rank{rank}.json").write_text(json.dumps(result))
     os._exit(0)
@@ -168,17 +184,21 @@ def check_space(tmp: str, num_branches: int) -> None:
 def report(results: list[dict], num_branches: int) -> dict:
     per_rank = []
     for r in results:
-        raw, ours = min(r["raw_s"]), min(r["fetch_assemble_s"])
+        paired = [raw / ours for raw, ours in zip(r["raw_s"], r["fetch_assemble_s"])]
+        paired_cpu = [raw / ours for raw, ours in zip(r["raw_cpu_s"], r["fetch_assemble_cpu_s"])]
         per_rank.append({"rank": r["rank"], "GiB": round(r["nbytes"] / 2**30, 3),
-                         "raw_GiB_per_s": round(r["raw_nbytes"] / raw / 2**30, 3),
-                         "fetch_assemble_GiB_per_s": round(r["nbytes"] / ours / 2**30, 3),
-                         "raw_s": [round(t, 3) for t in r["raw_s"]],
-                         "fetch_assemble_s": [round(t, 3) for t in r["fetch_assemble_s"]],
-                         "ratio": round((r["nbytes"] / ours) / (r["raw_nbytes"] / raw), 3)})
+                         "raw_GiB_per_s": round(r["raw_nbytes"] / statistics.median(r["raw_s"]) / 2**30, 3),
+                         "fetch_assemble_GiB_per_s": round(
+                             r["nbytes"] / statistics.median(r["fetch_assemble_s"]) / 2**30, 3),
+                         "raw_s": [round(t, 2) for t in r["raw_s"]],
+                         "fetch_assemble_s": [round(t, 2) for t in r["fetch_assemble_s"]],
+                         "ratio": round(statistics.median(paired) * r["nbytes"] / r["raw_nbytes"], 3),
+                         "cpu_ratio": round(statistics.median(paired_cpu) * r["nbytes"] / r["raw_nbytes"], 3)})
         print(json.dumps(per_rank[-1]), flush=True)
     metrics = results[0]["metrics"]
     return {"bench": "trainer_fetch", "branches": num_branches, "ranks": WORLD_SIZE,
             "fetch_assemble_throughput_ratio": min(p["ratio"] for p in per_rank),
+            "fetch_assemble_cpu_ratio": min(p["cpu_ratio"] for p in per_rank),
             "fetch_seconds_per_step": round(metrics["fetch_seconds_max"], 3),
             "fetch_seconds_mean_over_ranks": round(metrics["fetch_seconds_mean"], 3),
             "fetched_GiB_per_step": round(metrics["fetched_bytes"] / 2**30, 3), "deletes": metrics["deletes"]}
@@ -187,7 +207,7 @@ def report(results: list[dict], num_branches: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--branches", type=int, default=1024)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tmp", default="/tmp")
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
