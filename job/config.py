@@ -37,9 +37,9 @@ class JobConfig(BaseModel):
     """Trainer ranks ``refpipe run`` launches on this machine (torch.distributed, gloo)."""
     eval_every_steps: int = Field(default=4, ge=0)
     """Send one eval group every this many steps (0 = never); eval episodes are never trained."""
-    warm_start_steps: int = Field(default=150, ge=0)
+    warm_start_steps: int = Field(default=60, ge=0)
     """Supervised warm-start steps on the task format before RL (``job.task.warm_start``)."""
-    learning_rate: float = Field(default=1e-3, gt=0)
+    learning_rate: float = Field(default=3e-3, gt=0)
     """Adam learning rate of the RL steps."""
     clip_eps: float = Field(default=0.2, gt=0, lt=1)
     """PPO-style ratio clip of the policy-gradient loss."""
@@ -64,7 +64,7 @@ class RunConfig(BaseModel):
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
     sampling: SamplingConfig = SamplingConfig()
-    orchestrator: OrchestratorConfig = OrchestratorConfig(seq_len=256, dp_world_size=2, groups_per_step=4,
+    orchestrator: OrchestratorConfig = OrchestratorConfig(seq_len=256, dp_world_size=2, groups_per_step=8,
                                                           group_size=8)
     trainer: TrainerConfig = TrainerConfig(step_timeout_s=300.0, collective_timeout_s=300.0)
     job: JobConfig = JobConfig()

@@ -35,7 +35,7 @@ from job.model import MoELM
 from job.progress import ProgressView, StepRow
 from job.task import warm_start
 from job.train_rank import metrics_key
-from job.weights import latest_version, publish_weights
+from job.weights import publish_weights
 from pipeline.audit import AuditReport, audit, sweep
 from pipeline.orchestrator import Orchestrator
 from pipeline.step_file import step_key
@@ -102,7 +102,7 @@ class Launcher:
         fd, path = tempfile.mkstemp(prefix=f"refpipe-{self.cfg.storage.run_id}-", suffix=".json")
         with os.fdopen(fd, "w") as f:
             f.write(text)
-        torch.manual_seed(self.cfg.model.seed)
+        torch.set_num_threads(1)
         model = MoELM(self.cfg.model)
         with self.console.status(f"warm start: {self.cfg.job.warm_start_steps} supervised steps"):
             losses = warm_start(model, self.cfg.task, steps=self.cfg.job.warm_start_steps)
@@ -129,13 +129,12 @@ class Launcher:
                                    f"(trained {self.trained}, ready groups {self.orchestrator.ready_groups})")
 
     def dispatch(self, fleet: Fleet) -> None:
-        """Request groups from the live workers with the fewest in flight, while fewer groups than
-        ``groups_per_step * (max_async_level + 1)`` are in flight or waiting for a step (more would only
-        go stale)."""
+        """Request groups from the live workers with the fewest in flight, as many as the steps that can
+        still train them need: a group sampled now has policy version >= ``self.trained``, so it serves
+        steps up to ``self.trained + max_async_level``; more would only go stale."""
         orch = self.cfg.orchestrator
-        limit = orch.groups_per_step * (orch.max_async_level + 1)
-        if self.next_step >= self.cfg.job.num_steps:
-            return
+        last_step = min(self.trained + orch.max_async_level, self.cfg.job.num_steps - 1)
+        limit = (last_step - self.next_step + 1) * orch.groups_per_step
         while sum(len(f) for f in fleet.in_flight) + self.orchestrator.ready_groups < limit:
             every = self.cfg.job.eval_every_steps
             is_eval = bool(every) and self.next_request % (every * self.cfg.orchestrator.groups_per_step) == 1
@@ -175,10 +174,13 @@ class Launcher:
                 return
 
     def build_step(self) -> bool:
-        """Publish the next step once enough groups are ready and the trainer is close enough."""
+        """Publish the next step once enough groups are ready and the trainer is close enough (it published
+        weights version ``s`` before the metrics of step ``s - 1``, so ``self.trained`` is a safe lower bound)."""
         cfg = self.cfg
-        if (self.next_step >= cfg.job.num_steps or self.orchestrator.ready_groups < cfg.orchestrator.groups_per_step
-                or latest_version(self.store) < self.next_step - cfg.orchestrator.max_async_level):
+        if self.next_step >= cfg.job.num_steps or self.trained < self.next_step - cfg.orchestrator.max_async_level:
+            return False
+        self.orchestrator.void_stale(self.next_step)
+        if self.orchestrator.ready_groups < cfg.orchestrator.groups_per_step:
             return False
         header = self.orchestrator.build_step(self.next_step)
         if header is None:

@@ -152,7 +152,7 @@ class Orchestrator:
         Raises:
             KeyExistsError: step ``step`` was already published (its groups stay queued).
         """
-        self._void_stale(step)
+        self.void_stale(step)
         groups = [self._ready[i] for i in range(min(self.config.groups_per_step, len(self._ready)))]
         samples = [s for g in groups for s in g.samples]
         if not samples:
@@ -212,8 +212,12 @@ class Orchestrator:
             return "every advantage is zero"
         return None
 
-    def _void_stale(self, step: int) -> None:
-        """Delete queued samples too old for ``step``; drop incomplete groups holding a stale episode."""
+    def void_stale(self, step: int) -> None:
+        """Delete queued samples too old for ``step``; drop incomplete groups holding a stale episode.
+
+        ``build_step`` calls it first; a driver may call it before reading ``ready_groups`` so that
+        count only holds groups step ``step`` can still train.
+        """
         level = self.config.max_async_level
         for group in self._ready:
             old = stale([s.policy_version for s in group.samples], step=step, max_async_level=level)
