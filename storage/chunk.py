@@ -26,7 +26,7 @@ import re
 from collections.abc import Mapping
 from typing import Literal, NamedTuple
 
-import google_crc32c
+import crc32c  # CRC-32C like zarr's codec (google-crc32c); releases the GIL and ran ~2x faster here
 import numcodecs
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -168,7 +168,7 @@ def encode_chunk(
         parts = [np.frombuffer(numcodecs.Zstd(level=zstd_level).encode(b"".join(parts)), np.uint8)]
     crc = 0
     for p in parts:
-        crc = google_crc32c.extend(crc, p)
+        crc = crc32c.crc32c(p, crc)
     parts.append(np.array([crc], "<u4").view(np.uint8))
     metadata = _metadata_json(branch_id, layouts, payload_nbytes, num_prompt_tokens, num_completion_tokens,
                               compression, zstd_level, writer)
@@ -228,7 +228,7 @@ def decode_payload(ref: PayloadRef, stored: bytes, what: str) -> np.ndarray | by
         raise ChunkCorruptError(f"chunk {what}: expected {ref.nbytes} bytes, got {len(stored)} (truncated or replaced)")
     body = np.frombuffer(stored, np.uint8, len(stored) - 4)
     stored_crc = int(np.frombuffer(stored, "<u4", 1, len(stored) - 4)[0])
-    crc = google_crc32c.value(body)
+    crc = crc32c.crc32c(body)
     if crc != stored_crc or crc != ref.checksum:
         raise ChunkCorruptError(
             f"chunk {what}: crc32c mismatch: reference {ref.checksum:#010x}, stored {stored_crc:#010x}, computed {crc:#010x}"
