@@ -107,18 +107,23 @@ class Store:
         raise AssertionError("unreachable")
 
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
-        """Bytes of ``key``, or of ``[start, end)`` of it.
+        """Bytes of ``key``, or of ``[start, end)`` of it (a range past the end gives the bytes that exist).
 
         Raises:
             ChunkNotFoundError: no object at ``key``.
+            StorageError: any other failure (``TransientStorageError`` once retries are spent).
         """
         raise NotImplementedError
 
     def put(self, key: str, data: Data, *, exclusive: bool = False) -> None:
-        """Write ``data`` (bytes or a sequence of buffers, written in order) at ``key``.
+        """Write ``data`` (one buffer, or a list/tuple of buffers written in order) at ``key``.
 
         Readers never see a partial object. With ``exclusive=True`` exactly one of any
         number of concurrent puts of ``key`` succeeds; the others raise ``KeyExistsError``.
+
+        Raises:
+            KeyExistsError: ``exclusive`` and ``key`` exists (the stored object is unchanged).
+            StorageError: any other failure (``TransientStorageError`` once retries are spent).
         """
         raise NotImplementedError
 
@@ -135,7 +140,7 @@ class Store:
         raise NotImplementedError
 
     def list_prefix(self, key_prefix: str) -> list[str]:
-        """Every key under ``key_prefix`` (recursive, sorted). Audits and inspection only."""
+        """Every key under ``key_prefix/`` (recursive, sorted; ``""`` = the whole run). Audits and inspection only."""
         raise NotImplementedError
 
 
@@ -261,7 +266,7 @@ class LocalStore(Store):
 
     def list_prefix(self, key_prefix):
         root = self.prefix.path
-        base = os.path.join(root, key_prefix) if key_prefix else root
+        base = self.path(key_prefix) if key_prefix else root
         keys = []
         for directory, _, files in os.walk(base):
             rel = os.path.relpath(directory, root)

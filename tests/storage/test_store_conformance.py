@@ -142,7 +142,8 @@ class StoreConformance:
     def test_keys_outside_the_run_are_refused_before_io(self, backend: Backend, key):
         store = backend.store
         for verb in (lambda: store.get(key), lambda: store.put(key, b"x"), lambda: store.put(key, b"x", exclusive=True),
-                     lambda: store.delete([key]), lambda: store.exists(key), lambda: store.uri(key)):
+                     lambda: store.delete([key]), lambda: store.exists(key), lambda: store.uri(key),
+                     lambda: store.list_prefix(key) if key else store.path(key)):
             with pytest.raises(OutsideRunError):
                 verb()
         assert backend.raw.objects() == []
