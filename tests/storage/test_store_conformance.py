@@ -19,7 +19,8 @@ import pytest
 from storage.errors import (ChunkNotFoundError, KeyExistsError, OutsideRunError, StorageError,
                             TransientStorageError)
 from storage import store as store_module
-from storage.store import LocalStore, S3Store, open_store
+from storage.s3_store import S3Store
+from storage.store import LocalStore, open_store
 from store_children import race_in_child, race_payload, use_in_child
 from storage_helpers import Backend, FsOps, S3Requests, make_backend
 

@@ -1,0 +1,156 @@
+"""The store on S3 (or an S3-compatible endpoint: MinIO, Ceph RGW, moto) through s3fs.
+
+Errors are typed here: s3fs's translated ``OSError``s and the botocore/aiohttp errors it
+re-raises become ``StorageError`` / ``TransientStorageError`` (``Store.retrying`` is the
+one retry layer), ``FileNotFoundError`` becomes ``ChunkNotFoundError`` and a failed
+``If-None-Match`` becomes ``KeyExistsError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TypeVar
+
+import aiohttp
+import botocore.exceptions
+import fsspec
+
+from storage.errors import ChunkNotFoundError, KeyExistsError, StorageError, TransientStorageError
+from storage.store import Store, _buffers
+
+T = TypeVar("T")
+_S3_DELETE_BATCH = 1000  # DeleteObjects takes at most 1,000 keys (AWS S3 API reference)
+
+
+class S3Store(Store):
+    """A run prefix on S3 (or an S3-compatible endpoint) through s3fs.
+
+    ``put`` is one PUT; ``exclusive`` adds ``If-None-Match: *`` (a 412 means the key
+    exists; a 409 from a concurrent conditional PUT is retried). ``delete`` sends
+    ``DeleteObjects`` in batches of 1,000 and checks every key's result, since
+    s3fs's bulk ``rm`` drops per-key errors.
+    """
+
+    def _new_fs(self):
+        client_kwargs = {}
+        if self.config.s3_endpoint_url:
+            client_kwargs["endpoint_url"] = self.config.s3_endpoint_url
+        if self.config.s3_region:
+            client_kwargs["region_name"] = self.config.s3_region
+        # One retry layer, ``Store.retrying`` (config.max_retries): s3fs and botocore each retry up to 5x
+        # by default, which multiplies into minutes against a dead endpoint.
+        fs = fsspec.core.url_to_fs(self.prefix.uri, skip_instance_cache=True, use_listings_cache=False,
+                                   client_kwargs=client_kwargs,
+                                   config_kwargs={"retries": {"total_max_attempts": 1, "mode": "standard"}})[0]
+        fs.retries = 1
+        return fs
+
+    def _split(self, key: str) -> tuple[str, str]:
+        bucket, _, object_key = self.path(key).partition("/")
+        return bucket, object_key
+
+    def _call(self, what: str, method: str, **kwargs):
+        """``call_s3`` with typed errors and retries; ``FileNotFoundError``/``FileExistsError`` pass through."""
+        return self.retrying(what, lambda: _typed(what, lambda: self.fs.call_s3(method, **kwargs)))
+
+    def get(self, key, start=None, end=None):
+        path = self.path(key)
+        if start is not None and end is not None and end <= start:
+            if not self.exists(key):  # an empty range needs no GET, but a missing key is still an error
+                raise ChunkNotFoundError(f"{self.uri(key)} does not exist")
+            return b""
+        what = f"GET {self.uri(key)}"
+
+        def op():
+            try:
+                # max_concurrency=1: one GET; s3fs otherwise sends a HEAD first to split large objects
+                return _typed(what, lambda: self.fs.cat_file(path, start=start, end=end, max_concurrency=1))
+            except FileNotFoundError as e:
+                raise ChunkNotFoundError(f"{self.uri(key)} does not exist") from e
+            except StorageError as e:
+                if _error_code(e.__cause__)[0] == "InvalidRange":
+                    return b""  # the range starts at or past the end: no bytes, as a file read returns
+                raise
+
+        return self.retrying(what, op)
+
+    def put(self, key, data, *, exclusive=False):
+        bucket, object_key = self._split(key)
+        match = {"IfNoneMatch": "*"} if exclusive else {}
+        try:
+            self._call(f"PUT {self.uri(key)}", "put_object", Bucket=bucket, Key=object_key, Body=b"".join(_buffers(data)), **match)
+        except FileExistsError as e:
+            raise KeyExistsError(f"{self.uri(key)} already exists") from e
+        except StorageError as e:
+            if _error_code(e.__cause__)[0] == "PreconditionFailed":  # a 412 s3fs did not recognise as If-None-Match
+                raise KeyExistsError(f"{self.uri(key)} already exists") from e
+            raise
+
+    def delete(self, keys):
+        keys = list(keys)
+        for i in range(0, len(keys), _S3_DELETE_BATCH):
+            batch = keys[i : i + _S3_DELETE_BATCH]
+            bucket = self._split(batch[0])[0]
+            objects = [{"Key": self._split(k)[1]} for k in batch]
+            resp = self._call(
+                f"DeleteObjects under {self.prefix.uri}", "delete_objects",
+                Bucket=bucket, Delete={"Objects": objects, "Quiet": True},
+            )
+            errors = resp.get("Errors") or []
+            if errors:
+                first = errors[0]
+                raise StorageError(
+                    f"DeleteObjects under {self.prefix.uri}: {len(errors)} of {len(batch)} keys not deleted; "
+                    f"first: s3://{bucket}/{first.get('Key')}: {first.get('Code')} {first.get('Message')}"
+                )
+
+    def exists(self, key):
+        bucket, object_key = self._split(key)
+        try:
+            self._call(f"HEAD {self.uri(key)}", "head_object", Bucket=bucket, Key=object_key)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def list_prefix(self, key_prefix):
+        base = self.path(key_prefix) if key_prefix else self.prefix.path
+        root = self.prefix.path + "/"
+        try:
+            paths = _typed(f"LIST {self.uri(key_prefix) if key_prefix else self.prefix.uri}", lambda: self.fs.find(base))
+        except FileNotFoundError:
+            return []
+        return sorted(p[len(root):] for p in paths if p.startswith(base + "/"))
+
+
+_TRANSIENT_CODES = {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "Throttling",
+                    "ThrottlingException", "ConditionalRequestConflict", "OperationAborted"}
+
+
+def _error_code(e: BaseException | None) -> tuple[str, int | None]:
+    """``(S3 error code, HTTP status)`` of an s3fs error, read from the botocore error it translated."""
+    response = getattr(getattr(e, "__cause__", None), "response", None) or getattr(e, "response", None) or {}
+    return str(response.get("Error", {}).get("Code", "")), response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+
+
+def _typed(what: str, op: Callable[[], T]) -> T:
+    """Run an s3fs call; turn its errors into ``StorageError``/``TransientStorageError``.
+
+    ``FileNotFoundError`` and ``FileExistsError`` pass through for the caller to name.
+    Connection failures and timeouts (botocore/aiohttp errors that s3fs re-raises
+    after its own retries) are transient; so are throttling, 5xx and 409 conflicts.
+    """
+    try:
+        return op()
+    except (FileNotFoundError, FileExistsError):
+        raise
+    except OSError as e:
+        code, status = _error_code(e)
+        if code in _TRANSIENT_CODES or (status or 0) >= 500:
+            raise TransientStorageError(f"{what}: {code or status}: {e}") from e
+        raise StorageError(f"{what}: {code or status or type(e).__name__}: {e}") from e
+    except (botocore.exceptions.ConnectionError, botocore.exceptions.HTTPClientError, aiohttp.ClientError,
+            asyncio.TimeoutError) as e:
+        raise TransientStorageError(f"{what}: {type(e).__name__}: {e}") from e
+    except botocore.exceptions.BotoCoreError as e:
+        raise StorageError(f"{what}: {type(e).__name__}: {e}") from e
