@@ -88,6 +88,13 @@ def orch_config(args):
                               groups_per_step=args.branches // args.group_size, max_async_level=1)
 
 
+def fields_config(args):
+    """The run's field shapes: routing [layers, top_k] of ``NUM_EXPERTS`` experts, a top-``logprobs_k`` head."""
+    from pipeline.fields import FieldsConfig
+
+    return FieldsConfig(num_layers=args.layers, top_k=args.top_k, num_experts=NUM_EXPERTS, logprobs_k=args.logprobs_k)
+
+
 def storage_config(args):
     from storage.config import StorageConfig
 
@@ -96,15 +103,12 @@ def storage_config(args):
 
 def run_env(args) -> dict:
     """Env-server process: keep every branch, write the episodes (refs only) to a pickle."""
-    from pipeline.fields import FieldsConfig
     from pipeline.keep import Branch, Keeper
     from storage.ledger import Ledger
     from storage.store import open_store
 
     store = open_store(storage_config(args))
-    fields = FieldsConfig(num_layers=args.layers, top_k=args.top_k, num_experts=NUM_EXPERTS,
-                          logprobs_k=args.logprobs_k)
-    keeper = Keeper(store, Ledger(store, "env_worker_0"), fields, storage_config(args))
+    keeper = Keeper(store, Ledger(store, "env_worker_0"), fields_config(args), storage_config(args))
     base, episodes, nbytes = base_arrays(args), [], 0
     for i in range(args.branches):
         ref = keeper.keep(Branch(args.prompt_tokens, args.tokens - args.prompt_tokens, branch_arrays(i, args, base),
@@ -126,7 +130,7 @@ def run_refpipe(args) -> dict:
     with open(os.path.join(args.workdir, "episodes.pkl"), "rb") as f:
         episodes = pickle.load(f)
     store = open_store(storage_config(args))
-    orch = Orchestrator(orch_config(args), store)
+    orch = Orchestrator(orch_config(args), store, fields=fields_config(args))
     start = time.perf_counter()
     for e in episodes:
         orch.submit(e)

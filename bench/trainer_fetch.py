@@ -45,7 +45,7 @@ import numpy as np
 
 from pipeline.fields import FieldsConfig
 from pipeline.keep import Branch, Keeper
-from pipeline.step_file import MicroBatchRecord, SequenceRecord, StepHeader, publish_step_file
+from pipeline.step_file import SCHEMA_VERSION, MicroBatchRecord, SequenceRecord, StepHeader, publish_step_file
 from storage.config import StorageConfig
 from storage.fetch import chunk_keys
 from storage.ledger import Ledger
@@ -91,8 +91,8 @@ def make_step(storage: StorageConfig, num_branches: int) -> None:
                                         has_routing=True))
         owners += [dp, dp]
     records.sort(key=lambda r: (r.dp_rank, r.index))
-    header = StepHeader(schema_version=1, run_uri=store.prefix.uri, step=0, seq_len=SEQ_LEN,
-                        dp_world_size=WORLD_SIZE, micro_batches=records, refs=refs, owners=owners)
+    header = StepHeader(schema_version=SCHEMA_VERSION, run_uri=store.prefix.uri, step=0, seq_len=SEQ_LEN,
+                        dp_world_size=WORLD_SIZE, micro_batches=records, refs=refs, owners=owners, fields=FIELDS)
     publish_step_file(store, header, {(r.dp_rank, r.index): streams for r in records})
 
 

@@ -10,9 +10,9 @@ it into tensors. Array names:
   ``<field>.counts`` (ragged), ``<field>.padded`` (token domain), ``<field>.row_ids``
   (completion domain).
 
-The run's ``FieldsConfig`` is derived from the step's refs (every trailing shape
-is in them). Only ``num_experts`` is not: it decides the routing rows of padding
-tokens, so ``routed_experts.padded`` is shown only with ``--num-experts``.
+The run's ``FieldsConfig`` (trailing shapes, and ``num_experts``, which decides the
+routing rows of padding tokens in ``routed_experts.padded``) is the step header's
+``fields``: the step file needs no other config.
 """
 
 from __future__ import annotations
@@ -26,41 +26,11 @@ import typer
 
 from cli.inspect_common import S3_ENDPOINT_HELP, clean_errors, deleted_by, load_step, open_step, \
     parallel_map, refuse_inside_run
-from pipeline.fields import FieldsConfig
 from pipeline.step_file import MicroBatchRecord, StepHeader
-from storage.chunk import PayloadRef
 from storage.errors import ChunkNotFoundError, ConfigError
 from storage.fetch import fetch_arrays
 from storage.store import Store
 from trainer.assemble import AssembledMicroBatch, assemble_micro_batch
-
-_CONFIG_DIMS = {"routed_experts": ("num_layers", "top_k"), "topk_ids": ("logprobs_k",),
-                "topk_logprobs": ("logprobs_k",), "sample_support": ("support_width",)}
-"""Stored array -> the ``FieldsConfig`` fields its trailing shape gives (``pipeline.fields.FIELDS``)."""
-
-
-def fields_config(refs: list[PayloadRef], num_experts: int | None) -> FieldsConfig:
-    """The run's ``FieldsConfig`` as far as the step's refs tell it.
-
-    Without ``num_experts`` a routing run gets the routing dtype's range (256 or 65536);
-    only the routing rows of padding tokens depend on it.
-
-    Raises:
-        ConfigError: refs disagree on a trailing shape.
-    """
-    dims: dict[str, int | bool] = {}
-    for ref in refs:
-        for name, spec in ref.arrays.items():
-            found = dict(zip(_CONFIG_DIMS.get(name, ()), spec.shape[1:]))
-            if name.startswith("sampling_mask."):
-                found["sampling_mask"] = True
-            if name == "routed_experts" and num_experts is None:
-                found["num_experts"] = int(np.iinfo(np.dtype(spec.dtype)).max) + 1
-            for key, value in found.items():
-                if dims.setdefault(key, value) != value:
-                    raise ConfigError(f"refs disagree on {key}: {dims[key]} and {value} (chunk {ref.uri})")
-    return FieldsConfig(**dims, **({"num_experts": num_experts} if num_experts is not None else {}))
-
 
 def _micro_batch(header: StepHeader, dp_rank: int, index: int) -> MicroBatchRecord:
     mbs = header.micro_batches_of(dp_rank) if 0 <= dp_rank < header.dp_world_size else []
@@ -90,14 +60,12 @@ def _fetch(store: Store, header: StepHeader, mb: MicroBatchRecord) -> dict[int, 
     return dict(zip(keep, parallel_map(store, one, list(keep), "fetching chunks")))
 
 
-def named_arrays(batch: AssembledMicroBatch, with_padded_routing: bool) -> dict[str, np.ndarray]:
+def named_arrays(batch: AssembledMicroBatch) -> dict[str, np.ndarray]:
     """The assembled micro batch as flat ``name -> array`` (names in the module docstring)."""
     out = {"cu_seqlens": batch.cu_seqlens, **batch.streams}
     for name, f in batch.fields.items():
         parts = {"values": f.values, "cu_seqlens": f.cu_seqlens, "counts": f.counts, "padded": f.padded,
                  "row_ids": f.row_ids}
-        if name == "routed_experts" and not with_padded_routing:
-            parts["padded"] = None
         out.update({f"{name}.{part}": a for part, a in parts.items() if a is not None})
     return out
 
@@ -166,8 +134,6 @@ def show_arrays(
     field: Annotated[Optional[str], typer.Option(
         help="Only this field or stream (e.g. routed_experts, input_ids).")] = None,
     npy: Annotated[Optional[str], typer.Option(help="Write one .npy per array into this local directory.")] = None,
-    num_experts: Annotated[Optional[int], typer.Option(
-        help="The run's FieldsConfig.num_experts: also show the routing rows of padding tokens.")] = None,
     s3_endpoint_url: Annotated[Optional[str], typer.Option(help=S3_ENDPOINT_HELP)] = None,
 ) -> None:
     """Print (or save) one micro batch's arrays exactly as the trainer assembles them.
@@ -180,8 +146,8 @@ def show_arrays(
     header = step.header
     mb = _micro_batch(header, dp_rank, micro_batch)
     batch = assemble_micro_batch(mb, step.streams(dp_rank, micro_batch), _fetch(target.store, header, mb),
-                                 header.refs, seq_len=header.seq_len, fields=fields_config(header.refs, num_experts))
-    arrays = named_arrays(batch, num_experts is not None)
+                                 header.refs, seq_len=header.seq_len, fields=header.fields)
+    arrays = named_arrays(batch)
     if sequence is not None:
         arrays = cut_sequence(arrays, mb, sequence)
     if field:
@@ -189,8 +155,6 @@ def show_arrays(
     typer.echo(f"step {header.step}, DP rank {dp_rank}, micro batch {micro_batch}: {len(mb.sequences)} sequences, "
                f"{mb.num_tokens} tokens + {mb.num_padding_tokens} padding (seq_len {header.seq_len})"
                + ("" if sequence is None else f"; sequence {sequence}"))
-    if mb.has_routing and num_experts is None:
-        typer.echo("note: routed_experts.padded (routing rows of padding tokens) needs --num-experts", err=True)
     if npy_dir:
         stem = f"step{header.step:08d}.dp{dp_rank}.mb{micro_batch}" + ("" if sequence is None else f".seq{sequence}")
         for path in _write_npy(arrays, npy_dir, stem):

@@ -82,7 +82,7 @@ class Launcher:
         """Run the job; return the process exit code (0: audit clean and alignment within tolerance)."""
         config_path = self.prepare()
         fleet = start_fleet(self.cfg, config_path)
-        self.orchestrator = Orchestrator(self.cfg.orchestrator, self.store)
+        self.orchestrator = Orchestrator(self.cfg.orchestrator, self.store, fields=self.cfg.fields)
         error = None
         try:
             self.loop(fleet)

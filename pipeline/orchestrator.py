@@ -23,6 +23,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pipeline.advantages import group_advantages, reward_in_range, stale, zero_advantage
+from pipeline.fields import FieldsConfig
 from pipeline.packing import PackedMicroBatch, pack_step, step_contents
 from pipeline.samples import BranchResult, Episode, Sample, build_sample, check_episode, kept_completion_tokens
 from pipeline.step_file import StepHeader, publish_step_file
@@ -77,7 +78,8 @@ class Orchestrator:
 
     One instance per run, driven from one thread. Call order:
 
-    1. ``Orchestrator(config, store)`` opens the ledger actor ``orchestrator``.
+    1. ``Orchestrator(config, store, fields=run_fields)`` opens the ledger actor ``orchestrator``;
+       ``fields`` (the run's field shapes) goes into every step header.
     2. ``submit(episode)`` for every episode as it returns (any order, any group); a group
        whose ``group_size`` episodes arrived becomes ready (or is filtered) at once.
     3. ``build_step(step)`` whenever ``ready_groups >= config.groups_per_step`` (or earlier
@@ -90,8 +92,8 @@ class Orchestrator:
         eval_rewards: ``(env_name, reward)`` of every eval episode received; the caller clears it.
     """
 
-    def __init__(self, config: OrchestratorConfig, store: Store):
-        self.config, self.store = config, store
+    def __init__(self, config: OrchestratorConfig, store: Store, *, fields: FieldsConfig):
+        self.config, self.store, self.fields = config, store, fields
         self.ledger = Ledger(store, LEDGER_ACTOR)
         self.deleted: Counter[str] = Counter()
         self.eval_rewards: list[tuple[str, float]] = []
@@ -151,6 +153,7 @@ class Orchestrator:
 
         Raises:
             KeyExistsError: step ``step`` was already published (its groups stay queued).
+            PackingError: a ref's arrays disagree with ``fields`` (its groups stay queued).
         """
         self.void_stale(step)
         groups = [self._ready[i] for i in range(min(self.config.groups_per_step, len(self._ready)))]
@@ -160,7 +163,8 @@ class Orchestrator:
         cfg = self.config
         packed = pack_step(samples, seq_len=cfg.seq_len, dp_world_size=cfg.dp_world_size)
         header, streams = step_contents(packed, step=step, run_uri=self.store.prefix.uri, seq_len=cfg.seq_len,
-                                        dp_world_size=cfg.dp_world_size, metrics=_metrics(groups, packed))
+                                        dp_world_size=cfg.dp_world_size, fields=self.fields,
+                                        metrics=_metrics(groups, packed))
         uri = publish_step_file(self.store, header, streams)
         for _ in groups:
             self._ready.popleft()

@@ -23,7 +23,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from pydantic import ValidationError
 
+from pipeline.fields import FieldsConfig
 from pipeline.samples import Sample
 from pipeline.step_file import SCHEMA_VERSION, STREAMS, MicroBatchRecord, SequenceRecord, StepHeader
 from storage.chunk import PayloadRef
@@ -145,19 +147,21 @@ def _dummy_batch(rank: int, index: int, own: Sequence[Sample], samples: Sequence
 
 
 def step_contents(packed: Sequence[PackedMicroBatch], *, step: int, run_uri: str, seq_len: int,
-                  dp_world_size: int, metrics: Mapping[str, float]
+                  dp_world_size: int, fields: FieldsConfig, metrics: Mapping[str, float]
                   ) -> tuple[StepHeader, dict[tuple[int, int], dict[str, np.ndarray]]]:
-    """The step file of packed micro batches: header (refs, owners, sequences) and token streams.
+    """The step file of packed micro batches: header (refs, owners, sequences, ``fields``) and token streams.
 
     Every real sample's ref appears once in ``header.refs``, owned by the sample's DP rank;
-    dummies point at that entry with ``borrowed=True``.
+    dummies point at that entry with ``borrowed=True``. ``fields`` (the run's field shapes)
+    is written into the header as is.
 
     Returns:
         ``(header, streams)`` with ``streams[(dp_rank, index)][name]`` the [T] concatenation of
         the micro batch's samples' stream ``name``.
 
     Raises:
-        PackingError: two real samples carry the same ref.
+        PackingError: two real samples carry the same ref, or a ref's arrays disagree with
+            ``fields`` (an array ``fields`` does not configure, or another trailing shape).
     """
     refs: list[PayloadRef] = []
     owners: list[int] = []
@@ -171,9 +175,13 @@ def step_contents(packed: Sequence[PackedMicroBatch], *, step: int, run_uri: str
             refs.append(s.payload.ref)
             owners.append(mb.dp_rank)
     records = [_record(mb, index_of, seq_len) for mb in packed]
-    header = StepHeader(schema_version=SCHEMA_VERSION, run_uri=run_uri, step=step, seq_len=seq_len,
-                        dp_world_size=dp_world_size, micro_batches=records, refs=refs, owners=owners,
-                        metrics=dict(metrics))
+    try:
+        header = StepHeader(schema_version=SCHEMA_VERSION, run_uri=run_uri, step=step, seq_len=seq_len,
+                            dp_world_size=dp_world_size, micro_batches=records, refs=refs, owners=owners,
+                            fields=fields, metrics=dict(metrics))
+    except ValidationError as e:
+        problems = "; ".join(str(err.get("ctx", {}).get("error", err["msg"])) for err in e.errors())
+        raise PackingError(f"step {step}: {problems}") from e
     streams = {(mb.dp_rank, mb.index): {name: np.concatenate([getattr(s, name) for s in mb.samples])
                                         for name in STREAMS} for mb in packed}
     return header, streams

@@ -3,15 +3,17 @@
 A step file is an uncompressed ``.npz`` (a zip of ``.npy`` arrays, readable with
 numpy alone: ``np.load(path)``) under ``<run>/steps/step_<N:08d>.npz`` with:
 
-- ``header.json``: the ``StepHeader`` (schema version, run, step, ``seq_len``, every
-  micro batch's sequences and the refs they use);
+- ``header.json``: the ``StepHeader`` (schema version, run, step, ``seq_len``, the run's
+  field shapes, every micro batch's sequences and the refs they use);
 - ``dp<r>.mb<i>.<stream>.npy`` for every micro batch ``i`` of DP rank ``r`` and every
   token stream in ``STREAMS`` (shape ``[T]``, ``T`` = the micro batch's real tokens;
   padding to ``seq_len`` is the trainer's job).
 
 Reading validates: a truncated or foreign file, an unknown schema version, a
-header from another run or a ref outside the run prefix is a ``StepFileError``
-naming the file. Published with one exclusive put (temp + link on a filesystem,
+header from another run, a ref outside the run prefix or a ref whose arrays disagree
+with the header's field shapes is a ``StepFileError`` naming the file. The header
+carries the run's ``FieldsConfig``, so a reader needs no other config to assemble
+a micro batch. Published with one exclusive put (temp + link on a filesystem,
 one conditional PUT on S3), after every chunk it references was kept.
 """
 
@@ -25,11 +27,13 @@ from collections.abc import Mapping
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from pipeline.fields import FIELDS, FieldsConfig, trailing_shape
 from storage.chunk import PayloadRef
 from storage.errors import ChunkNotFoundError, OutsideRunError, StepFileError
 from storage.store import Store
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: the header carries ``fields`` (version 1 had no field shapes)."""
 HEADER_MEMBER = "header.json"
 STREAMS: dict[str, str] = {
     "input_ids": "<i4",
@@ -108,6 +112,9 @@ class StepHeader(BaseModel):
     """Every chunk the step references, once each."""
     owners: list[int]
     """``owners[i]``: the DP rank whose trainer deletes ``refs[i]`` after the step."""
+    fields: FieldsConfig
+    """The run's side-channel field shapes (trailing shapes and ``num_experts``) at the time the step
+    was packed; every ref's stored arrays agree with it (checked on construction and on read)."""
     metrics: dict[str, float] = Field(default_factory=dict)
     """Orchestrator metrics of this step (reward mean, samples, ...)."""
 
@@ -125,7 +132,21 @@ class StepHeader(BaseModel):
             self._check_micro_batch(mb)
         if len(set(per_rank)) > 1:
             raise ValueError(f"micro batches per DP rank differ: {per_rank}")
+        for i, ref in enumerate(self.refs):
+            self._check_ref_fields(i, ref)
         return self
+
+    def _check_ref_fields(self, i: int, ref: PayloadRef) -> None:
+        """Every stored array of ``refs[i]`` is a field ``self.fields`` configures, with its trailing shape."""
+        for name, spec in ref.arrays.items():
+            fdef = FIELDS.get(name.split(".")[0])
+            trailing = None if fdef is None else trailing_shape(fdef, self.fields)
+            if trailing is None:
+                raise ValueError(f"ref {i} ({ref.uri}): array {name!r} is not a field configured in "
+                                 f"fields ({self.fields!r})")
+            if tuple(spec.shape[1:]) != trailing:
+                raise ValueError(f"ref {i} ({ref.uri}): array {name!r} has trailing shape {list(spec.shape[1:])}: "
+                                 f"expected {list(trailing)} from fields ({self.fields!r})")
 
     def _check_micro_batch(self, mb: MicroBatchRecord) -> None:
         if mb.num_tokens + mb.num_padding_tokens != self.seq_len:
@@ -209,8 +230,8 @@ class StepFile:
 
         Raises:
             ChunkNotFoundError: the step file does not exist (yet).
-            StepFileError: truncated, foreign, unknown schema version, another run, or a ref
-                outside the run prefix.
+            StepFileError: truncated, foreign, unknown schema version, another run, a ref
+                outside the run prefix, or a ref whose arrays disagree with ``header.fields``.
         """
         key = step_key(step)
         return cls.from_bytes(store.get(key), store, store.uri(key))

@@ -22,7 +22,8 @@ from typer.testing import CliRunner
 from cli.main import app
 from pipeline.fields import FieldsConfig, Ragged
 from pipeline.keep import Branch, Keeper
-from pipeline.step_file import STREAMS, MicroBatchRecord, SequenceRecord, StepHeader, publish_step_file, step_key
+from pipeline.step_file import (SCHEMA_VERSION, STREAMS, MicroBatchRecord, SequenceRecord, StepHeader,
+                                publish_step_file, step_key)
 from storage.chunk import PayloadRef
 from storage.config import StorageConfig
 from storage.fetch import chunk_keys
@@ -104,9 +105,9 @@ def packed_header(store: Store, refs: dict[str, PayloadRef], step: int) -> tuple
         micro_batches.append(MicroBatchRecord(dp_rank=dp_rank, index=index, sequences=records,
                                               num_padding_tokens=SEQ_LEN - t, has_routing=seqs[0][0] in ROUTING))
         streams[(dp_rank, index)] = {name: (rng.standard_normal(t) * 10).astype(dtype) for name, dtype in STREAMS.items()}
-    header = StepHeader(schema_version=1, run_uri=store.prefix.uri, step=step, seq_len=SEQ_LEN, dp_world_size=2,
-                        micro_batches=micro_batches, refs=[refs[n] for n in order], owners=[owners[n] for n in order],
-                        metrics={"reward_mean": 0.25})
+    header = StepHeader(schema_version=SCHEMA_VERSION, run_uri=store.prefix.uri, step=step, seq_len=SEQ_LEN,
+                        dp_world_size=2, micro_batches=micro_batches, refs=[refs[n] for n in order],
+                        owners=[owners[n] for n in order], fields=FIELDS_CFG, metrics={"reward_mean": 0.25})
     return header, streams
 
 
@@ -266,7 +267,7 @@ def test_inspect_and_verify_a_step_the_orchestrator_packed(storage_config):
     rng = np.random.default_rng(3)
     keeper = Keeper(store, Ledger(store, "env_worker_0"), FIELDS_CFG, storage_config)
     orchestrator = Orchestrator(OrchestratorConfig(seq_len=24, dp_world_size=2, groups_per_step=3, group_size=2),
-                                store)
+                                store, fields=FIELDS_CFG)
     shipped = {}
     for g, env in enumerate(("math", "code", "chat")):
         for e in range(2):

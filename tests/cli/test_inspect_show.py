@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from test_inspect import FIELDS_CFG, PACKING, SEQ_LEN, invoke, local_run, run, snapshot  # noqa: F401 (fixtures)
 
+from pipeline.fields import spread_expert_rows
 from pipeline.step_file import STREAMS, StepFile
 from storage.fetch import fetch_arrays
 from storage.ledger import Ledger
@@ -14,18 +15,17 @@ from trainer.assemble import assemble_micro_batch
 COMPLETION_FIELDS = ("topk_ids", "topk_logprobs", "sampling_mask")
 
 
-def expected_names(has_routing: bool, with_padded: bool = True) -> set[str]:
+def expected_names(has_routing: bool) -> set[str]:
     names = {"cu_seqlens", *STREAMS}
     if has_routing:
-        names |= {"routed_experts.values", "routed_experts.cu_seqlens"} | ({"routed_experts.padded"} if with_padded
-                                                                           else set())
+        names |= {"routed_experts.values", "routed_experts.cu_seqlens", "routed_experts.padded"}
     for field in COMPLETION_FIELDS:
         names |= {f"{field}.values", f"{field}.cu_seqlens", f"{field}.row_ids"}
     return names | {"sampling_mask.counts"}
 
 
 def trainer_view(run, step: int, dp_rank: int, index: int):
-    """What a trainer rank assembles for this micro batch (whole chunks fetched, run config known)."""
+    """What a trainer rank assembles for this micro batch (whole chunks fetched, the run's own config)."""
     step_file = StepFile.read(run.store, step)
     header = step_file.header
     mb = header.micro_batches_of(dp_rank)[index]
@@ -47,7 +47,7 @@ def test_show_npy_is_byte_identical_to_the_trainer_assembly(run, tmp_path):
     for dp_rank, index in PACKING:
         out = tmp_path / f"dp{dp_rank}"
         result = invoke(["show", run.step_uris[1], "--micro-batch", str(index), "--dp-rank", str(dp_rank),
-                         "--num-experts", "8", "--npy", str(out), *run.cli_args()])
+                         "--npy", str(out), *run.cli_args()])
         assert result.exit_code == 0, result.output
         got = load_npy(out, f"step00000001.dp{dp_rank}.mb{index}")
         mb, batch = trainer_view(run, 1, dp_rank, index)
@@ -68,11 +68,12 @@ def test_show_sequence_holds_the_kept_bytes(local_run, tmp_path):
     result = invoke(["show", local_run.step_uris[0], "--micro-batch", "0", "--sequence", "1", "--npy", str(tmp_path)])
     assert result.exit_code == 0, result.output
     got = load_npy(tmp_path, "step00000000.dp0.mb0.seq1")
-    assert set(got) == expected_names(True, with_padded=False)
+    assert set(got) == expected_names(True)
     n, p = 5, ref.num_prompt_tokens
     c = max(0, n - p)
     start = local_run.refs["a"].num_tokens
     assert same_bytes(got["routed_experts.values"], b.fields["routed_experts"][:n])
+    assert same_bytes(got["routed_experts.padded"], b.fields["routed_experts"][:n])  # real rows: the kept ones
     assert same_bytes(got["topk_ids.values"], b.fields["topk_ids"][:c])
     assert same_bytes(got["topk_logprobs.values"], b.fields["topk_logprobs"][:c])
     counts = b.fields["sampling_mask"].counts[:c]
@@ -85,7 +86,7 @@ def test_show_sequence_holds_the_kept_bytes(local_run, tmp_path):
     assert got["topk_ids.row_ids"].tolist() == [-1] * (p - 1) + list(range(c)) + [-1] * (n - p + 1 - c)
 
 
-def test_show_prints_one_field_and_notes_padding_routing(local_run):
+def test_show_prints_one_field_with_the_routing_of_padding_tokens(local_run):
     result = invoke(["show", local_run.step_uris[0], "--micro-batch", "1", "--field", "routed_experts"])
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
@@ -93,11 +94,26 @@ def test_show_prints_one_field_and_notes_padding_routing(local_run):
     assert lines[0] == (f"step 0, DP rank 0, micro batch 1: 2 sequences, {mb.num_tokens} tokens + "
                         f"{SEQ_LEN - mb.num_tokens} padding (seq_len {SEQ_LEN})")
     assert [line for line in lines if "<" in line or "|" in line] == [
-        f"routed_experts.values  |u1 [{mb.num_tokens}, 2, 2]", "routed_experts.cu_seqlens  <i4 [3]"]
-    assert result.stderr == "note: routed_experts.padded (routing rows of padding tokens) needs --num-experts\n"
-    result = invoke(["show", local_run.step_uris[0], "--micro-batch", "1", "--field", "input_ids",
-                     "--num-experts", "8"])
+        f"routed_experts.values  |u1 [{mb.num_tokens}, 2, 2]", "routed_experts.cu_seqlens  <i4 [3]",
+        f"routed_experts.padded  |u1 [{SEQ_LEN}, 2, 2]"]
+    assert result.stderr == ""
+    result = invoke(["show", local_run.step_uris[0], "--micro-batch", "1", "--field", "input_ids"])
     assert result.stdout.splitlines()[1] == f"input_ids  <i4 [{SEQ_LEN}]" and result.stderr == ""
+
+
+def test_show_pads_routing_with_the_num_experts_of_the_step_header(local_run, tmp_path):
+    # the header's fields (num_experts=8) decide the padding rows; no flag, no other config
+    result = invoke(["show", local_run.step_uris[0], "--micro-batch", "1", "--field", "routed_experts",
+                     "--npy", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    got = load_npy(tmp_path, "step00000000.dp0.mb1")
+    header = StepFile.read(local_run.store, 0).header
+    assert header.fields == FIELDS_CFG
+    t = header.micro_batches_of(0)[1].num_tokens
+    assert same_bytes(got["routed_experts.padded"][:t], got["routed_experts.values"])
+    expected = spread_expert_rows(SEQ_LEN - t, 2, 2, 8, np.dtype("|u1"))
+    assert same_bytes(got["routed_experts.padded"][t:], expected)
+    assert not np.array_equal(expected, spread_expert_rows(SEQ_LEN - t, 2, 2, 256, np.dtype("|u1")))  # uint8 range
 
 
 @pytest.mark.parametrize("args, message", [

@@ -56,7 +56,7 @@ def test_trainer_rows_equal_inline_rows_through_the_orchestrator(storage_config)
     assert byte_leaves(deltas) == [] and sizes["refpipe"] < sizes["inline"]
     episodes = [orchestrator_episode(e, temperature=TEMPERATURE, policy_version=0, group_id="g") for e in served]
     assert [len(e.branches) for e in episodes] == [2, 2] and [e.reward for e in episodes] == [[1.0, 1.0], [0.0, 0.0]]
-    orchestrator = Orchestrator(OrchestratorConfig(seq_len=30, group_size=2, groups_per_step=1), store)
+    orchestrator = Orchestrator(OrchestratorConfig(seq_len=30, group_size=2, groups_per_step=1), store, fields=FIELDS)
     for episode in episodes:
         orchestrator.submit(episode)
     header = orchestrator.build_step(0)

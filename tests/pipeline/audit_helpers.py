@@ -19,7 +19,7 @@ import numpy as np
 
 from pipeline.fields import FieldsConfig
 from pipeline.keep import Branch, Keeper
-from pipeline.step_file import (STREAMS, MicroBatchRecord, SequenceRecord, StepFile, StepHeader,
+from pipeline.step_file import (SCHEMA_VERSION, STREAMS, MicroBatchRecord, SequenceRecord, StepFile, StepHeader,
                                 publish_step_file)
 from storage.chunk import PayloadRef
 from storage.config import StorageConfig
@@ -63,8 +63,8 @@ def publish(store: Store, step: int, refs: list[PayloadRef], owners: list[int], 
                               num_padding_tokens=seq_len - sum(s.num_tokens for s in seqs))
         mbs.append(mb)
         streams[(rank, 0)] = {name: np.zeros(mb.num_tokens, dtype) for name, dtype in STREAMS.items()}
-    header = StepHeader(schema_version=1, run_uri=store.prefix.uri, step=step, seq_len=seq_len,
-                        dp_world_size=dp_world_size, micro_batches=mbs, refs=refs, owners=owners)
+    header = StepHeader(schema_version=SCHEMA_VERSION, run_uri=store.prefix.uri, step=step, seq_len=seq_len,
+                        dp_world_size=dp_world_size, micro_batches=mbs, refs=refs, owners=owners, fields=FIELDS)
     publish_step_file(store, header, streams)
     return header
 

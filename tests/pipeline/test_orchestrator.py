@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from orchestrator_helpers import chunks, counting_store, episode, make_keeper, tombstones
+from orchestrator_helpers import FIELDS, chunks, counting_store, episode, make_keeper, tombstones
 from pipeline.orchestrator import Orchestrator, OrchestratorConfig
 from pipeline.step_file import StepFile, step_key
 from storage.ledger import Ledger, tombstone_key
@@ -25,7 +25,7 @@ def env(local_config):
 
 def _env(config, cfg):
     env_store = open_store(config)
-    orch = Orchestrator(cfg, counting_store(config))
+    orch = Orchestrator(cfg, counting_store(config), fields=FIELDS)
     return orch, make_keeper(env_store, config), env_store, np.random.default_rng(0)
 
 
@@ -44,7 +44,7 @@ def test_shipped_chunks_stay_and_the_step_references_them(env):
     header = orch.build_step(0)
     assert sorted(r.branch_id for r in header.refs) == ["e00-b0", "e01-b0", "e10-b0", "e11-b0"]
     assert chunks(store) == {"e00-b0", "e01-b0", "e10-b0", "e11-b0"} and tombstones(store) == set()
-    assert StepFile.read(store, 0).header == header
+    assert StepFile.read(store, 0).header == header and header.fields == FIELDS
     assert header.metrics["num_samples"] == 4.0 and header.metrics["reward_mean"] == 0.5
     assert orch.ready_groups == 0 and sum(orch.deleted.values()) == 0
     assert orch.store.gets == 0

@@ -7,10 +7,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from orchestrator_helpers import chunks, counting_store, episode, make_keeper, tombstones
+from orchestrator_helpers import FIELDS, chunks, counting_store, episode, make_keeper, tombstones
 from pipeline.orchestrator import Orchestrator, OrchestratorConfig
+from pipeline.step_file import step_key
 from storage.config import StorageConfig
-from storage.errors import EpisodeError, KeyExistsError, OutsideRunError
+from storage.errors import EpisodeError, KeyExistsError, OutsideRunError, PackingError
 from storage.store import open_store
 
 CFG = OrchestratorConfig(seq_len=32, dp_world_size=2, groups_per_step=1, group_size=2)
@@ -19,7 +20,7 @@ CFG = OrchestratorConfig(seq_len=32, dp_world_size=2, groups_per_step=1, group_s
 @pytest.fixture
 def env(local_config):
     store = open_store(local_config)
-    return Orchestrator(CFG, counting_store(local_config)), make_keeper(store, local_config), store
+    return Orchestrator(CFG, counting_store(local_config), fields=FIELDS), make_keeper(store, local_config), store
 
 
 def _assert_nothing_deleted(orch, store, expected: set[str]):
@@ -101,6 +102,20 @@ def test_republishing_a_step_keeps_its_groups_queued(env):
     assert {r.branch_id for r in first.refs} == {"e00-b0", "e01-b0"}
     assert {r.branch_id for r in second.refs} == {"e10-b0", "e11-b0"}
     assert chunks(store) == {"e00-b0", "e01-b0", "e10-b0", "e11-b0"} and tombstones(store) == set()
+
+
+def test_refs_disagreeing_with_the_run_fields_keep_their_groups_queued(local_config):
+    store = open_store(local_config)
+    wider = FIELDS.model_copy(update={"logprobs_k": 4})  # the env servers kept a top-3 head
+    orch, keeper = Orchestrator(CFG, counting_store(local_config), fields=wider), make_keeper(store, local_config)
+    rng = np.random.default_rng(6)
+    orch.submit(episode(keeper, rng, "e0", "g0", 1.0))
+    orch.submit(episode(keeper, rng, "e1", "g0", 0.0))
+    with pytest.raises(PackingError, match=r"^step 0: ref 0 \(.*/e[01]-b0\): array 'topk_ids' has trailing shape "
+                                           r"\[3\]: expected \[4\] from fields"):
+        orch.build_step(0)
+    assert not store.exists(step_key(0)) and orch.ready_groups == 1
+    _assert_nothing_deleted(orch, store, {"e0-b0", "e1-b0"})
 
 
 def test_config_is_validated():

@@ -10,12 +10,14 @@ import pytest
 
 from pipeline.packing import (PADDING_ENV_NAME, assign_to_ranks, first_fit_decreasing, make_dummy, pack_step,
                               step_contents)
+from pipeline.fields import FieldsConfig
 from pipeline.samples import BranchResult, Episode, build_sample
 from pipeline.step_file import STREAMS
 from storage.chunk import ArraySpec, PayloadRef
 from storage.errors import PackingError
 
 RUN_URI = "file:///runs/run_1"
+FIELDS = FieldsConfig(num_layers=2, top_k=2, num_experts=8, logprobs_k=3)
 
 
 def _ref(branch_id: str, num_prompt: int, num_completion: int, routing: bool) -> PayloadRef:
@@ -52,7 +54,7 @@ def test_packing_invariants(seed):
     samples, seq_len, dp = _random_step(seed)
     packed = pack_step(samples, seq_len=seq_len, dp_world_size=dp)
     header, streams = step_contents(packed, step=seed, run_uri=RUN_URI, seq_len=seq_len, dp_world_size=dp,
-                                    metrics={})  # StepHeader validation: counts, padding, routing flags
+                                    fields=FIELDS, metrics={})  # StepHeader validation: counts, padding, routing
     real = [mb for mb in packed if not mb.is_dummy]
     # every sample placed exactly once, every micro batch within seq_len
     assert sorted(id(s) for mb in real for s in mb.samples) == sorted(id(s) for s in samples)
@@ -115,7 +117,8 @@ def test_dummies_of_a_step_without_routing_carry_no_ref():
     rng = np.random.default_rng(0)
     samples = [_sample(rng, 0, 3, 5, "side", 16), _sample(rng, 1, 2, 2, "none", 16)]
     packed = pack_step(samples, seq_len=16, dp_world_size=3)
-    header, streams = step_contents(packed, step=0, run_uri=RUN_URI, seq_len=16, dp_world_size=3, metrics={})
+    header, streams = step_contents(packed, step=0, run_uri=RUN_URI, seq_len=16, dp_world_size=3, fields=FIELDS,
+                                    metrics={})
     assert [(mb.dp_rank, mb.is_dummy, mb.num_tokens) for mb in packed] == [(0, False, 12), (1, True, 4), (2, True, 4)]
     assert [s.ref for mb in header.micro_batches for s in mb.sequences] == [0, None, None, None]
     assert header.owners == [0] and not streams[(1, 0)]["loss_mask"].any()
@@ -143,4 +146,19 @@ def test_packing_errors():
     twice = _sample(rng, 1, 2, 3, "routing", 16)
     packed = pack_step([twice, twice], seq_len=16, dp_world_size=1)
     with pytest.raises(PackingError, match=r"chunk file:///runs/run_1/payloads/00/b1 is used by two samples"):
-        step_contents(packed, step=0, run_uri=RUN_URI, seq_len=16, dp_world_size=1, metrics={})
+        step_contents(packed, step=0, run_uri=RUN_URI, seq_len=16, dp_world_size=1, fields=FIELDS, metrics={})
+
+
+@pytest.mark.parametrize("kind, fields, message", [
+    ("routing", FieldsConfig(num_layers=4, top_k=2, num_experts=8),
+     "array 'routed_experts' has trailing shape [2, 2]: expected [4, 2] from fields"),
+    ("routing", FieldsConfig(num_layers=2, top_k=2), "array 'routed_experts' is not a field configured in fields"),
+    ("side", FieldsConfig(num_layers=2, top_k=2, num_experts=8), "array 'topk_ids' is not a field configured"),
+])
+def test_refs_disagreeing_with_the_run_fields_are_packing_errors(kind, fields, message):
+    packed = pack_step([_sample(np.random.default_rng(3), 4, 2, 3, kind, 16)], seq_len=16, dp_world_size=1)
+    with pytest.raises(PackingError) as e:
+        step_contents(packed, step=5, run_uri=RUN_URI, seq_len=16, dp_world_size=1, fields=fields, metrics={})
+    assert str(e.value).startswith(f"step 5: ref 0 ({RUN_URI}/payloads/00/b4): {message}")
+    header, _ = step_contents(packed, step=5, run_uri=RUN_URI, seq_len=16, dp_world_size=1, fields=FIELDS, metrics={})
+    assert header.fields == FIELDS

@@ -9,7 +9,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from orchestrator_helpers import chunks, episode, make_keeper, tombstones
+from orchestrator_helpers import FIELDS, chunks, episode, make_keeper, tombstones
 from pipeline.packing import pack_step, step_contents
 from pipeline.samples import build_sample
 from pipeline.step_file import HEADER_MEMBER, STREAMS, StepFile, publish_step_file, step_key
@@ -31,7 +31,7 @@ def published(storage_config):
         samples.append(build_sample(e, e.branches[0], reward=float(i), advantage=i - 2.0, seq_len=SEQ_LEN))
     packed = pack_step(samples, seq_len=SEQ_LEN, dp_world_size=DP)
     header, streams = step_contents(packed, step=7, run_uri=store.prefix.uri, seq_len=SEQ_LEN,
-                                    dp_world_size=DP, metrics={"num_samples": 5.0})
+                                    dp_world_size=DP, fields=FIELDS, metrics={"num_samples": 5.0})
     publish_step_file(store, header, streams)
     return store, packed, header, streams
 
@@ -40,6 +40,7 @@ def test_round_trip_equals_what_was_packed_byte_for_byte(published):
     store, packed, header, _ = published
     step = StepFile.read(store, 7)
     assert step.header == header and step.header.model_dump_json() == header.model_dump_json()
+    assert step.header.fields == FIELDS
     assert [(m.dp_rank, m.index) for m in step.header.micro_batches] == [(m.dp_rank, m.index) for m in packed]
     for mb, record in zip(packed, step.header.micro_batches):
         got = step.streams(mb.dp_rank, mb.index)
@@ -79,7 +80,8 @@ def _other_run_ref(h: dict) -> dict:
 @pytest.mark.parametrize("corrupt, message", [
     (lambda d: d[: len(d) // 2], "not a readable step file"),
     (lambda d: d[:-10], "not a readable step file"),
-    (lambda d: _rewrite(d, lambda h: {**h, "schema_version": 2}), "schema_version 2, expected 1"),
+    (lambda d: _rewrite(d, lambda h: {**h, "schema_version": 1}), "schema_version 1, expected 2"),
+    (lambda d: _rewrite(d, lambda h: {k: v for k, v in h.items() if k != "fields"}), "invalid header"),
     (lambda d: _rewrite(d, lambda h: {**h, "run_uri": h["run_uri"] + "0"}), "belongs to run .*run_10"),
     (lambda d: _rewrite(d, _other_run_ref), "references a chunk outside the run"),
     (lambda d: _rewrite(d, lambda h: {**h, "owners": h["owners"][:-1]}), "invalid header"),
@@ -89,6 +91,22 @@ def test_bad_step_files_are_typed_errors_naming_the_file(published, corrupt, mes
     store.put(step_key(8), corrupt(store.get(step_key(7))))
     with pytest.raises(StepFileError, match=rf"step file {store.uri(step_key(8))}: .*{message}"):
         StepFile.read(store, 8)
+    assert chunks(store) == {f"e{i}-b0" for i in range(5) if i != 3} and tombstones(store) == set()
+
+
+@pytest.mark.parametrize("fields, array, message", [
+    ({"logprobs_k": 4}, "topk_ids", "has trailing shape [3]: expected [4] from fields"),
+    ({"num_layers": 3}, "routed_experts", "has trailing shape [2, 2]: expected [3, 2] from fields"),
+    ({"num_experts": None}, "routed_experts", "is not a field configured in fields"),
+])
+def test_refs_disagreeing_with_the_header_fields_are_typed_errors(published, fields, array, message):
+    store, _, header, _ = published
+    store.put(step_key(8), _rewrite(store.get(step_key(7)), lambda h: {**h, "fields": {**h["fields"], **fields}}))
+    with pytest.raises(StepFileError) as e:
+        StepFile.read(store, 8)
+    first = next(i for i, ref in enumerate(header.refs) if array in ref.arrays)
+    assert str(e.value).startswith(f"step file {store.uri(step_key(8))}: invalid header")
+    assert f"ref {first} ({header.refs[first].uri}): array {array!r} {message}" in str(e.value)
     assert chunks(store) == {f"e{i}-b0" for i in range(5) if i != 3} and tombstones(store) == set()
 
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from pipeline.fields import FieldsConfig, Ragged, spread_expert_rows
 from pipeline.keep import Branch, Keeper
-from pipeline.step_file import STREAMS, MicroBatchRecord, SequenceRecord, StepHeader, publish_step_file
+from pipeline.step_file import SCHEMA_VERSION, STREAMS, MicroBatchRecord, SequenceRecord, StepHeader, publish_step_file
 from storage.chunk import PayloadRef
 from storage.config import StorageConfig
 from storage.ledger import Ledger
@@ -91,9 +91,9 @@ def build_step(store: Store, step: int, seq_len: int, layout: list[list[list[Seq
             records.append(MicroBatchRecord(dp_rank=dp, index=i, sequences=seqs, num_padding_tokens=seq_len - total,
                                             has_routing=has_routing))
             streams[(dp, i)] = random_streams(rng, mb)
-    header = StepHeader(schema_version=1, run_uri=store.prefix.uri, step=step, seq_len=seq_len,
+    header = StepHeader(schema_version=SCHEMA_VERSION, run_uri=store.prefix.uri, step=step, seq_len=seq_len,
                         dp_world_size=len(layout), micro_batches=records, refs=[refs[n] for n in order],
-                        owners=[owners.get(n, 0) for n in order])
+                        owners=[owners.get(n, 0) for n in order], fields=FIELDS)
     if publish:
         publish_step_file(store, header, streams)
     return BuiltStep(header, streams, branches, refs)
