@@ -113,13 +113,16 @@ class TrainerRank:
         return self.metrics(header, fetched, dropped, deletes, problems, self.store.retries - retries_before)
 
     def load_step(self, step: int) -> StepFile:
-        """(a) Wait for step ``step``'s file and check it was made for this world's DP size."""
+        """(a) Wait for step ``step``'s file and check it was made for this world's DP size and fields."""
         step_file = wait_for_step(self.store, step, timeout_s=self.config.step_timeout_s,
                                   poll_s=self.config.step_poll_s)
         if step_file.header.dp_world_size != self.topology.dp_world_size:
             raise ConfigError(f"step file {step_file.uri}: dp_world_size={step_file.header.dp_world_size}, but this "
                               f"world has {self.topology.dp_world_size} DP ranks (world_size="
                               f"{self.topology.world_size}, model_parallel_size={self.config.model_parallel_size})")
+        if step_file.header.fields != self.fields:
+            raise ConfigError(f"step file {step_file.uri}: fields {step_file.header.fields.model_dump()}, but this "
+                              f"trainer was configured with {self.fields.model_dump()}")
         return step_file
 
     def agree_failures(self, header: StepHeader, fetched: FetchedStep) -> np.ndarray:
