@@ -188,57 +188,61 @@ class RawObjects:
         self.store.delete([f"b{i:06d}.{name}" for i in batch for name in names])
 
 
-def run(args, store: Store, config: StorageConfig, raw, counter) -> dict:
+class Refpipe:
+    """The refpipe side: ``Keeper.keep``, ``fetch_many`` (whole chunks), ``Ledger.delete``."""
+
+    def __init__(self, store: Store, config: StorageConfig, threads: int):
+        self.store, self.threads = store, threads
+        self.ledger = Ledger(store, "bench_env_worker")
+        self.keeper = Keeper(store, self.ledger, FIELDS, config)
+        self.refs: dict[int, object] = {}
+
+    def keep(self, i: int, fields: dict[str, np.ndarray]) -> None:
+        self.refs[i] = self.keeper.keep(Branch(PROMPT_TOKENS, COMPLETION_TOKENS, fields, f"b{i:06d}"))
+
+    def fetch(self, batch: list[int], specs: dict) -> list:
+        return fetch_many(self.store, [(self.refs[i], self.refs[i].num_tokens) for i in batch],
+                          max_concurrency=self.threads)
+
+    def delete(self, batch: list[int], names) -> None:
+        self.ledger.delete([self.refs[i] for i in batch], reason="bench")
+
+
+def run(args, sides: dict, counter) -> dict:
     """Keep, fetch and delete ``args.branches`` branches on both sides, round by round; return times and counts."""
-    ledger = Ledger(store, "bench_env_worker")
-    keeper = Keeper(store, ledger, FIELDS, config)
     fields = base_fields()
     specs = {name: (a.dtype, a.shape) for name, a in fields.items()}
     rounds = [list(r) for r in np.array_split(np.arange(args.branches), args.rounds) if len(r)]
-    seconds = Counter()
-    refs: dict[int, object] = {}
-
-    def keep_refpipe(batch):
-        for i in batch:
-            vary(fields, i)
-            refs[i] = keeper.keep(Branch(PROMPT_TOKENS, COMPLETION_TOKENS, fields, f"b{i:06d}"))
-
-    def keep_raw(batch):
-        for i in batch:
-            vary(fields, i)
-            raw.keep(i, fields)
-
-    def fetch_refpipe(batch):
-        for group in _groups(batch, args.fetch_batch):
-            results = fetch_many(store, [(refs[i], refs[i].num_tokens) for i in group], max_concurrency=args.threads)
-            _check_fetched(results, group)
-
-    def fetch_raw(batch):
-        for group in _groups(batch, args.fetch_batch):
-            _check_fetched(raw.fetch(group, specs), group)
-
-    work = {
-        "keep": {"refpipe": keep_refpipe, "raw": keep_raw},
-        "fetch": {"refpipe": fetch_refpipe, "raw": fetch_raw},
-        "delete": {"refpipe": lambda batch: ledger.delete([refs[i] for i in batch], reason="bench"),
-                   "raw": lambda batch: raw.delete(batch, list(fields))},
-    }
-    ledger_seconds = {}
+    ledger = sides["refpipe"].ledger
+    seconds, ledger_seconds = Counter(), {}
     for phase in PHASES:
         before = ledger.ledger_seconds
         for r, batch in enumerate(rounds):
-            for side in (SIDES if r % 2 == 0 else SIDES[::-1]):
+            for name in (SIDES if r % 2 == 0 else SIDES[::-1]):
                 counter.phase = phase
                 started = time.perf_counter()
-                work[phase][side](batch)
-                seconds[side, phase] += time.perf_counter() - started
+                _do(phase, sides[name], batch, fields, specs, args.fetch_batch)
+                seconds[name, phase] += time.perf_counter() - started
                 counter.phase = None
         ledger_seconds[phase] = ledger.ledger_seconds - before
         if phase == "keep":
-            objects = len(store.list_prefix("payloads"))
+            objects = len(sides["refpipe"].store.list_prefix("payloads"))
     ledger.close()
     return {"seconds": seconds, "ledger_seconds": ledger_seconds, "objects": objects,
             "branch_nbytes": sum(a.nbytes for a in fields.values())}
+
+
+def _do(phase: str, side, batch: list[int], fields: dict, specs: dict, fetch_batch: int) -> None:
+    """One side's work on one round's branches: keep each, fetch in groups (bounding memory), or delete all."""
+    if phase == "keep":
+        for i in batch:
+            vary(fields, i)
+            side.keep(i, fields)
+    elif phase == "fetch":
+        for group in _groups(batch, fetch_batch):
+            _check_fetched(side.fetch(group, specs), group)
+    else:
+        side.delete(batch, list(fields))
 
 
 def _groups(batch: list[int], size: int) -> list[list[int]]:
@@ -264,7 +268,7 @@ def report(args, res: dict, counter, backend: str) -> dict:
         "ledger_overhead_ratio": round((res["ledger_seconds"]["keep"] + res["ledger_seconds"]["delete"])
                                        / (sec["refpipe", "keep"] + sec["refpipe", "delete"]), 4),
         "objects_per_branch": round(res["objects"] / n, 3),
-        "raw_objects_per_branch": len(FIELDS_NAMES),
+        "raw_objects_per_branch": 4,
         "seconds": {f"{s}_{p}": round(sec[s, p], 3) for s in SIDES for p in PHASES},
         "fetch_gib_per_s": {s: round(gib / sec[s, "fetch"], 3) for s in SIDES},
     }
@@ -305,9 +309,6 @@ def _count_summary(counter, n: int) -> dict:
         "fs_entries_created_per_branch": {p: {s: round(len(counter.created[s, p]) / n, 3) for s in SIDES}
                                           for p in PHASES},
     }
-
-
-FIELDS_NAMES = ("routed_experts", "topk_ids", "topk_logprobs", "sample_support")
 
 
 def start_moto() -> tuple[subprocess.Popen, str]:
@@ -355,8 +356,9 @@ def run_local(args) -> dict:
     raw_root = os.path.join(workdir, "raw", config.run_id)
     store = open_store(config)
     counter = FsCounter({"refpipe": store.prefix.path + "/", "raw": raw_root + "/"})
+    sides = {"refpipe": Refpipe(store, config, args.threads), "raw": RawFiles(raw_root, args.threads)}
     try:
-        res = run(args, store, config, RawFiles(raw_root, args.threads), counter)
+        res = run(args, sides, counter)
     finally:
         shutil.rmtree(os.path.join(workdir, "refpipe", config.run_id), ignore_errors=True)
         shutil.rmtree(raw_root, ignore_errors=True)
@@ -381,7 +383,8 @@ def run_s3(args) -> dict:
     try:
         store = open_store(config)
         counter = S3Counter({"refpipe": store, "raw": raw_store})
-        res = run(args, store, config, RawObjects(raw_store, args.threads), counter)
+        sides = {"refpipe": Refpipe(store, config, args.threads), "raw": RawObjects(raw_store, args.threads)}
+        res = run(args, sides, counter)
     finally:
         if moto:
             moto[0].kill()
