@@ -16,7 +16,7 @@ Branch shape (issue 2): 4,096 tokens = 1,024 prompt + 3,072 completion; ``routed
 ``sample_support`` [3072, 20] int32: 4.73 MiB per branch. The arrays are generated once
 and reused; each branch changes a few bytes. The branches are split into rounds, and the
 two sides alternate which goes first in each round, so page-cache and writeback state
-favours neither.
+favours neither; each phase starts after a ``sync`` (untimed).
 
 Counting, from the client side: filesystem calls through CPython audit events (``open``
 incl. ``os.open``, ``mkdir``, ``link``, ``rename``, ``remove``, ``rmdir``, ``listdir``,
@@ -216,6 +216,7 @@ def run(args, sides: dict, counter) -> dict:
     ledger = sides["refpipe"].ledger
     seconds, ledger_seconds = Counter(), {}
     for phase in PHASES:
+        os.sync()  # untimed: start each phase with no dirty pages from earlier phases or runs
         before = ledger.ledger_seconds
         for r, batch in enumerate(rounds):
             for name in (SIDES if r % 2 == 0 else SIDES[::-1]):
@@ -336,7 +337,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--branches", type=int, default=1024, help="branches kept, fetched and deleted per side")
     p.add_argument("--dir", help="directory to work in (default: a fresh temp dir on /tmp, removed afterwards)")
-    p.add_argument("--rounds", type=int, default=8, help="rounds; the sides alternate going first")
+    p.add_argument("--rounds", type=int, default=16, help="rounds; the sides alternate going first")
     p.add_argument("--threads", type=int, default=8, help="fetch threads per side")
     p.add_argument("--fetch-batch", type=int, default=32, help="branches per fetch call (bounds memory)")
     p.add_argument("--s3-endpoint", help="run against this S3 endpoint (a fresh bucket is created)")
