@@ -120,7 +120,7 @@ def _outside_uris(backend: Backend, sibling_ref: PayloadRef) -> list[str]:
     node = node_key("b1")
     run = backend.store.prefix
     if backend.name == "s3":
-        bucket, _, rest = run.path.partition("/")
+        rest = run.path.partition("/")[2]
         others = [f"s3://other-bucket/{rest}/{node}", f"file:///{run.path}/{node}"]
     else:
         others = [f"s3://bucket{run.path}/{node}", f"file://otherhost{run.path}/{node}",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import socket
 import threading
 
-import numpy as np
 import pytest
 
 from pipeline.keep import Branch, Keeper
