@@ -224,21 +224,28 @@ def decode_payload(ref: PayloadRef, stored: bytes, what: str) -> np.ndarray | by
     Raises:
         ChunkCorruptError: wrong length, checksum mismatch or undecodable compression.
     """
-    if len(stored) != ref.nbytes:
-        raise ChunkCorruptError(f"chunk {what}: expected {ref.nbytes} bytes, got {len(stored)} (truncated or replaced)")
+    check_length(ref, len(stored), what)
     body = np.frombuffer(stored, np.uint8, len(stored) - 4)
-    stored_crc = int(np.frombuffer(stored, "<u4", 1, len(stored) - 4)[0])
-    crc = crc32c.crc32c(body)
-    if crc != stored_crc or crc != ref.checksum:
-        raise ChunkCorruptError(
-            f"chunk {what}: crc32c mismatch: reference {ref.checksum:#010x}, stored {stored_crc:#010x}, computed {crc:#010x}"
-        )
+    check_checksum(ref, crc32c.crc32c(body), int(np.frombuffer(stored, "<u4", 1, len(stored) - 4)[0]), what)
     if ref.compression == "none":
         return body
     try:
         return numcodecs.Zstd().decode(body)
     except Exception as e:  # numcodecs raises RuntimeError/ValueError variants for bad frames
         raise ChunkCorruptError(f"chunk {what}: zstd frame does not decode: {e}") from e
+
+
+def check_length(ref: PayloadRef, nbytes: int, what: str) -> None:
+    """Raise ``ChunkCorruptError`` unless a stored chunk of ``nbytes`` bytes has the ref's length."""
+    if nbytes != ref.nbytes:
+        raise ChunkCorruptError(f"chunk {what}: expected {ref.nbytes} bytes, got {nbytes} (truncated or replaced)")
+
+
+def check_checksum(ref: PayloadRef, computed: int, stored: int, what: str) -> None:
+    """Raise ``ChunkCorruptError`` unless the computed crc32c equals both the stored one and the ref's."""
+    if computed != stored or computed != ref.checksum:
+        raise ChunkCorruptError(f"chunk {what}: crc32c mismatch: reference {ref.checksum:#010x}, "
+                                f"stored {stored:#010x}, computed {computed:#010x}")
 
 
 def view_array(payload: np.ndarray | bytes, lay: ArrayLayout, rows: int | None = None) -> np.ndarray:

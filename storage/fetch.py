@@ -1,7 +1,8 @@
 """Write, fetch and inspect branch chunks by reference.
 
 Fetches read exactly the keys the reference names: no listing, no metadata
-read. A whole-chunk fetch checks length and crc32c; a fetch of the first ``n``
+read. A whole-chunk fetch checks length and crc32c (an uncompressed one reads straight into
+the caller's arrays, ``fetch_arrays(out=...)``); a fetch of the first ``n``
 tokens of an uncompressed chunk reads only the needed byte range of each array
 (length-checked; the crc32c covers the whole chunk, so a partial read cannot
 check it). Compressed chunks are always read whole.
@@ -10,12 +11,14 @@ check it). Compressed chunks are always read whole.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import crc32c
 import numpy as np
 
-from storage.chunk import DATA_KEY, META_KEY, ArrayLayout, EncodedChunk, PayloadRef, decode_payload, node_key, view_array
+from storage.chunk import (DATA_KEY, META_KEY, ArrayLayout, EncodedChunk, PayloadRef, check_checksum, check_length,
+                           decode_payload, node_key, view_array)
 from storage.errors import ChunkCorruptError, RefpipeError
 from storage.store import Store
 
@@ -56,28 +59,92 @@ def rows_for(lay: ArrayLayout, ref: PayloadRef, num_tokens: int, counts: np.ndar
     return int(counts[:num_completion].sum())
 
 
-def fetch_arrays(store: Store, ref: PayloadRef, num_tokens: int | None = None) -> dict[str, np.ndarray]:
+def fetch_arrays(store: Store, ref: PayloadRef, num_tokens: int | None = None,
+                 out: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """Read a branch's arrays, cut to its first ``num_tokens`` tokens (default: all).
 
+    A whole uncompressed chunk is read straight into its destination arrays (one
+    ``Store.get_into``), the crc32c computed over them; a cut or compressed chunk is read as
+    below and copied into ``out``.
+
+    Args:
+        out: stored array name -> destination: a writable C-contiguous ndarray of that array's
+            dtype and its cut shape (as returned). After an error a destination may hold part
+            of the chunk: the caller discards it.
+
     Returns:
-        name -> read-only array; token-domain arrays have ``num_tokens`` rows,
-        completion-domain arrays ``max(0, num_tokens - num_prompt_tokens)`` rows,
-        ragged values the rows their kept counts cover.
+        name -> array: ``out``'s own arrays for the names it gives, read-only arrays for the
+        others; token-domain arrays have ``num_tokens`` rows, completion-domain arrays
+        ``max(0, num_tokens - num_prompt_tokens)`` rows, ragged values the rows their kept
+        counts cover.
 
     Raises:
         OutsideRunError: the ref points outside the run prefix (before any I/O).
         ChunkNotFoundError: the chunk does not exist (never zeros).
         ChunkCorruptError: length or checksum mismatch.
-        ValueError: ``num_tokens`` outside ``[0, ref.num_tokens]``.
+        ValueError: ``num_tokens`` outside ``[0, ref.num_tokens]``; a destination of another
+            dtype or shape, read-only or not C-contiguous.
     """
     n = ref.num_tokens if num_tokens is None else num_tokens
     if not 0 <= n <= ref.num_tokens:
         raise ValueError(f"num_tokens={n} for chunk {ref.uri}: expected 0..{ref.num_tokens}")
     data_key, _ = chunk_keys(store, ref)
-    if n == ref.num_tokens or ref.compression != "none":
+    out = dict(out or {})
+    if n == ref.num_tokens and ref.compression == "none":
+        return _read_whole_into(store, data_key, ref, out)
+    if ref.compression != "none":
         payload = decode_payload(ref, store.get(data_key), ref.uri)
-        return _cut(ref, n, lambda lay, rows: view_array(payload, lay, rows))
-    return _cut(ref, n, lambda lay, rows: _read_rows(store, data_key, ref, lay, rows))
+        got = _cut(ref, n, lambda lay, rows: view_array(payload, lay, rows))
+    else:
+        got = _cut(ref, n, lambda lay, rows: _read_rows(store, data_key, ref, lay, rows))
+    for name, dest in out.items():
+        _check_destination(ref, name, dest, got[name].shape)
+        dest[...] = got[name]
+    return {name: out.get(name, a) for name, a in got.items()}
+
+
+def _read_whole_into(store: Store, data_key: str, ref: PayloadRef, out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Read a whole uncompressed chunk into ``out`` (fresh arrays for the rest); check length and crc32c."""
+    layouts = ref.layout()
+    gaps, end = [], 0
+    for lay in layouts:
+        gaps.append(lay.offset - end)
+        end = lay.offset + lay.nbytes
+    tail = ref.nbytes - 4 - end
+    if tail < 0 or any(g < 0 for g in gaps):
+        raise ChunkCorruptError(f"chunk {ref.uri}: the ref's {ref.nbytes} bytes cannot hold its arrays ({end} bytes)")
+    scratch = np.empty(sum(gaps) + tail + 4, np.uint8)  # alignment padding and the checksum, each its own bytes
+    buffers, arrays, used = [], {}, 0
+    for lay, gap in zip(layouts, gaps):
+        buffers.append(scratch[used : used + gap])
+        used += gap
+        dest = out.get(lay.name)
+        if dest is None:
+            dest = np.empty(lay.shape, lay.dtype)
+        else:
+            _check_destination(ref, lay.name, dest, lay.shape)
+        arrays[lay.name] = dest
+        buffers.append(dest.reshape(-1).view(np.uint8))
+    buffers += [scratch[used : used + tail], scratch[used + tail :]]
+    check_length(ref, store.get_into(data_key, buffers), ref.uri)
+    crc = 0
+    for b in buffers[:-1]:
+        if b.nbytes:
+            crc = crc32c.crc32c(b, crc)
+    check_checksum(ref, crc, int(buffers[-1].view("<u4")[0]), ref.uri)
+    for name, a in arrays.items():
+        if name not in out:
+            a.flags.writeable = False
+    return arrays
+
+
+def _check_destination(ref: PayloadRef, name: str, dest: np.ndarray, shape: tuple[int, ...]) -> None:
+    dtype = np.dtype(ref.arrays[name].dtype)
+    if (not isinstance(dest, np.ndarray) or dest.dtype != dtype or dest.shape != tuple(shape)
+            or not dest.flags.c_contiguous or not dest.flags.writeable):
+        what = type(dest).__name__ if not isinstance(dest, np.ndarray) else f"{dest.dtype.str} {list(dest.shape)}"
+        raise ValueError(f"chunk {ref.uri}: destination of {name} is {what}: expected a writable C-contiguous "
+                         f"{dtype.str} {list(shape)}")
 
 
 def _cut(ref: PayloadRef, n: int, read) -> dict[str, np.ndarray]:

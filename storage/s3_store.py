@@ -26,7 +26,7 @@ _S3_DELETE_BATCH = 1000  # DeleteObjects takes at most 1,000 keys (AWS S3 API re
 class S3Store(Store):
     """A run prefix on S3 (or an S3-compatible endpoint) through s3fs.
 
-    ``put`` is one PUT; ``exclusive`` adds ``If-None-Match: *`` (a 412 means the key
+    ``get_into`` is one GET copied into the buffers. ``put`` is one PUT; ``exclusive`` adds ``If-None-Match: *`` (a 412 means the key
     exists; a 409 from a concurrent conditional PUT is retried). ``delete`` sends
     ``DeleteObjects`` in batches of 1,000 and checks every key's result, since
     s3fs's bulk ``rm`` drops per-key errors.
@@ -74,6 +74,16 @@ class S3Store(Store):
                 raise
 
         return self.retrying(what, op)
+
+    def get_into(self, key, buffers):
+        data = memoryview(self.get(key))  # one GET, then copied: S3 reads are network-bound, not copy-bound
+        done = 0
+        for buffer in buffers:
+            view = memoryview(buffer).cast("B")
+            n = min(view.nbytes, len(data) - done)
+            view[:n] = data[done : done + n]
+            done += n
+        return len(data)
 
     def put(self, key, data, *, exclusive=False):
         bucket, object_key = self._split(key)

@@ -1,7 +1,7 @@
 """One store interface over fsspec: a local directory (here) or S3 (``storage.s3_store``).
 
 Keys are relative to the run prefix (``storage.uri``). Verbs, one per operation:
-``get`` (optionally a byte range), ``put`` (``exclusive=True`` is atomic or raises
+``get`` (optionally a byte range), ``get_into`` (a whole object into caller buffers), ``put`` (``exclusive=True`` is atomic or raises
 ``KeyExistsError``), ``delete`` (known keys; S3 batches ``DeleteObjects``),
 ``exists``, ``list_prefix``. Nothing on the hot path lists or stats.
 
@@ -114,6 +114,20 @@ class Store:
         """
         raise NotImplementedError
 
+    def get_into(self, key: str, buffers: Sequence[Buffer]) -> int:
+        """Read ``key`` from its first byte into ``buffers`` (writable, C-contiguous; filled in order).
+
+        Returns:
+            The object's size in bytes. Larger than the buffers' total: the buffers hold its
+            first bytes and the rest was not read. Smaller: only that many bytes were written
+            (the buffers' tail is left as it was). Callers compare it with the size they expect.
+
+        Raises:
+            ChunkNotFoundError: no object at ``key``.
+            StorageError: any other failure (``TransientStorageError`` once retries are spent).
+        """
+        raise NotImplementedError
+
     def put(self, key: str, data: Data, *, exclusive: bool = False) -> None:
         """Write ``data`` (one buffer, or a list/tuple of buffers written in order) at ``key``.
 
@@ -151,19 +165,14 @@ class LocalStore(Store):
     key, which fails atomically with ``EEXIST`` when the key exists: one new
     directory entry per object and no temp name (where the filesystem lacks
     ``O_TMPFILE``: a named temp file, ``link(2)``, ``unlink(2)``). ``get`` is
-    ``open``, ``pread``, ``close`` (plus an ``fstat`` for whole reads). ``delete``
+    ``open``, ``pread``, ``close`` (plus an ``fstat`` for whole reads); ``get_into`` is ``open``,
+    ``fstat``, ``preadv`` (one call for all buffers, repeated only after a short read), ``close``. ``delete``
     unlinks in order per directory and removes branch directories it empties,
     directories in parallel.
     """
 
     def get(self, key, start=None, end=None):
-        path = self.path(key)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except (FileNotFoundError, NotADirectoryError) as e:
-            raise ChunkNotFoundError(f"{self.uri(key)} does not exist") from e
-        except OSError as e:
-            raise StorageError(f"cannot read {self.uri(key)}: {e.strerror}") from e
+        fd = self._open_read(key)
         try:
             start = start or 0
             size = (os.fstat(fd).st_size if end is None else end) - start
@@ -172,6 +181,29 @@ class LocalStore(Store):
             raise StorageError(f"cannot read {self.uri(key)}: {e.strerror}") from e
         finally:
             os.close(fd)
+
+    def get_into(self, key, buffers):
+        fd = self._open_read(key)
+        try:
+            size = os.fstat(fd).st_size
+            views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
+            wanted = min(size, sum(v.nbytes for v in views))
+            got = _readv_all(fd, views, wanted)
+            return size if got == wanted else got  # a short read: the file shrank since fstat
+        except OSError as e:
+            raise StorageError(f"cannot read {self.uri(key)}: {e.strerror}") from e
+        finally:
+            os.close(fd)
+
+    def _open_read(self, key: str) -> int:
+        """A read-only fd of ``key`` (``ChunkNotFoundError`` when absent)."""
+        path = self.path(key)
+        try:
+            return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError) as e:
+            raise ChunkNotFoundError(f"{self.uri(key)} does not exist") from e
+        except OSError as e:
+            raise StorageError(f"cannot read {self.uri(key)}: {e.strerror}") from e
 
     def put(self, key, data, *, exclusive=False):
         path = self.path(key)
@@ -307,6 +339,35 @@ def _read_all(fd: int, size: int, offset: int) -> bytes:
             break
         data += more
     return data
+
+
+def _readv_all(fd: int, views: list[memoryview], size: int) -> int:
+    """Read up to ``size`` bytes from offset 0 into ``views`` in order (``preadv``, resumed after short reads).
+
+    Returns bytes read: ``size``, or fewer at end of file. Without ``os.preadv``: one ``readinto`` per view.
+    """
+    done = 0
+    while done < size and views:
+        n = os.preadv(fd, views, done) if _HAVE_PREADV else _preadinto(fd, views[0], done)
+        if n == 0:
+            break
+        done += n
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views = views[1:]
+        if views and n:
+            views = [views[0][n:], *views[1:]]
+    return min(done, size)
+
+
+def _preadinto(fd: int, view: memoryview, offset: int) -> int:
+    """``pread`` into one view (platforms without ``preadv``)."""
+    data = os.pread(fd, view.nbytes, offset)
+    view[: len(data)] = data
+    return len(data)
+
+
+_HAVE_PREADV = hasattr(os, "preadv")
 
 
 def __getattr__(name: str):

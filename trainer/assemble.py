@@ -85,6 +85,28 @@ class AssembledMicroBatch:
     fields are empty and routing repeats real rows; train it for shape only, never for loss."""
 
 
+@dataclass(frozen=True)
+class MicroBatchPlan:
+    """A micro batch's output arrays, allocated (not yet written) before its chunks are read.
+
+    ``targets[s]`` maps each stored array name whose rows sequence ``s`` contributes to its
+    destination ``[rows, *row_shape]``, a slice of ``buffers`` (token-domain fields:
+    ``padded[start_s : start_s + rows]``; completion fields: ``values[cu_rows[s] : cu_rows[s + 1]]``).
+    Reading a chunk straight into them (``storage.fetch.fetch_arrays(out=...)``) leaves
+    ``finish_micro_batch`` nothing to copy for that sequence. Ragged fields have no targets.
+    """
+
+    mb: MicroBatchRecord
+    refs: Sequence[PayloadRef]
+    seq_len: int
+    fields: FieldsConfig
+    buffers: dict[str, np.ndarray]
+    """Field name -> token fields: padded [seq_len, *row_shape]; completion fields: values [rows, *row_shape]."""
+    cu_rows: dict[str, np.ndarray]
+    """Field name -> [S + 1] int32 cumulative rows per sequence."""
+    targets: list[dict[str, np.ndarray]]
+
+
 def assemble_micro_batch(
     mb: MicroBatchRecord,
     streams: Mapping[str, np.ndarray],
@@ -95,6 +117,8 @@ def assemble_micro_batch(
     fields: FieldsConfig,
 ) -> AssembledMicroBatch:
     """Cut every sequence's rows out of its fetched chunk and lay them out for the model.
+
+    ``finish_micro_batch(plan_micro_batch(...), streams, arrays)``.
 
     Args:
         mb: the micro batch record (``StepHeader.micro_batches``).
@@ -115,18 +139,81 @@ def assemble_micro_batch(
             a sequence without routing rows.
         PackingError: ``mb`` has more than ``seq_len`` tokens.
     """
+    return finish_micro_batch(plan_micro_batch(mb, refs, seq_len=seq_len, fields=fields), streams, arrays)
+
+
+def plan_micro_batch(mb: MicroBatchRecord, refs: Sequence[PayloadRef], *, seq_len: int,
+                     fields: FieldsConfig) -> MicroBatchPlan:
+    """Allocate ``mb``'s output arrays (``np.empty``: no page is touched) and each sequence's targets.
+
+    A field's dtype is the result type of the dtypes its sequences' refs store.
+
+    Raises:
+        FieldError: a ref stores rows of another trailing shape than ``fields`` says or fewer
+            rows than its sequence keeps; a routing micro batch has a sequence without routing rows.
+        PackingError: ``mb`` has more than ``seq_len`` tokens.
+    """
     what = f"micro batch dp_rank={mb.dp_rank} index={mb.index}"
     _check_fits(mb, seq_len, what)
-    out: dict[str, FieldBatch] = {}
+    buffers, cu_rows, targets = {}, {}, [{} for _ in mb.sequences]
     for fdef in _laid_out(mb, fields):
         trailing = trailing_shape(fdef, fields)
-        pieces = [_sequence_rows(fdef, seq, refs, arrays, trailing, what) for seq in mb.sequences]
+        rows = [_num_rows(fdef, seq, refs, trailing, what) for seq in mb.sequences]
+        if fdef.domain == "tokens" and None in rows:
+            missing = [i for i, n in enumerate(rows) if n is None]
+            raise FieldError(f"{what}: sequences {missing} have no {fdef.name} rows in a micro batch with routing")
+        cu = np.zeros(len(rows) + 1, np.int32)
+        np.cumsum([n or 0 for n in rows], out=cu[1:])
+        cu_rows[fdef.name] = mb.cu_seqlens() if fdef.domain == "tokens" else cu
+        if fdef.ragged:
+            continue
+        dtypes = [refs[seq.ref].arrays[fdef.name].dtype for seq, n in zip(mb.sequences, rows) if n is not None]
+        dtype = np.result_type(*dtypes) if dtypes else np.dtype(fdef.dtypes[0])
+        buffer = np.empty((seq_len if fdef.domain == "tokens" else int(cu[-1]), *trailing), dtype)
+        buffers[fdef.name] = buffer
+        starts = cu_rows[fdef.name]
+        for s, n in enumerate(rows):
+            if n is not None:
+                targets[s][fdef.name] = buffer[starts[s] : starts[s] + n]
+    return MicroBatchPlan(mb, refs, seq_len, fields, buffers, cu_rows, targets)
+
+
+def finish_micro_batch(plan: MicroBatchPlan, streams: Mapping[str, np.ndarray],
+                       arrays: Mapping[int, Mapping[str, np.ndarray]]) -> AssembledMicroBatch:
+    """Complete a planned micro batch: copy rows not already read into their targets, pad, lay out.
+
+    Args:
+        plan: from ``plan_micro_batch``; its buffers become the result's arrays.
+        streams: name -> [T] as ``StepFile.streams`` returns them.
+        arrays: ref index -> fetched arrays, as for ``assemble_micro_batch``; an array that *is*
+            a sequence's target (read into it) is not copied again.
+
+    Raises:
+        FieldError: a sequence's ref has no fetched arrays, fewer rows than it keeps, or rows
+            of another trailing shape.
+    """
+    mb, what = plan.mb, f"micro batch dp_rank={plan.mb.dp_rank} index={plan.mb.index}"
+    for seq, targets in zip(mb.sequences, plan.targets):
+        for name, dest in targets.items():
+            got = _fetched(arrays, seq, plan.refs, what)
+            if got.get(name) is not dest:
+                where = f"{what}: ref {seq.ref} ({plan.refs[seq.ref].uri})"
+                dest[...] = _cut(got, name, len(dest), dest.shape[1:], where)
+    out: dict[str, FieldBatch] = {}
+    for fdef in _laid_out(mb, plan.fields):
+        cu = plan.cu_rows[fdef.name]
         if fdef.domain == "tokens":
-            out[fdef.name] = _token_field(fdef, pieces, mb, seq_len, fields, what)
-        else:
-            out[fdef.name] = _completion_field(fdef, pieces, mb, refs, seq_len, trailing)
-    return AssembledMicroBatch(mb.dp_rank, mb.index, seq_len, mb.num_tokens, pad_streams(streams, seq_len),
-                               padded_cu_seqlens(mb, seq_len), out)
+            padded = plan.buffers[fdef.name]
+            padded[mb.num_tokens:] = _padding_rows(fdef, plan.seq_len - mb.num_tokens, plan.fields, padded.dtype)
+            out[fdef.name] = FieldBatch(padded[: mb.num_tokens], cu, padded=padded)
+            continue
+        values, counts = plan.buffers.get(fdef.name), None
+        if fdef.ragged:
+            values, counts = _ragged_values(fdef, plan, arrays, what)
+        out[fdef.name] = FieldBatch(values, cu, counts=counts,
+                                    row_ids=completion_row_ids(mb, plan.refs, cu, plan.seq_len))
+    return AssembledMicroBatch(mb.dp_rank, mb.index, plan.seq_len, mb.num_tokens, pad_streams(streams, plan.seq_len),
+                               padded_cu_seqlens(mb, plan.seq_len), out)
 
 
 def assemble_dropped_micro_batch(
@@ -199,25 +286,50 @@ def _laid_out(mb: MicroBatchRecord, cfg: FieldsConfig) -> list[FieldDef]:
             if trailing_shape(f, cfg) is not None and (f.domain != "tokens" or mb.has_routing)]
 
 
-def _sequence_rows(fdef: FieldDef, seq: SequenceRecord, refs: Sequence[PayloadRef],
-                   arrays: Mapping[int, Mapping[str, np.ndarray]], trailing: tuple[int, ...],
-                   what: str) -> tuple[np.ndarray, np.ndarray | None] | None:
-    """``(rows, None)``, ``(ids, counts)`` for a ragged field, or None when the sequence has no rows."""
+def _num_rows(fdef: FieldDef, seq: SequenceRecord, refs: Sequence[PayloadRef], trailing: tuple[int, ...],
+              what: str) -> int | None:
+    """Rows ``seq`` contributes to ``fdef`` (ragged: rows of counts), or None when it has none.
+
+    Raises:
+        FieldError: its ref stores fewer rows, or rows of another trailing shape.
+    """
     if seq.ref is None or (seq.borrowed and fdef.domain != "tokens"):
         return None
     ref = refs[seq.ref]
     stored = f"{fdef.name}.counts" if fdef.ragged else fdef.name
-    if stored not in ref.arrays:
+    spec = ref.arrays.get(stored)
+    if spec is None:
         return None
+    num_rows = seq.num_tokens if fdef.domain == "tokens" else max(0, seq.num_tokens - ref.num_prompt_tokens)
+    if spec.shape[0] < num_rows or tuple(spec.shape[1:]) != (() if fdef.ragged else trailing):
+        raise FieldError(f"{what}: ref {seq.ref} ({ref.uri}) stores {stored} as {list(spec.shape)}: expected at "
+                         f"least {num_rows} rows of {list(trailing)}")
+    return num_rows
+
+
+def _fetched(arrays: Mapping[int, Mapping[str, np.ndarray]], seq: SequenceRecord, refs: Sequence[PayloadRef],
+             what: str) -> Mapping[str, np.ndarray]:
     got = arrays.get(seq.ref)
     if got is None:
-        raise FieldError(f"{what}: no fetched arrays for ref {seq.ref} ({ref.uri})")
-    num_rows = seq.num_tokens if fdef.domain == "tokens" else max(0, seq.num_tokens - ref.num_prompt_tokens)
-    where = f"{what}: ref {seq.ref} ({ref.uri})"
-    if not fdef.ragged:
-        return _cut(got, fdef.name, num_rows, trailing, where), None
-    counts = _cut(got, f"{fdef.name}.counts", num_rows, (), where)
-    return _cut(got, f"{fdef.name}.ids", int(counts.sum(dtype=np.int64)), (), where), counts
+        raise FieldError(f"{what}: no fetched arrays for ref {seq.ref} ({refs[seq.ref].uri})")
+    return got
+
+
+def _ragged_values(fdef: FieldDef, plan: MicroBatchPlan, arrays: Mapping[int, Mapping[str, np.ndarray]],
+                   what: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids, counts)`` of a ragged field: every sequence's kept rows concatenated in packing order."""
+    ids, counts = [], []
+    cu = plan.cu_rows[fdef.name]
+    for s, seq in enumerate(plan.mb.sequences):
+        if seq.ref is None or seq.borrowed or f"{fdef.name}.counts" not in plan.refs[seq.ref].arrays:
+            continue
+        num_rows = int(cu[s + 1] - cu[s])
+        got = _fetched(arrays, seq, plan.refs, what)
+        where = f"{what}: ref {seq.ref} ({plan.refs[seq.ref].uri})"
+        counts.append(_cut(got, f"{fdef.name}.counts", num_rows, (), where))
+        ids.append(_cut(got, f"{fdef.name}.ids", int(counts[-1].sum(dtype=np.int64)), (), where))
+    empty = np.empty(0, np.dtype(fdef.dtypes[0]))
+    return (np.concatenate(ids) if ids else empty), (np.concatenate(counts) if counts else empty.copy())
 
 
 def _cut(got: Mapping[str, np.ndarray], name: str, num_rows: int, trailing: tuple[int, ...], where: str) -> np.ndarray:
@@ -241,34 +353,6 @@ def _spread_rows(num_rows: int, num_layers: int, top_k: int, num_experts: int, d
     rows = spread_expert_rows(num_rows, num_layers, top_k, num_experts, np.dtype(dtype))
     rows.flags.writeable = False
     return rows
-
-
-def _token_field(fdef: FieldDef, pieces: list, mb: MicroBatchRecord, seq_len: int, cfg: FieldsConfig,
-                 what: str) -> FieldBatch:
-    missing = [i for i, p in enumerate(pieces) if p is None]
-    if missing:
-        raise FieldError(f"{what}: sequences {missing} have no {fdef.name} rows in a micro batch with routing")
-    rows = [p[0] for p in pieces]
-    dtype = np.result_type(*rows)
-    padded = np.empty((seq_len, *rows[0].shape[1:]), dtype)
-    np.concatenate(rows, out=padded[: mb.num_tokens])
-    padded[mb.num_tokens:] = _padding_rows(fdef, seq_len - mb.num_tokens, cfg, dtype)
-    return FieldBatch(padded[: mb.num_tokens], mb.cu_seqlens(), padded=padded)
-
-
-def _completion_field(fdef: FieldDef, pieces: list, mb: MicroBatchRecord, refs: Sequence[PayloadRef],
-                      seq_len: int, trailing: tuple[int, ...]) -> FieldBatch:
-    present = [p for p in pieces if p is not None]
-    rows_per_seq = [0 if p is None else len(p[1] if fdef.ragged else p[0]) for p in pieces]
-    cu_rows = np.zeros(len(pieces) + 1, np.int32)
-    np.cumsum(rows_per_seq, out=cu_rows[1:])
-    values = _concat([p[0] for p in present], (0, *trailing), fdef)
-    counts = _concat([p[1] for p in present], (0,), fdef) if fdef.ragged else None
-    return FieldBatch(values, cu_rows, counts=counts, row_ids=completion_row_ids(mb, refs, cu_rows, seq_len))
-
-
-def _concat(parts: list[np.ndarray], empty_shape: tuple[int, ...], fdef: FieldDef) -> np.ndarray:
-    return np.concatenate(parts) if parts else np.empty(empty_shape, np.dtype(fdef.dtypes[0]))
 
 
 def completion_row_ids(mb: MicroBatchRecord, refs: Sequence[PayloadRef], cu_rows: np.ndarray,

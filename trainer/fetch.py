@@ -7,12 +7,15 @@ tokens any of its sequences keeps, so a truncated slice reads only its kept rows
 ``StorageConfig.max_concurrent_fetches`` threads; transient store errors are retried
 inside the store (``StorageConfig.max_retries``).
 
-Assembly is pipelined with the reads: the thread that fetches a micro batch's last chunk
-assembles that micro batch (``trainer.assemble.assemble_micro_batch``) and then drops the
-chunks no other micro batch needs. Assembly so runs on the fetch threads while other
-reads are in flight, and each thread reuses the memory of the chunks it just released
-(``bench/trainer_fetch.py`` measures the difference; fetching everything first and then
-assembling on one thread was about 2x slower on a 2-core VM).
+Each micro batch's output arrays are allocated first (``trainer.assemble.plan_micro_batch``)
+and each whole uncompressed chunk is read straight into them: the chunk's rows land in
+their final place (``storage.fetch.fetch_arrays(out=...)``, one ``preadv``, the crc32c
+computed over those arrays). A ref is read once, into the targets of its first sequence
+that keeps as many tokens as are fetched; its other uses (a borrowed padding dummy, a
+shorter cut) and cut or compressed chunks are copied. The thread that fetches a micro
+batch's last chunk finishes it (``finish_micro_batch``: the copies, padding, streams) and
+then drops the chunks no other micro batch needs. A micro batch that fails is dropped
+whole, so rows written into it before the failure never reach training.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from pipeline.step_file import StepFile, StepHeader, step_key
 from storage.errors import ChunkNotFoundError, RefpipeError, StepFileError
 from storage.fetch import FetchStats, fetch_arrays
 from storage.store import Store
-from trainer.assemble import AssembledMicroBatch, assemble_micro_batch
+from trainer.assemble import AssembledMicroBatch, MicroBatchPlan, finish_micro_batch, plan_micro_batch
 
 log = logging.getLogger(__name__)
 
@@ -130,9 +133,26 @@ class _OwnFetch:
         self.refs_left = {ref: len(users) for ref, users in self.users_of_ref.items()}
         self.arrays: dict[int, dict[str, np.ndarray]] = {}
         self.out, self.stats, self.lock = FetchedStep(), FetchStats(), threading.Lock()
+        self.plans: dict[int, MicroBatchPlan] = {}
+
+    def targets(self, ref: int) -> dict[str, np.ndarray]:
+        """Where to read ref ``ref``: the targets of its first planned sequence that keeps all fetched tokens."""
+        specs = self.header.refs[ref].arrays
+        for index in self.users_of_ref[ref]:
+            plan = self.plans.get(index)
+            for seq, targets in zip(plan.mb.sequences, plan.targets) if plan else ():
+                if seq.ref == ref and seq.num_tokens == self.need[ref]:
+                    return {name: t for name, t in targets.items() if t.dtype == np.dtype(specs[name].dtype)}
+        return {}
 
     def run(self, max_concurrency: int) -> None:
-        """Fetch every ref on a bounded pool; micro batches without refs are assembled there too."""
+        """Plan every micro batch, then fetch every ref on a bounded pool (micro batches without refs finish there)."""
+        for mb in self.micro_batches:
+            try:
+                self.plans[mb.index] = plan_micro_batch(mb, self.header.refs, seq_len=self.header.seq_len,
+                                                        fields=self.fields)
+            except RefpipeError as e:
+                self._fail([mb.index], f"micro batch {mb.index}: {type(e).__name__}: {e}")
         no_refs = [index for index, refs in self.users_of_mb.items() if not refs]
         with ThreadPoolExecutor(max_workers=max(1, min(max_concurrency, len(self.need) or 1))) as pool:
             futures = [pool.submit(self.fetch_ref, ref) for ref in sorted(self.need)]
@@ -143,7 +163,7 @@ class _OwnFetch:
     def fetch_ref(self, ref: int) -> None:
         """Fetch one ref; assemble each micro batch whose last chunk this was."""
         try:
-            arrays = fetch_arrays(self.store, self.header.refs[ref], self.need[ref])
+            arrays = fetch_arrays(self.store, self.header.refs[ref], self.need[ref], out=self.targets(ref))
         except RefpipeError as e:
             arrays = None
             self._fail(self.users_of_ref[ref], f"ref {ref} ({self.header.refs[ref].uri}): {type(e).__name__}: {e}")
@@ -160,15 +180,13 @@ class _OwnFetch:
             self.assemble(index)
 
     def assemble(self, index: int) -> None:
-        """Assemble micro batch ``index`` unless it failed, then release chunks no one else waits for."""
-        mb = self.micro_batches[index]
+        """Finish micro batch ``index`` unless it failed, then release chunks no one else waits for."""
         with self.lock:
             failed = index in self.out.failed
             arrays = {ref: self.arrays[ref] for ref in self.users_of_mb[index] if ref in self.arrays}
         if not failed:
             try:
-                done = assemble_micro_batch(mb, self.step_file.streams(self.dp_rank, index), arrays, self.header.refs,
-                                            seq_len=self.header.seq_len, fields=self.fields)
+                done = finish_micro_batch(self.plans[index], self.step_file.streams(self.dp_rank, index), arrays)
             except RefpipeError as e:
                 self._fail([index], f"micro batch {index}: {type(e).__name__}: {e}")
             else:

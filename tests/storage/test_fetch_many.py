@@ -73,7 +73,7 @@ def test_empty_and_single_requests(backend):
 
 
 class InFlightStore(LocalStore):
-    """A real LocalStore that records how many ``get`` calls run at once and holds each one at a barrier."""
+    """A real LocalStore that records how many reads (``get``, ``get_into``) run at once and holds each at a barrier."""
 
     def __init__(self, prefix, config, parties: int):
         super().__init__(prefix, config)
@@ -83,12 +83,18 @@ class InFlightStore(LocalStore):
         self.peak = 0
 
     def get(self, key, start=None, end=None):
+        return self._held(lambda: super(InFlightStore, self).get(key, start, end))
+
+    def get_into(self, key, buffers):
+        return self._held(lambda: super(InFlightStore, self).get_into(key, buffers))
+
+    def _held(self, read):
         with self.lock:
             self.in_flight += 1
             self.peak = max(self.peak, self.in_flight)
         try:
-            self.barrier.wait(timeout=20)  # only passes when `parties` gets are in flight together
-            return super().get(key, start, end)
+            self.barrier.wait(timeout=20)  # only passes when `parties` reads are in flight together
+            return read()
         finally:
             with self.lock:
                 self.in_flight -= 1

@@ -54,6 +54,43 @@ class StoreConformance:
         assert backend.store.get("big") == expected and backend.store.get("big2") == expected
         assert backend.store.get("big", 1_499_990, 1_500_020) == expected[1_499_990:1_500_020]
 
+    def test_get_into_fills_buffers_in_order_and_returns_the_object_size(self, backend: Backend):
+        backend.store.put("g", DATA)
+        head, typed, tail = bytearray(5), np.zeros(64, "<u4"), np.zeros(512, np.uint8)
+        buffers = [head, memoryview(bytearray(0)), typed, tail[:507]]  # 5 + 0 + 256 + 507 = 768 bytes
+        assert backend.store.get_into("g", buffers) == len(DATA)
+        assert bytes(head) + typed.tobytes() + tail[:507].tobytes() == DATA
+        assert not tail[507:].any()
+
+    def test_get_into_a_shorter_object_fills_only_its_bytes(self, backend: Backend):
+        backend.store.put("g", DATA[:100])
+        buffers = [np.full(64, 7, np.uint8), np.full(64, 7, np.uint8)]
+        assert backend.store.get_into("g", buffers) == 100
+        assert buffers[0].tobytes() + buffers[1][:36].tobytes() == DATA[:100]
+        assert (buffers[1][36:] == 7).all()  # left as it was
+        backend.store.put("empty", b"")
+        assert backend.store.get_into("empty", [np.full(8, 7, np.uint8)]) == 0
+
+    def test_get_into_a_longer_object_fills_the_buffers_and_reports_its_size(self, backend: Backend):
+        backend.store.put("g", DATA)
+        buffers = [bytearray(10), np.zeros(20, np.uint8)]
+        assert backend.store.get_into("g", buffers) == len(DATA)
+        assert bytes(buffers[0]) + buffers[1].tobytes() == DATA[:30]
+        assert backend.store.get_into("g", []) == len(DATA)
+
+    def test_get_into_large_object(self, backend: Backend):
+        data = np.random.default_rng(1).integers(0, 256, 2_900_017, dtype=np.uint8)
+        backend.store.put("big", data)
+        parts = [np.empty(1_500_000, np.uint8), np.empty((350_000, 2), "<u2"), np.empty(17, np.uint8)]
+        assert backend.store.get_into("big", parts) == data.nbytes
+        assert b"".join(p.tobytes() for p in parts) == data.tobytes()
+
+    def test_get_into_missing_raises_chunk_not_found(self, backend: Backend):
+        backend.store.put("present/x", b"x")
+        for key in ("absent", "present/missing", "present/x/below_an_object"):
+            with pytest.raises(ChunkNotFoundError, match="does not exist"):
+                backend.store.get_into(key, [bytearray(4)])
+
     def test_put_replaces(self, backend: Backend):
         backend.store.put("k", b"first")
         backend.store.put("k", b"second version")
@@ -210,7 +247,27 @@ class TestLocalStore(StoreConformance):
         with FsOps(backend.store.prefix.path) as ops:
             assert backend.store.get("d/x", 3, 9) == DATA[3:9]
             assert backend.store.get("d/x") == DATA
-        assert ops.ops == [("open", backend.store.path("d/x"))] * 2
+            assert backend.store.get_into("d/x", [bytearray(len(DATA))]) == len(DATA)
+        assert ops.ops == [("open", backend.store.path("d/x"))] * 3
+
+    def test_get_into_resumes_after_short_reads_and_without_preadv(self, backend: Backend, monkeypatch):
+        data = np.random.default_rng(2).integers(0, 256, 10_000, dtype=np.uint8)
+        backend.store.put("d/x", data)
+        real = os.preadv
+        monkeypatch.setattr(os, "preadv", lambda fd, views, offset: real(fd, [views[0][:999]], offset))
+        parts = [np.empty(3000, np.uint8), np.empty(7000, np.uint8)]
+        assert backend.store.get_into("d/x", parts) == 10_000
+        assert parts[0].tobytes() + parts[1].tobytes() == data.tobytes()
+        monkeypatch.setattr(store_module, "_HAVE_PREADV", False)
+        parts = [np.empty(3000, np.uint8), np.empty(7100, np.uint8)]
+        assert backend.store.get_into("d/x", parts) == 10_000
+        assert parts[0].tobytes() + parts[1][:7000].tobytes() == data.tobytes()
+
+    def test_get_into_a_directory_is_a_storage_error(self, backend: Backend):
+        backend.store.put("d/x", b"1")
+        with pytest.raises(StorageError, match="cannot read") as info:
+            backend.store.get_into("d", [bytearray(4)])
+        assert not isinstance(info.value, ChunkNotFoundError)
 
     def test_delete_removes_empty_branch_directory_keeps_shard(self, backend: Backend):
         backend.store.put("payloads/ab/b1/c.0", b"c")
@@ -286,7 +343,8 @@ class TestS3Store(StoreConformance):
         store.get("k")
         store.get("k", 2, 5)
         store.get("k", 700)
-        assert requests.log == [("GET", None), ("GET", "bytes=2-4"), ("GET", "bytes=700-")]
+        store.get_into("k", [bytearray(10)])
+        assert requests.log == [("GET", None), ("GET", "bytes=2-4"), ("GET", "bytes=700-"), ("GET", None)]
         requests.clear()
         store.delete(["k", "x", "never"])
         assert requests.kinds() == ["DELETE"]

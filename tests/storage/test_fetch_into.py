@@ -1,0 +1,117 @@
+"""``fetch_arrays(out=...)``: chunks read straight into the caller's arrays, byte for byte, or a typed error."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline.keep import Branch, Keeper
+from storage.chunk import DATA_KEY, PayloadRef, node_key
+from storage.errors import ChunkCorruptError, ChunkNotFoundError
+from storage.fetch import fetch_arrays
+from storage.ledger import Ledger
+from storage_helpers import FIELDS_CFG, Backend, assert_same_bytes, make_backend, make_fields, stored_cut
+
+P, C = 3, 7
+
+
+@pytest.fixture(params=["local", "s3"])
+def backend(request) -> Backend:
+    return make_backend(request.param, request.getfixturevalue(f"{request.param}_config"))
+
+
+def keep(backend: Backend, compression: str = "none") -> tuple[PayloadRef, dict]:
+    config = backend.config.model_copy(update={"compression": compression})
+    keeper = Keeper(backend.store, Ledger(backend.store, "env_worker_0"), FIELDS_CFG, config)
+    fields = make_fields(5, P, C)
+    return keeper.keep(Branch(P, C, fields, "b1")), fields
+
+
+def data_key(ref: PayloadRef) -> str:
+    return f"{node_key(ref.branch_id)}/{DATA_KEY}"
+
+
+def destinations(ref: PayloadRef, num_tokens: int, names: list[str], fields: dict) -> dict[str, np.ndarray]:
+    """Rows of a larger array, filled with 0xEE, for each of ``names`` (cut to ``num_tokens`` tokens)."""
+    cut = stored_cut(fields, P, num_tokens)
+    out = {}
+    for name in names:
+        big = np.full((len(cut[name]) + 3, *cut[name].shape[1:]), 0xEE, np.dtype(ref.arrays[name].dtype))
+        out[name] = big[1 : 1 + len(cut[name])]
+    return out
+
+
+@pytest.mark.parametrize("compression,num_tokens", [("none", P + C), ("none", P + 2), ("zstd", P + C), ("zstd", P)])
+def test_fetch_into_the_callers_arrays_is_byte_identical(backend, compression, num_tokens):
+    ref, fields = keep(backend, compression)
+    names = ["routed_experts", "topk_logprobs", "sampling_mask.counts"]
+    out = destinations(ref, num_tokens, names, fields)
+    got = fetch_arrays(backend.store, ref, num_tokens, out=out)
+    assert_same_bytes(got, stored_cut(fields, P, num_tokens))
+    assert all(got[name] is out[name] for name in names)
+    assert all(not got[name].flags.writeable for name in got if name not in names)
+    assert_same_bytes(fetch_arrays(backend.store, ref, num_tokens), stored_cut(fields, P, num_tokens))
+
+
+def test_whole_fetch_leaves_the_rest_of_the_callers_array_alone(backend):
+    ref, fields = keep(backend)
+    big = np.full((P + C + 2, 3, 2), 0xEE, np.uint8)
+    fetch_arrays(backend.store, ref, out={"routed_experts": big[1:-1]})
+    assert (big[0] == 0xEE).all() and (big[-1] == 0xEE).all()
+    assert big[1:-1].tobytes() == fields["routed_experts"].tobytes()
+
+
+@pytest.mark.parametrize("change", ["truncated", "one_byte_short", "one_byte_longer", "doubled"])
+def test_a_chunk_of_another_length_is_corrupt(backend, change):
+    ref, fields = keep(backend)
+    stored = backend.raw.get(data_key(ref))
+    bad = {"truncated": stored[:100], "one_byte_short": stored[:-1], "one_byte_longer": stored + b"\x00",
+           "doubled": stored + stored}[change]
+    backend.raw.put(data_key(ref), bad)
+    with pytest.raises(ChunkCorruptError, match=f"expected {ref.nbytes} bytes, got {len(bad)}"):
+        fetch_arrays(backend.store, ref, out=destinations(ref, P + C, ["routed_experts"], fields))
+
+
+@pytest.mark.parametrize("where", ["array", "alignment_padding", "checksum"])
+def test_a_flipped_byte_is_corrupt(backend, where):
+    ref, fields = keep(backend)
+    stored = backend.raw.get(data_key(ref))
+    lay = ref.layout()[0]  # routed_experts: 10 x 3 x 2 bytes, padded to 64
+    assert lay.nbytes % 64
+    pos = {"array": lay.offset + 7, "alignment_padding": lay.offset + lay.nbytes, "checksum": len(stored) - 2}[where]
+    corrupted = bytearray(stored)
+    corrupted[pos] ^= 0x10
+    backend.raw.put(data_key(ref), bytes(corrupted))
+    with pytest.raises(ChunkCorruptError, match="crc32c mismatch"):
+        fetch_arrays(backend.store, ref, out=destinations(ref, P + C, ["routed_experts", "topk_ids"], fields))
+
+
+def test_a_missing_chunk_is_not_found(backend):
+    ref, fields = keep(backend)
+    backend.raw.remove(data_key(ref))
+    out = destinations(ref, P + C, ["routed_experts"], fields)
+    with pytest.raises(ChunkNotFoundError, match="does not exist"):
+        fetch_arrays(backend.store, ref, out=out)
+    assert (out["routed_experts"] == 0xEE).all()
+
+
+def test_a_ref_whose_arrays_do_not_fit_its_bytes_is_corrupt(backend):
+    ref, _ = keep(backend)
+    arrays = {**ref.arrays, "routed_experts": ref.arrays["routed_experts"]._replace(shape=(10_006, 3, 2))}
+    with pytest.raises(ChunkCorruptError, match=f"the ref's {ref.nbytes} bytes cannot hold its arrays"):
+        fetch_arrays(backend.store, ref.model_copy(update={"arrays": arrays}))
+
+
+@pytest.mark.parametrize("num_tokens", [P + C, P + 2])
+def test_a_wrong_destination_is_a_value_error(backend, num_tokens):
+    ref, fields = keep(backend)
+    rows = num_tokens
+    read_only = np.empty((rows, 3, 2), np.uint8)
+    read_only.flags.writeable = False
+    bad_ones = [(np.empty((rows, 3, 2), "<u2"), "<u2"), (np.empty((rows + 1, 3, 2), np.uint8), f"{rows + 1}, 3, 2"),
+                (read_only, "|u1"), (np.empty((rows, 3, 4), np.uint8)[:, :, :2], "|u1"),
+                (bytearray(rows * 6), "bytearray")]
+    for bad, what in bad_ones:
+        with pytest.raises(ValueError, match=f"destination of routed_experts is .*{what}.*expected a writable "
+                                             f"C-contiguous \\|u1 \\[{rows}, 3, 2\\]"):
+            fetch_arrays(backend.store, ref, num_tokens, out={"routed_experts": bad})

@@ -1,0 +1,105 @@
+"""``fetch_own`` reads whole chunks straight into each micro batch's arrays: byte identity, typed failures."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from pipeline.step_file import StepFile
+from storage.fetch import chunk_keys
+from storage.store import LocalStore, open_store
+from trainer.fetch import fetch_own
+from trainer_helpers import FIELDS, Seq, assert_same, build_step, expected_micro_batch, flatten, keep_all, make_branch
+
+SEQ_LEN = 30
+
+
+class RecordingStore(LocalStore):
+    """A real LocalStore that keeps every buffer ``get_into`` read into, by key."""
+
+    def __init__(self, prefix, config):
+        super().__init__(prefix, config)
+        self.lock, self.into = threading.Lock(), {}
+
+    def get_into(self, key, buffers):
+        with self.lock:
+            self.into[key] = list(buffers)
+        return super().get_into(key, buffers)
+
+
+@pytest.fixture
+def built(local_config):
+    store = open_store(local_config)
+    rng = np.random.default_rng(3)
+    branches = {"a": make_branch(rng, 5, 9, "a"), "b": make_branch(rng, 3, 6, "b"),
+                "c": make_branch(rng, 4, 7, "c", routing=False), "d": make_branch(rng, 1, 5, "d", routing=False),
+                "g": make_branch(rng, 2, 4, "g"), "e": make_branch(rng, 6, 4, "e", routing=False)}
+    refs = keep_all(store, local_config, branches)
+    layout = [
+        [[Seq("a", 14), Seq("b", 6)],                      # a whole (read into place), b cut (ranged reads)
+         [Seq("c", 11), Seq(None, 3), Seq("d", 6)]],        # no routing: completion rows read into place
+        [[Seq("a", 14, borrowed=True), Seq("g", 6)],       # a's routing rows only, as a padding dummy
+         [Seq("e", 10), Seq(None, 2)]],
+    ]
+    return RecordingStore(store.prefix, local_config), build_step(store, 0, SEQ_LEN, layout, branches, refs, rng)
+
+
+def _read_into(store: RecordingStore, ref, array: np.ndarray) -> bool:
+    """Whether ``ref``'s chunk was read by ``get_into`` into (part of) ``array``."""
+    return any(np.shares_memory(b, array) for b in store.into.get(chunk_keys(store, ref)[0], []))
+
+
+def test_whole_chunks_land_in_the_micro_batch_arrays_byte_for_byte(built):
+    store, step = built
+    step_file = StepFile.read(store, 0)
+    refs = step.refs
+    for dp in (0, 1):
+        fetched = fetch_own(store, step_file, dp, FIELDS, max_concurrency=3)
+        assert fetched.failed == set() and fetched.errors == [] and sorted(fetched.assembled) == [0, 1]
+        for index, mb in fetched.assembled.items():
+            assert_same(flatten(mb.streams, mb.cu_seqlens, mb.fields), expected_micro_batch(step, dp, index))
+    dp0 = fetch_own(store, step_file, 0, FIELDS, max_concurrency=3).assembled
+    routing, topk = dp0[0].fields["routed_experts"].padded, dp0[1].fields["topk_ids"].values
+    assert _read_into(store, refs["a"], routing) and not _read_into(store, refs["b"], routing)
+    assert _read_into(store, refs["c"], topk) and _read_into(store, refs["d"], topk)
+    assert _read_into(store, refs["a"], dp0[0].fields["topk_logprobs"].values)
+    assert chunk_keys(store, refs["b"])[0] not in store.into  # cut: only its kept rows, by ranged reads
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "longer", "missing"])
+def test_a_bad_chunk_fails_its_micro_batch_with_a_typed_error(built, damage):
+    store, step = built
+    key = chunk_keys(store, step.refs["c"])[0]
+    data = bytearray(store.get(key))
+    data[len(data) // 2] ^= 0x04
+    damaged = {"flipped": bytes(data), "truncated": bytes(data[:-9]), "longer": store.get(key) + b"\x00" * 64}
+    if damage == "missing":
+        store.delete([key])
+    else:
+        store.put(key, damaged[damage])
+    fetched = fetch_own(store, StepFile.read(store, 0), 0, FIELDS, max_concurrency=2)
+    error = "ChunkNotFoundError" if damage == "missing" else "ChunkCorruptError"
+    assert fetched.failed == {1} and len(fetched.errors) == 1 and error in fetched.errors[0], fetched.errors
+    assert sorted(fetched.assembled) == [0] and fetched.chunks == 3
+    mb = fetched.assembled[0]
+    assert_same(flatten(mb.streams, mb.cu_seqlens, mb.fields), expected_micro_batch(step, 0, 0))
+
+
+def test_routing_of_two_dtypes_in_one_micro_batch_is_widened(local_config):
+    store = open_store(local_config)
+    rng = np.random.default_rng(4)
+    wide, narrow = make_branch(rng, 2, 5, "wide"), make_branch(rng, 3, 4, "narrow")
+    wide.fields["routed_experts"] = wide.fields["routed_experts"].astype("<u2")
+    step = build_step(store, 0, 16, [[[Seq("wide", 7), Seq("narrow", 7)]]],
+                      {"wide": wide, "narrow": narrow}, keep_all(store, local_config, {"wide": wide, "narrow": narrow}),
+                      rng)
+    fetched = fetch_own(store, StepFile.read(store, 0), 0, FIELDS, max_concurrency=2)
+    assert fetched.failed == set()
+    padded = fetched.assembled[0].fields["routed_experts"].padded
+    want = np.concatenate([wide.fields["routed_experts"], narrow.fields["routed_experts"]]).astype("<u2")
+    assert padded.dtype == np.dtype("<u2") and padded[:14].tobytes() == want.tobytes()
+    expected = expected_micro_batch(step, 0, 0)
+    assert padded[14:].tobytes() == expected["field.routed_experts.padded"][14:].astype("<u2").tobytes()
+    assert fetched.assembled[0].fields["topk_ids"].values.tobytes() == expected["field.topk_ids.values"].tobytes()
