@@ -21,7 +21,7 @@ from rich.progress import Progress
 
 from pipeline.step_file import StepFile, StepHeader, step_key
 from storage.chunk import META_KEY, node_key, read_attributes
-from storage.errors import ChunkNotFoundError, ConfigError, StepFileError
+from storage.errors import ChunkNotFoundError, ConfigError, RunNotFoundError, StepFileError
 from storage.ledger import DELETES_PREFIX, parse_segment_key, tombstone_key
 from storage.store import Store
 
@@ -105,6 +105,8 @@ def scan_run(store: Store, progress: Progress | None = None) -> RunScan:
             scan.stray_keys.append(key)
     _recheck_deletes(store, scan, progress)
     _scan_writers(store, scan, progress)
+    if not (scan.nodes or scan.tombstoned or scan.steps or scan.unreadable_steps or scan.sessions or scan.stray_keys):
+        raise RunNotFoundError(f"nothing under the run prefix {store.prefix.uri}: wrong URI or endpoint?")
     return scan
 
 

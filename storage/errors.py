@@ -31,6 +31,10 @@ class ChunkNotFoundError(StorageError, FileNotFoundError):
     """A chunk (or another object) that a reference names does not exist."""
 
 
+class RunNotFoundError(StorageError, FileNotFoundError):
+    """Nothing at all lies under a run prefix (a wrong URI or endpoint, or a run that never started)."""
+
+
 class ChunkCorruptError(StorageError, ValueError):
     """A chunk exists but its length, checksum or metadata does not match its reference."""
 

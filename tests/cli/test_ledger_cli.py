@@ -90,3 +90,14 @@ def test_double_deletes_fail_the_audit(local_config):
 def test_a_bad_run_uri_exits_2(command):
     result = runner.invoke(app, [command, "ftp://host/run_0"])
     assert result.exit_code == 2 and "error:" in result.output and "scheme" in result.output
+
+
+def test_audit_and_sweep_of_an_empty_run_prefix_fail_and_write_nothing(storage_config):
+    """A mistyped run URI is an error (exit 2), never a clean audit; sweep creates no ledger there."""
+    store = open_store(storage_config)
+    options = ["--s3-endpoint-url", storage_config.s3_endpoint_url] if storage_config.s3_endpoint_url else []
+    for command in (["audit", "--finished"], ["sweep", "--stopped"]):
+        result = invoke(*command, store.prefix.uri, *options)
+        assert result.exit_code == 2
+        assert "nothing under the run prefix" in result.output
+    assert store.list_prefix("") == []
