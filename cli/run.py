@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from storage.errors import ConfigError
+from storage.errors import RefpipeError
 
 
 def run_job(config: Path = typer.Option(Path("configs/local.toml"), "--config", "-c",
@@ -19,10 +19,12 @@ def run_job(config: Path = typer.Option(Path("configs/local.toml"), "--config", 
     console = Console()
     try:
         cfg = load_config(config)
-    except ConfigError as e:
-        console.print(f"[red]error:[/] {e}")
+        launcher = Launcher(cfg, console)
+        code = launcher.run()
+    except RefpipeError as e:  # raised before the run started: bad config, root, credentials, existing run
+        console.print(f"[red]error:[/] {e}", soft_wrap=True, highlight=False)
         raise typer.Exit(2) from None
-    raise typer.Exit(Launcher(cfg, console).run())
+    raise typer.Exit(code)
 
 
 def train_rank(config: Path = typer.Argument(..., help="The run's resolved config.json (fixed run_id).")) -> None:

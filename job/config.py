@@ -79,6 +79,12 @@ class RunConfig(BaseModel):
         if longest > self.model.max_positions:
             raise ConfigError(f"model.max_positions={self.model.max_positions}: a prompt plus completion can take "
                               f"{longest} positions")
+        if longest > self.orchestrator.seq_len:
+            raise ConfigError(f"orchestrator.seq_len={self.orchestrator.seq_len}: expected >= {longest}, the longest "
+                              "prompt plus completion of the task (shorter samples would be truncated or dropped)")
+        if self.orchestrator.group_size < 2:
+            raise ConfigError(f"orchestrator.group_size={self.orchestrator.group_size}: expected >= 2 (group-relative "
+                              "advantages of a single sample are zero, so every group would be filtered)")
         return self
 
     @property

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import queue
+import signal
 from dataclasses import dataclass
 
 import torch
@@ -56,7 +58,13 @@ class GroupResult:
 
 
 def env_worker_main(config_json: str, worker: int, requests: mp.Queue, results: mp.Queue, stop: mp.Event) -> None:
-    """Process entry: serve group requests until a ``None`` request or ``stop`` is set."""
+    """Process entry: serve group requests until a ``None`` request, ``stop`` is set, or the launcher is gone.
+
+    Ctrl-C is the launcher's to handle (it sets ``stop``); a worker whose launcher died (SIGKILL)
+    exits at its next look, leaving its chunks to ``refpipe sweep --stopped``.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    launcher = os.getppid()
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING)
     cfg = RunConfig.model_validate_json(config_json)
@@ -64,7 +72,7 @@ def env_worker_main(config_json: str, worker: int, requests: mp.Queue, results: 
     ledger = Ledger(store, f"env_worker_{worker}")
     keeper = Keeper(store, ledger, cfg.fields, cfg.storage)
     model, version = MoELM(cfg.model).eval(), -1
-    while not stop.is_set():
+    while not stop.is_set() and os.getppid() == launcher:
         try:
             request = requests.get(timeout=0.2)
         except queue.Empty:

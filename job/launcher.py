@@ -14,14 +14,17 @@ audit or the alignment check fails.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -39,7 +42,7 @@ from job.weights import publish_weights
 from pipeline.audit import AuditReport, audit, sweep
 from pipeline.orchestrator import Orchestrator
 from pipeline.step_file import step_key
-from storage.errors import ChunkNotFoundError, RefpipeError
+from storage.errors import ChunkNotFoundError, ConfigError, KeyExistsError, RefpipeError
 from storage.store import Store, open_store
 
 
@@ -81,24 +84,40 @@ class Launcher:
     def run(self) -> int:
         """Run the job; return the process exit code (0: audit clean and alignment within tolerance)."""
         config_path = self.prepare()
-        fleet = start_fleet(self.cfg, config_path)
-        self.orchestrator = Orchestrator(self.cfg.orchestrator, self.store, fields=self.cfg.fields)
-        error = None
         try:
-            self.loop(fleet)
-        except RefpipeError as e:
-            error = e
-            self.console.log(f"[red]run stopped: {type(e).__name__}: {e}")
+            fleet = start_fleet(self.cfg, config_path)
+            self.orchestrator = Orchestrator(self.cfg.orchestrator, self.store, fields=self.cfg.fields)
+            failure = self.drive(fleet)
         finally:
-            stop_fleet(fleet, self.collect, failed=error is not None)
+            os.unlink(config_path)
+        return self.finish(fleet, failure=failure)
+
+    def drive(self, fleet: Fleet) -> str | None:
+        """Loop until done, then stop the fleet and shut the orchestrator down; return why the run failed."""
+        failure = None
+        try:
+            with _sigterm_as_interrupt():
+                self.loop(fleet)
+        except RefpipeError as e:
+            failure = f"{type(e).__name__}: {e}"
+        except KeyboardInterrupt:
+            failure = "interrupted (Ctrl-C or SIGTERM)"
+        finally:
+            if failure:
+                self.console.log(f"[red]run stopped: {failure}")
+            stop_fleet(fleet, self.collect, failed=failure is not None)
             self.orchestrator.shutdown()
             self.deletes.update({f"orchestrator {k}": v for k, v in self.orchestrator.deleted.items()})
-        return self.finish(fleet, failed=error is not None)
+        return failure
 
     def prepare(self) -> str:
         """Write the resolved config next to the data and publish the warm-started weights (version 0)."""
         text = self.cfg.model_dump_json(indent=2)
-        self.store.put("config.json", text.encode(), exclusive=True)
+        try:
+            self.store.put("config.json", text.encode(), exclusive=True)
+        except KeyExistsError as e:
+            raise ConfigError(f"run {self.store.prefix.uri} already exists: choose another storage.run_id "
+                              f'(or "auto")') from e
         fd, path = tempfile.mkstemp(prefix=f"refpipe-{self.cfg.storage.run_id}-", suffix=".json")
         with os.fdopen(fd, "w") as f:
             f.write(text)
@@ -207,18 +226,20 @@ class Launcher:
             self.trained, progressed = self.trained + 1, True
         return progressed
 
-    def finish(self, fleet: Fleet, *, failed: bool) -> int:
+    def finish(self, fleet: Fleet, *, failure: str | None) -> int:
         """Sweep what dead workers left, audit the run, print the summary; return the exit code.
 
         A failed run is audited as stopped, not finished: untrained step files keep their chunks
         for a restart, and ``refpipe sweep`` is left to the user.
         """
+        failed = failure is not None
         if fleet.dead and not failed:
             self.deletes["sweep"] += len(sweep(self.store, stopped=True).deleted)
         report: AuditReport = audit(self.store, stopped=True, finished=not failed)
         alignment_ok = self.alignment_max < self.cfg.job.alignment_tolerance
-        self.view.summary(report, self.deletes, self.alignment_max, alignment_ok, dead_workers=sorted(fleet.dead))
-        summary = {"failed": failed, "trained_steps": self.trained, "rewards": self.rewards,
+        self.view.summary(report, self.deletes, self.alignment_max, alignment_ok, dead_workers=sorted(fleet.dead),
+                          failure=failure)
+        summary = {"failed": failed, "failure": failure, "trained_steps": self.trained, "rewards": self.rewards,
                    "deletes": dict(self.deletes), "alignment_max_abs_diff": self.alignment_max,
                    "alignment_ok": alignment_ok, "dead_env_workers": sorted(fleet.dead), "audit": report.model_dump()}
         self.store.put(SUMMARY_KEY, json.dumps(summary, indent=2).encode())
@@ -240,7 +261,8 @@ def start_fleet(cfg: RunConfig, config_path: str) -> Fleet:
     for rank in range(cfg.job.trainer_world_size):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(cfg.job.trainer_world_size),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        trainers.append(subprocess.Popen([sys.executable, "-m", "job.train_rank", config_path], env=env))
+        trainers.append(subprocess.Popen([sys.executable, "-m", "job.train_rank", config_path], env=env,
+                                         start_new_session=True))  # Ctrl-C is the launcher's; it stops them
     return Fleet(workers, requests, results, stop, trainers, [{} for _ in workers])
 
 
@@ -270,6 +292,19 @@ def stop_fleet(fleet: Fleet, collect, *, failed: bool) -> None:
         if failed:
             proc.kill()
         proc.wait(timeout=120)
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """In the main thread, let SIGTERM stop the run like Ctrl-C (so the fleet is stopped and audited)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _free_port() -> int:

@@ -78,8 +78,10 @@ class ProgressView:
         self.progress.advance(self.task)
 
     def summary(self, report: AuditReport, deletes: Counter, alignment_max: float, alignment_ok: bool,
-                dead_workers: list[int]) -> None:
-        table = Table(title=f"run {report.run_uri}: ledger audit", show_header=False)
+                dead_workers: list[int], failure: str | None) -> None:
+        """The audit table, every violation, and a last line that says whether the run succeeded."""
+        self.console.print(f"run {report.run_uri}", soft_wrap=True, highlight=False)
+        table = Table(title="ledger audit", show_header=False)
         for name, value in (("kept", report.kept), ("shipped", report.shipped), ("deleted", report.deleted),
                             ("outstanding", report.outstanding), ("leaked", report.leaked),
                             ("double deletes", report.double_deletes), ("unknown deletes", report.unknown_deletes)):
@@ -88,7 +90,7 @@ class ProgressView:
             table.add_row(f"deletes: {actor}", str(n))
         table.add_row("alignment max |dlogp| (on-policy)", f"{alignment_max:.2e}")
         if dead_workers:
-            table.add_row("env workers that died", ", ".join(map(str, dead_workers)))
+            table.add_row("env workers that died", ", ".join(f"env_worker_{w}" for w in dead_workers))
         self.console.print(table)
         for line in report.violations:
             self.console.print(f"[red]audit: {line}")
@@ -97,3 +99,7 @@ class ProgressView:
                                f"{alignment_max:.3e} >= tolerance")
         verdict = "[green]audit clean" if report.clean else "[red]audit FAILED"
         self.console.print(f"{verdict}; alignment {'ok' if alignment_ok else 'FAILED'}")
+        if failure:
+            self.console.print(f"[red]run FAILED: {failure}. Chunks of untrained steps are kept; once no process "
+                               f"of the run is left, `refpipe sweep --stopped {report.run_uri}` removes what no "
+                               "step file holds.", soft_wrap=True)

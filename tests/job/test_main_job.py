@@ -93,3 +93,80 @@ def test_killed_env_worker_run_continues_and_audit_is_clean(local_config):
     assert result["code"] == 0, result["text"]
     assert result["summary"]["dead_env_workers"] == [0]
     assert_clean_end(cfg, result["summary"])
+
+
+def write_config(tmp_path, root, run_id: str, num_steps: int = 3, **orchestrator) -> str:
+    """A TOML run config of the small job under ``root`` with a fixed run id."""
+    orch = {"seq_len": 128, "dp_world_size": 2, "groups_per_step": 2, "group_size": 4, **orchestrator}
+    text = (f'[storage]\nroot = "{root}"\nrun_id = "{run_id}"\n'
+            f"[job]\nnum_steps = {num_steps}\nwarm_start_steps = 20\n"
+            "[orchestrator]\n" + "".join(f"{k} = {v}\n" for k, v in orch.items()) +
+            "[trainer]\nstep_timeout_s = 120\ncollective_timeout_s = 120\n")
+    path = tmp_path / f"{run_id}.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_an_existing_run_id_is_refused_and_the_run_is_untouched(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    store = open_store(StorageConfig(root=str(tmp_path / "root"), run_id="fixed"))
+    store.put("config.json", b"{}")
+    result = CliRunner().invoke(app, ["run", "--config", write_config(tmp_path, tmp_path / "root", "fixed")])
+    assert result.exit_code == 2
+    assert "already exists: choose another storage.run_id" in result.output
+    assert store.list_prefix("") == ["config.json"] and store.get("config.json") == b"{}"
+
+
+def test_config_that_cannot_train_is_refused_before_anything_starts(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    for override, expected in (({"seq_len": 8}, "orchestrator.seq_len=8"), ({"group_size": 1}, "group_size=1")):
+        result = CliRunner().invoke(app, ["run", "--config", write_config(tmp_path, tmp_path / "root", "bad",
+                                                                          **override)])
+        assert result.exit_code == 2 and expected in result.output
+    assert not (tmp_path / "root").exists()
+
+
+def test_sigterm_stops_the_run_its_workers_and_trainers(tmp_path):
+    """SIGTERM to `refpipe run`: the launcher stops the fleet, audits as stopped, exits 1; nothing lingers."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "root"
+    path = write_config(tmp_path, root, "term", num_steps=50)
+    refpipe = os.path.join(os.path.dirname(sys.executable), "refpipe")
+    proc = subprocess.Popen([refpipe, "run", "--config", path], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    store = open_store(StorageConfig(root=str(root), run_id="term"))
+    deadline = time.monotonic() + 300
+    while not store.exists(step_key(1)) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    children = _children(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1, out
+    assert "run FAILED: interrupted" in out
+    summary = json.loads(store.get(SUMMARY_KEY))
+    assert summary["failed"] and summary["audit"]["leaked"] == 0
+    time.sleep(1)
+    assert [pid for pid in children if _alive(pid)] == []
+
+
+def _children(pid: int) -> list[int]:
+    import subprocess
+
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
