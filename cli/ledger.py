@@ -95,17 +95,20 @@ def sweep_run(
     run_uri: RunArg,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would be deleted; delete nothing.")] = False,
     stopped: StoppedOpt = False,
+    abandon: Annotated[bool, typer.Option(
+        "--abandon", help="The run is stopped for good: also delete the chunks of step files never trained.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of lists.")] = False,
     s3_endpoint_url: EndpointOpt = None,
 ) -> None:
     """Delete, exactly once and recorded (ledger actor ``sweep``), the chunks no live holder accounts for.
 
-    Never touches a chunk of a step file not yet trained. Exit codes: 0 swept; 2 the run
-    could not be read or a step file is unreadable (nothing deleted).
+    Never touches a chunk of a step file not yet trained, unless ``--abandon`` (implies
+    ``--stopped``). Exit codes: 0 swept; 2 the run could not be read or a step file is
+    unreadable (nothing deleted).
     """
     store = open_run(run_uri, s3_endpoint_url)
     with progress("sweeping") as bar:
-        result = sweep(store, stopped=stopped, dry_run=dry_run, progress=bar)
+        result = sweep(store, stopped=stopped, dry_run=dry_run, abandon=abandon, progress=bar)
     if as_json:
         typer.echo(result.model_dump_json())
     else:

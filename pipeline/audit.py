@@ -167,11 +167,18 @@ def _holder(node: str, keys: list[str], scan: RunScan, live: set[tuple[str, str]
     return ORCHESTRATOR_ACTOR if orchestrator_live else None
 
 
-def judge(scan: RunScan, store: Store, *, stopped: bool = False, finished: bool = False) -> AuditReport:
-    """Turn a scan into the audit report (module doc: holders, liveness, violations)."""
-    stopped = stopped or finished
+def judge(scan: RunScan, store: Store, *, stopped: bool = False, finished: bool = False,
+          abandoned: bool = False) -> AuditReport:
+    """Turn a scan into the audit report (module doc: holders, liveness, violations).
+
+    ``abandoned`` (implies ``stopped``): the run will never be resumed, so untrained step files
+    hold nothing and their chunks count as leaked.
+    """
+    stopped = stopped or finished or abandoned
     live = _live_sessions(scan, stopped)
     shipped, protected, borrowed = _step_nodes(store, scan)
+    if abandoned:
+        protected = {}
     holders: Counter[str] = Counter()
     leaked, unfinished = [], []
     for node, keys in sorted(scan.nodes.items()):
@@ -237,23 +244,26 @@ def audit(store: Store, *, stopped: bool = False, finished: bool = False,
     return judge(scan_run(store, progress), store, stopped=stopped, finished=finished)
 
 
-def sweep(store: Store, *, stopped: bool = False, dry_run: bool = False,
+def sweep(store: Store, *, stopped: bool = False, dry_run: bool = False, abandon: bool = False,
           progress: Progress | None = None) -> SweepResult:
     """Delete what a crash left without a live holder, exactly once and recorded (actor ``sweep``).
 
     Leaked committed chunks are claimed and deleted through ``Ledger.delete_nodes``; leftover
     objects of unfinished deletes and leaked incomplete keeps are removed (events
-    ``finish_delete``, ``remove_incomplete``). Chunks of untrained step files are never touched.
+    ``finish_delete``, ``remove_incomplete``). Chunks of untrained step files are never touched,
+    unless the run is abandoned.
 
     Args:
         stopped: as ``audit``: no process of the run is running.
         dry_run: list what would be deleted; write nothing.
+        abandon: the run is stopped and will never be resumed: chunks of untrained step files are
+            deleted too, so ``audit --finished`` is clean afterwards.
 
     Raises:
         StepFileError: a step file is unreadable, so the chunks it may still hold are unknown.
     """
     scan = scan_run(store, progress)
-    report = judge(scan, store, stopped=stopped)
+    report = judge(scan, store, stopped=stopped, abandoned=abandon)
     if report.unreadable_step_files:
         raise StepFileError(f"refusing to sweep {store.prefix.uri}: {len(report.unreadable_step_files)} unreadable "
                             f"step files may reference chunks; first: {report.unreadable_step_files[0]}")

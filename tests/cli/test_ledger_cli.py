@@ -74,6 +74,11 @@ def test_sweep_dry_run_then_sweep_then_a_clean_audit(crashed):
     assert finished.exit_code == 1
     assert json.loads(finished.stdout)["violations"] == ["1 chunks still outstanding at the declared end of the run"]
 
+    abandoned = invoke("sweep", run_uri, "--abandon", *options)  # the run will never be resumed
+    assert abandoned.exit_code == 0 and "deleted 1 chunks" in abandoned.stdout
+    assert chunks(store) == set()
+    assert invoke("audit", run_uri, "--finished", *options).exit_code == 0
+
 
 def test_double_deletes_fail_the_audit(local_config):
     store = open_store(local_config)
