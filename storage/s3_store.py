@@ -92,6 +92,8 @@ class S3Store(Store):
             self._call(f"PUT {self.uri(key)}", "put_object", Bucket=bucket, Key=object_key, Body=b"".join(_buffers(data)), **match)
         except FileExistsError as e:
             raise KeyExistsError(f"{self.uri(key)} already exists") from e
+        except FileNotFoundError as e:  # a PUT only misses when the bucket does
+            raise StorageError(f"PUT {self.uri(key)}: bucket {bucket!r} does not exist (create it first)") from e
         except StorageError as e:
             if _error_code(e.__cause__)[0] == "PreconditionFailed":  # a 412 s3fs did not recognise as If-None-Match
                 raise KeyExistsError(f"{self.uri(key)} already exists") from e

@@ -19,6 +19,7 @@ import pytest
 from storage.errors import (ChunkNotFoundError, KeyExistsError, OutsideRunError, StorageError,
                             TransientStorageError)
 from storage import store as store_module
+from storage.config import StorageConfig
 from storage.s3_store import S3Store
 from storage.store import LocalStore, open_store
 from store_children import race_in_child, race_payload, use_in_child
@@ -348,6 +349,11 @@ class TestS3Store(StoreConformance):
         requests.clear()
         store.delete(["k", "x", "never"])
         assert requests.kinds() == ["DELETE"]
+
+    def test_put_into_a_missing_bucket_names_the_bucket(self, s3_endpoint):
+        store = open_store(StorageConfig(root="s3://no-such-bucket-here/p", run_id="r", s3_endpoint_url=s3_endpoint))
+        with pytest.raises(StorageError, match="bucket 'no-such-bucket-here' does not exist"):
+            store.put("config.json", b"{}")
 
     def test_delete_batches_1000_keys_per_request(self, backend: Backend):
         keys = [f"many/{i:05d}" for i in range(2001)]
