@@ -48,7 +48,8 @@ def render_audit(report: AuditReport, console: Console) -> None:
     _print_chunks(console, "unfinished deletes", report.unfinished_deletes)
     _print_chunks(console, "missing without a delete record", report.missing)
     for title, lines in (("delete problems", report.delete_problems), ("unreadable step files",
-                         report.unreadable_step_files), ("bad ledger records (tolerated)", report.bad_records)):
+                         report.unreadable_step_files), ("bad ledger records (tolerated)", report.bad_records),
+                         ("stray keys (no refpipe object belongs there)", report.stray_keys)):
         _print_chunks(console, title, lines)
     for line in report.violations:
         console.print(f"[red]violation[/] {line}", highlight=False)
@@ -97,18 +98,24 @@ def sweep_run(
     stopped: StoppedOpt = False,
     abandon: Annotated[bool, typer.Option(
         "--abandon", help="The run is stopped for good: also delete the chunks of step files never trained.")] = False,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Sweep as --stopped/--abandon even though a session's recorded pid is alive on this "
+                        "host (that pid now belongs to a process outside the run).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of lists.")] = False,
     s3_endpoint_url: EndpointOpt = None,
 ) -> None:
     """Delete, exactly once and recorded (ledger actor ``sweep``), the chunks no live holder accounts for.
 
     Never touches a chunk of a step file not yet trained, unless ``--abandon`` (implies
-    ``--stopped``). Exit codes: 0 swept; 2 the run could not be read or a step file is
-    unreadable (nothing deleted).
+    ``--stopped``). ``--stopped`` is checked where it can be: while a session of the run opened
+    on this host is unclosed and its pid alive, the sweep refuses (unless ``--force``); for
+    sessions on other hosts, ``--stopped`` is your declaration that they are gone. Exit codes:
+    0 swept; 2 the run could not be read, a step file is unreadable, or the run still runs
+    here (nothing deleted).
     """
     store = open_run(run_uri, s3_endpoint_url)
     with progress("sweeping") as bar:
-        result = sweep(store, stopped=stopped, dry_run=dry_run, abandon=abandon, progress=bar)
+        result = sweep(store, stopped=stopped, dry_run=dry_run, abandon=abandon, force=force, progress=bar)
     if as_json:
         typer.echo(result.model_dump_json())
     else:

@@ -33,17 +33,23 @@ over: anything still outstanding is then a violation.
 Leaked: present, no delete record, no holder. The sweep deletes exactly those (claiming
 each through ``Ledger.delete_nodes``), finishes unfinished deletes, and never touches a
 chunk of an untrained step file.
+
+``stopped`` is the user's declaration; the sweep checks it where it can: it refuses while
+an unclosed session opened on this host has a live pid (its ``open`` event records pid and
+host). Sessions opened on other hosts cannot be checked.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 from collections import Counter
 
 from pydantic import BaseModel, ConfigDict, computed_field
 from rich.progress import Progress
 
 from pipeline.audit_scan import RunScan, committed, scan_run
-from storage.errors import DoubleDeleteError, StepFileError, UnknownRefError
+from storage.errors import ConfigError, DoubleDeleteError, StepFileError, UnknownRefError
 from storage.ledger import Ledger, session_opened_ms
 from storage.store import Store
 
@@ -69,7 +75,7 @@ class AuditReport(BaseModel):
     borrowed: int
     """Distinct chunks whose rows a padding dummy borrows (also counted in ``shipped``)."""
     deleted: int
-    """Delete records (each chunk at most one)."""
+    """Delete records (each chunk at most one); listed, not read (``pipeline.audit_scan``)."""
     present: int
     """Chunk nodes under ``payloads/`` (committed or not)."""
     outstanding: int
@@ -127,6 +133,35 @@ def _live_sessions(scan: RunScan, stopped: bool) -> set[tuple[str, str]]:
         return set()
     latest = {actor: max(sessions, key=session_opened_ms) for actor, sessions in scan.sessions.items()}
     return {(actor, s) for actor, s in latest.items() if (actor, s) not in scan.closed}
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` (> 0) exists on this host and has not exited (a zombie, exited but not
+    yet reaped, has ``/proc/<pid>/stat`` state ``Z``; without procfs, existence is all we know)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rpartition(b")")[2].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _refuse_if_running(store: Store, scan: RunScan) -> None:
+    """Raise ``ConfigError`` when an unclosed session was opened on this host by a process still alive."""
+    host = socket.gethostname()
+    running = [f"{actor} (pid {pid} on this host)" for (actor, session), (pid, opened_on) in sorted(scan.opens.items())
+               if (actor, session) not in scan.closed and opened_on == host and _pid_alive(pid)]
+    if running:
+        one = len(running) == 1
+        raise ConfigError(
+            f"refusing to sweep {store.prefix.uri} as stopped: {', '.join(running)} {'is' if one else 'are'} still "
+            f"running; stop the run first, or pass --force if {'that pid is' if one else 'those pids are'} not part "
+            f"of the run (a pid reused by an unrelated process looks alive too)")
 
 
 def _step_nodes(store: Store, scan: RunScan) -> tuple[dict[str, int], dict[str, int], set[str]]:
@@ -215,8 +250,9 @@ def _problem_line(event: dict) -> str:
 
 
 def _violations(r: dict) -> list[str]:
+    sweep_command = "refpipe sweep --stopped" if r["stopped"] else "refpipe sweep"
     checks = [
-        (r["leaked"], "leaked chunks (present, no live holder; `refpipe sweep` deletes them)"),
+        (r["leaked"], f"leaked chunks (present, no live holder; `{sweep_command}` deletes them)"),
         (r["double_deletes"], "double deletes"),
         (r["unknown_deletes"], "deletes of unknown refs"),
         (len(r["unfinished_deletes"]), "unfinished deletes (delete record written, objects still present)"),
@@ -245,7 +281,7 @@ def audit(store: Store, *, stopped: bool = False, finished: bool = False,
 
 
 def sweep(store: Store, *, stopped: bool = False, dry_run: bool = False, abandon: bool = False,
-          progress: Progress | None = None) -> SweepResult:
+          force: bool = False, progress: Progress | None = None) -> SweepResult:
     """Delete what a crash left without a live holder, exactly once and recorded (actor ``sweep``).
 
     Leaked committed chunks are claimed and deleted through ``Ledger.delete_nodes``; leftover
@@ -254,15 +290,23 @@ def sweep(store: Store, *, stopped: bool = False, dry_run: bool = False, abandon
     unless the run is abandoned.
 
     Args:
-        stopped: as ``audit``: no process of the run is running.
+        stopped: as ``audit``: no process of the run is running. Checked for the sessions opened on
+            this host (refused while one is unclosed and its pid alive); for sessions on other hosts
+            it is the caller's declaration.
         dry_run: list what would be deleted; write nothing.
         abandon: the run is stopped and will never be resumed: chunks of untrained step files are
-            deleted too, so ``audit --finished`` is clean afterwards.
+            deleted too, so ``audit --finished`` is clean afterwards. Implies ``stopped``.
+        force: skip the live-pid check of ``stopped`` (a recorded pid was reused by a process
+            outside the run).
 
     Raises:
+        ConfigError: ``stopped`` or ``abandon`` while an unclosed session of the run has a live
+            pid on this host (nothing deleted).
         StepFileError: a step file is unreadable, so the chunks it may still hold are unknown.
     """
     scan = scan_run(store, progress)
+    if (stopped or abandon) and not force:
+        _refuse_if_running(store, scan)
     report = judge(scan, store, stopped=stopped, abandoned=abandon)
     if report.unreadable_step_files:
         raise StepFileError(f"refusing to sweep {store.prefix.uri}: {len(report.unreadable_step_files)} unreadable "

@@ -5,6 +5,13 @@ once each, reads every step file and ledger segment (in parallel, with progress)
 reads ``zarr.json`` only for unshipped chunks whose writer neither a keep event nor a
 drawn branch id (``<actor>-<uuid4 hex>``, as ``Keeper.keep`` draws them) names.
 Truncated or unparseable ledger records are collected, never fatal.
+
+Delete records are listed, never read: reading them would cost one GET per deleted chunk.
+Each is written whole by one exclusive put (temp file + link, or one PUT), so a deleter
+that dies mid-write leaves a temp file (a stray key), never a truncated record; and the
+record's existence is the claim, its body only says who claimed it. The deleter that loses
+a claim reads the winner's record and reports an unreadable one (``Ledger.delete``).
+Keys under ``ledger/deletes/`` that are not some branch's ``tombstone_key`` are stray keys.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from rich.progress import Progress
 from pipeline.step_file import StepFile, StepHeader, step_key
 from storage.chunk import META_KEY, node_key, read_attributes
 from storage.errors import ChunkNotFoundError, ConfigError, RunNotFoundError, StepFileError
-from storage.ledger import DELETES_PREFIX, parse_segment_key, tombstone_key
+from storage.ledger import parse_segment_key, tombstone_key
 from storage.store import Store
 
 _STEP_KEY = re.compile(r"^steps/step_(\d+)\.npz$")
@@ -43,6 +50,8 @@ class RunScan:
     unreadable_steps: list[str] = field(default_factory=list)
     sessions: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
     closed: set[tuple[str, str]] = field(default_factory=set)
+    opens: dict[tuple[str, str], tuple[int, str]] = field(default_factory=dict)
+    """``(actor, session)`` -> ``(pid, host)`` its ``open`` event recorded."""
     keeps: dict[str, tuple[str, str]] = field(default_factory=dict)
     """Node key -> ``(actor, session)`` of its keep event."""
     received: set[str] = field(default_factory=set)
@@ -93,8 +102,8 @@ def scan_run(store: Store, progress: Progress | None = None) -> RunScan:
     _scan_steps(store, scan, progress)
     _scan_events(store, scan, progress)
     for key in _list(store, "ledger/deletes", progress):
-        if key.endswith(".json") and key.count("/") == 3:
-            scan.tombstoned.add("payloads/" + key[len(DELETES_PREFIX):-len(".json")])
+        if node := _tombstoned_node(key):
+            scan.tombstoned.add(node)
         else:
             scan.stray_keys.append(key)
     for key in _list(store, "payloads", progress):
@@ -108,6 +117,15 @@ def scan_run(store: Store, progress: Progress | None = None) -> RunScan:
     if not (scan.nodes or scan.tombstoned or scan.steps or scan.unreadable_steps or scan.sessions or scan.stray_keys):
         raise RunNotFoundError(f"nothing under the run prefix {store.prefix.uri}: wrong URI or endpoint?")
     return scan
+
+
+def _tombstoned_node(key: str) -> str | None:
+    """The node key whose delete record ``key`` is (``tombstone_key`` inverted); None for any other key."""
+    branch_id = key.rpartition("/")[2].removesuffix(".json")
+    try:
+        return node_key(branch_id) if tombstone_key(branch_id) == key else None
+    except ConfigError:  # not a branch id
+        return None
 
 
 def _recheck_deletes(store: Store, scan: RunScan, progress: Progress | None) -> None:
@@ -163,6 +181,11 @@ def _take_event(scan: RunScan, actor: str, session: str, line: bytes, where: str
         kind = event["event"]
         if kind == "close":
             scan.closed.add((actor, session))
+        elif kind == "open":
+            pid = int(event["pid"])
+            if pid <= 0:
+                raise ValueError(f"open event with pid {pid}")
+            scan.opens[(actor, session)] = (pid, str(event["host"]))
         elif kind == "keep":
             scan.keeps[node_key(event["branch_id"])] = (actor, session)
         elif kind == "receive":

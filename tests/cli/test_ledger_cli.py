@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "pipeline"))
 from audit_helpers import chunks, keep, make_keeper, publish  # noqa: E402
 from cli.main import app  # noqa: E402
 from storage.errors import DoubleDeleteError  # noqa: E402
-from storage.ledger import Ledger  # noqa: E402
+from storage.ledger import Ledger, tombstone_key  # noqa: E402
 from storage.store import open_store  # noqa: E402
 
 runner = CliRunner()
@@ -52,6 +56,8 @@ def test_audit_json_and_exit_codes(crashed):
     report = json.loads(stopped.stdout)
     assert (report["leaked"], sorted(report["leaked_chunks"]), report["outstanding"]) == (2, orphans, 1)
 
+    assert report["violations"] == ["2 leaked chunks (present, no live holder; `refpipe sweep --stopped` deletes them)"]
+
     table = invoke("audit", run_uri, "--stopped", *options)
     assert table.exit_code == 1
     assert "violation 2 leaked chunks" in table.stdout and orphans[0] in table.stdout
@@ -60,11 +66,11 @@ def test_audit_json_and_exit_codes(crashed):
 def test_sweep_dry_run_then_sweep_then_a_clean_audit(crashed):
     store, run_uri, options, orphans, shipped = crashed
     before = store.list_prefix("")
-    dry = invoke("sweep", run_uri, "--dry-run", "--stopped", "--json", *options)
+    dry = invoke("sweep", run_uri, "--dry-run", "--stopped", "--force", "--json", *options)
     assert dry.exit_code == 0
     assert sorted(json.loads(dry.stdout)["deleted"]) == orphans and store.list_prefix("") == before
 
-    swept = invoke("sweep", run_uri, "--stopped", *options)
+    swept = invoke("sweep", run_uri, "--stopped", "--force", *options)  # the "dead" env worker is this process
     assert swept.exit_code == 0 and "deleted 2 chunks" in swept.stdout
     assert chunks(store) == {shipped}
     after = invoke("audit", run_uri, "--json", "--stopped", *options)
@@ -74,7 +80,7 @@ def test_sweep_dry_run_then_sweep_then_a_clean_audit(crashed):
     assert finished.exit_code == 1
     assert json.loads(finished.stdout)["violations"] == ["1 chunks still outstanding at the declared end of the run"]
 
-    abandoned = invoke("sweep", run_uri, "--abandon", *options)  # the run will never be resumed
+    abandoned = invoke("sweep", run_uri, "--abandon", "--force", *options)  # the run will never be resumed
     assert abandoned.exit_code == 0 and "deleted 1 chunks" in abandoned.stdout
     assert chunks(store) == set()
     assert invoke("audit", run_uri, "--finished", *options).exit_code == 0
@@ -106,3 +112,92 @@ def test_audit_and_sweep_of_an_empty_run_prefix_fail_and_write_nothing(storage_c
         assert result.exit_code == 2
         assert "nothing under the run prefix" in result.output
     assert store.list_prefix("") == []
+
+
+OPEN_A_SESSION = """
+import sys, time
+from storage.config import StorageConfig
+from storage.ledger import Ledger
+from storage.store import open_store
+Ledger(open_store(StorageConfig.model_validate_json(sys.argv[1])), sys.argv[2])  # never closed
+print("open", flush=True)
+time.sleep(float(sys.argv[3]))
+"""
+
+
+def process_state(pid: int) -> str:
+    """The state letter of process ``pid`` in ``/proc/<pid>/stat`` (``Z``: a zombie)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rpartition(")")[2].split()[0]
+
+
+def open_session_in_child(config, actor: str, sleep_s: float) -> subprocess.Popen:
+    """A process that opens a ledger session of ``actor``, says so, then sleeps ``sleep_s`` and exits without close."""
+    proc = subprocess.Popen([sys.executable, "-c", OPEN_A_SESSION, config.model_dump_json(), actor, str(sleep_s)],
+                            stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2])
+    assert proc.stdout.readline() == "open\n"
+    return proc
+
+
+def test_sweep_as_stopped_refuses_while_a_session_of_the_run_is_alive_on_this_host(local_config):
+    """This test process opens the env worker's session and never closes it: the run is still going."""
+    store = open_store(local_config)
+    keeper = make_keeper(store, local_config)
+    refs = [keep(keeper, seed) for seed in range(2)]
+    keeper.ledger.flush()
+    before = {k: store.get(k) for k in store.list_prefix("")}
+    for flags in (["--stopped"], ["--abandon"], ["--stopped", "--dry-run"]):
+        refused = invoke("sweep", store.prefix.uri, *flags)
+        assert refused.exit_code == 2, (flags, refused.output)
+        assert "error: refusing to sweep" in refused.output
+        assert f"env_worker_0 (pid {os.getpid()} on this host) is still running; stop the run first, or pass " \
+               "--force if that pid is not part of the run" in refused.output
+        assert {k: store.get(k) for k in store.list_prefix("")} == before
+
+    forced = invoke("sweep", store.prefix.uri, "--stopped", "--force", "--json")
+    assert forced.exit_code == 0 and sorted(json.loads(forced.stdout)["deleted"]) == sorted(r.uri for r in refs)
+    assert chunks(store) == set()
+
+
+def test_sessions_of_processes_that_exited_do_not_block_the_sweep(local_config):
+    """One session's process exited (reaped), another's was SIGKILLed and is not reaped yet (a zombie)."""
+    store = open_store(local_config)
+    keeper = make_keeper(store, local_config)
+    refs = [keep(keeper, seed) for seed in range(2)]
+    keeper.ledger.close()
+    open_session_in_child(local_config, "orchestrator", 0).wait()
+    killed = open_session_in_child(local_config, "env_worker_0", 60)  # a restart of the worker, then a crash
+    try:
+        killed.send_signal(signal.SIGKILL)
+        while process_state(killed.pid) != "Z":  # dead, not reaped yet
+            time.sleep(0.01)
+        report = json.loads(invoke("audit", store.prefix.uri, "--json").stdout)
+        assert len(report["live_sessions"]) == 2 and report["leaked"] == 0  # not declared stopped: both count
+        swept = invoke("sweep", store.prefix.uri, "--stopped", "--json")
+    finally:
+        killed.wait()
+    assert swept.exit_code == 0, swept.output
+    assert sorted(json.loads(swept.stdout)["deleted"]) == sorted(r.uri for r in refs)
+    assert chunks(store) == set()
+
+
+def test_stray_and_misnamed_delete_records_are_shown_and_a_truncated_one_still_counts(local_config):
+    store = open_store(local_config)
+    keeper = make_keeper(store, local_config)
+    refs = [keep(keeper, seed) for seed in range(2)]
+    keeper.discard(refs[:1])
+    keeper.ledger.close()
+    truncated = tombstone_key(refs[1].branch_id)
+    store.put(truncated, b'{"branch_id":"zz"')  # a claim with an unreadable body: still the claim
+    store.delete([f"{store.prefix.key_of(refs[1].uri)}/{name}" for name in ("zarr.json", "c.0")])
+    misnamed = tombstone_key(refs[0].branch_id).replace(refs[0].branch_id, "other-id")  # not other-id's shard
+    store.put(misnamed, b"{}")
+    store.put("ledger/deletes/zz-garbage", b"x")
+
+    report = json.loads(invoke("audit", store.prefix.uri, "--json").stdout)
+    assert (report["kept"], report["deleted"], report["missing"], report["leaked"]) == (2, 2, [], 0)
+    assert report["stray_keys"] == sorted([misnamed, "ledger/deletes/zz-garbage"])
+    text = invoke("audit", store.prefix.uri)
+    assert text.exit_code == 0
+    assert "stray keys (no refpipe object belongs there) (2)" in text.stdout
+    assert f"  {misnamed}\n" in text.stdout and "  ledger/deletes/zz-garbage\n" in text.stdout

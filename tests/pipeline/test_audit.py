@@ -14,6 +14,7 @@ from storage.ledger import Ledger, tombstone_key
 from storage.store import LocalStore, open_store
 
 LEAKED = "{} leaked chunks (present, no live holder; `refpipe sweep` deletes them)"
+LEAKED_STOPPED = "{} leaked chunks (present, no live holder; `refpipe sweep --stopped` deletes them)"
 
 
 @pytest.fixture
@@ -63,7 +64,7 @@ def test_outstanding_chunks_by_holder_while_the_run_is_live(run):
     ended = audit(store, finished=True)  # declared over now: queued chunks are leaks, step 0 still outstanding
     assert ended.outstanding_by_holder == {"trainer step 0": 2}
     assert sorted(ended.leaked_chunks) == sorted(r.uri for r in refs[2:])
-    assert ended.violations == [LEAKED.format(3), "2 chunks still outstanding at the declared end of the run"]
+    assert ended.violations == [LEAKED_STOPPED.format(3), "2 chunks still outstanding at the declared end of the run"]
 
 
 def test_a_closed_keeper_hands_its_chunks_to_a_live_orchestrator(run):

@@ -71,7 +71,7 @@ def test_sigkill_orphans_are_listed_then_swept(storage_config, scenario):
     assert sorted(report.leaked_chunks) == sorted(expected["orphans"])
     assert report.outstanding_by_holder == HOLDERS_AFTER_CRASH[scenario]
     assert report.violations == [f"{len(expected['orphans'])} leaked chunks (present, no live holder; "
-                                 "`refpipe sweep` deletes them)"]
+                                 "`refpipe sweep --stopped` deletes them)"]
     assert report.bad_records == [] and report.missing == [] and report.double_deletes == 0
     _sweep_and_check_clean(store, expected["orphans"], protected)
 
