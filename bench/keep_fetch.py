@@ -333,13 +333,24 @@ def start_moto() -> tuple[subprocess.Popen, str]:
     raise RuntimeError("moto server did not start")
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (counts the bench divides by)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--branches", type=int, default=1024, help="branches kept, fetched and deleted per side")
+    p.add_argument("--branches", type=positive_int, default=1024, help="branches kept, fetched and deleted per side")
     p.add_argument("--dir", help="directory to work in (default: a fresh temp dir on /tmp, removed afterwards)")
-    p.add_argument("--rounds", type=int, default=16, help="rounds; the sides alternate going first")
-    p.add_argument("--threads", type=int, default=8, help="fetch threads per side")
-    p.add_argument("--fetch-batch", type=int, default=32, help="branches per fetch call (bounds memory)")
+    p.add_argument("--rounds", type=positive_int, default=16, help="rounds; the sides alternate going first")
+    p.add_argument("--threads", type=positive_int, default=8, help="fetch threads per side")
+    p.add_argument("--fetch-batch", type=positive_int, default=32, help="branches per fetch call (bounds memory)")
     p.add_argument("--s3-endpoint", help="run against this S3 endpoint (a fresh bucket is created)")
     p.add_argument("--s3-moto", action="store_true", help="start a moto S3 server and run against it")
     args = p.parse_args()

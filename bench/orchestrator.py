@@ -195,16 +195,27 @@ def child(variant: str, args) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (counts the bench divides by)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--branches", type=int, default=1024)
-    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--branches", type=positive_int, default=1024)
+    p.add_argument("--tokens", type=positive_int, default=4096)
     p.add_argument("--prompt-tokens", type=int, default=512)
-    p.add_argument("--layers", type=int, default=48)
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--logprobs-k", type=int, default=128)
-    p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--dp", type=int, default=8)
+    p.add_argument("--layers", type=positive_int, default=48)
+    p.add_argument("--top-k", type=positive_int, default=8)
+    p.add_argument("--logprobs-k", type=positive_int, default=128)
+    p.add_argument("--group-size", type=positive_int, default=8)
+    p.add_argument("--dp", type=positive_int, default=8)
     p.add_argument("--variant", choices=["env", "refpipe", "inline"], default=None)
     p.add_argument("--workdir", default=None, help="scratch directory (default: a new one under /tmp)")
     args = p.parse_args()

@@ -204,10 +204,21 @@ def report(results: list[dict], num_branches: int) -> dict:
             "fetched_GiB_per_step": round(metrics["fetched_bytes"] / 2**30, 3), "deletes": metrics["deletes"]}
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (counts the bench divides by)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--branches", type=int, default=1024)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--branches", type=positive_int, default=1024)
+    parser.add_argument("--rounds", type=positive_int, default=5)
     parser.add_argument("--tmp", default="/tmp")
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)

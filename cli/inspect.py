@@ -22,6 +22,7 @@ from cli.inspect_ls import ls_run
 from cli.inspect_show import show_arrays
 from cli.inspect_verify import verify_step
 from pipeline.step_file import MicroBatchRecord, StepHeader
+from storage.errors import ConfigError
 
 __all__ = ["inspect_step", "ls_run", "show_arrays", "summarize", "verify_step"]
 
@@ -111,9 +112,12 @@ def inspect_step(
 ) -> None:
     """Tabulate a step file per DP rank and micro batch, and check which referenced chunks still exist.
 
-    Exit codes: 0 shown; 2 the step file is missing, unreadable, truncated or foreign.
+    Exit codes: 0 shown; 2 the step file is missing, unreadable, truncated or foreign, or ``--plot`` does
+    not end in ``.png``.
     """
     target = open_step(step_uri, s3_endpoint_url)
+    if plot and plot.suffix.lower() != ".png":
+        raise ConfigError(f"--plot {str(plot)!r}: expected a file name ending in .png")
     plot_path = refuse_inside_run(target.store, str(plot), "--plot") if plot else None
     header = load_step(target).header
     summary = summarize(header, target.uri, chunk_states(target.store, header.refs))

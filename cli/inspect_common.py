@@ -22,10 +22,10 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from pipeline.step_file import StepFile
+from pipeline.step_file import StepFile, StepHeader
 from storage.chunk import PayloadRef
 from storage.config import StorageConfig
-from storage.errors import ChunkNotFoundError, ConfigError, RefpipeError
+from storage.errors import ChunkNotFoundError, ConfigError, RefpipeError, StepFileError
 from storage.fetch import chunk_keys
 from storage.ledger import tombstone_key
 from storage.store import Store, open_store
@@ -118,10 +118,20 @@ def load_step(target: StepTarget) -> StepFile:
 
     Raises:
         ChunkNotFoundError: no such file.
-        StepFileError: truncated, foreign, another run, or a ref outside the run.
+        StepFileError: truncated, foreign, another run, a ref outside the run, or a header whose step
+            is not the one in the file name.
         PermissionError: the file cannot be read.
     """
-    return StepFile.from_bytes(target.store.get(target.key), target.store, target.uri)
+    step = StepFile.from_bytes(target.store.get(target.key), target.store, target.uri)
+    check_step_number(step.header, target)
+    return step
+
+
+def check_step_number(header: StepHeader, target: StepTarget) -> None:
+    """Raise ``StepFileError`` unless ``header.step`` is the step number in ``target``'s file name."""
+    if header.step != target.step:
+        raise StepFileError(f"step file {target.uri}: header says step {header.step}, expected step "
+                            f"{target.step} (from the file name)")
 
 
 def progress(description: str) -> Progress:
@@ -149,19 +159,22 @@ class ChunkState:
 
     present: bool
     problem: str = ""
-    """Empty when present; else ``deleted by <holder> (<reason>)`` or ``missing (no delete record)``."""
+    """Empty when present; else ``deleted by <holder> (<reason>)``, ``missing (no delete record)`` or
+    ``incomplete: <c.0 or zarr.json> missing (no delete record)``."""
 
 
 def chunk_state(store: Store, ref: PayloadRef) -> ChunkState:
-    """Check the ref's commit marker (``zarr.json``) and, when it is gone, its delete record.
+    """Check that the ref's data object (``c.0``) and commit marker (``zarr.json``) both exist and, when
+    either is gone, its delete record.
 
     Raises:
         OutsideRunError: the ref lies outside the run (``StepFile`` already refuses such step files).
     """
-    _, meta_key = chunk_keys(store, ref)
-    if store.exists(meta_key):
+    gone = [key.rpartition("/")[2] for key in chunk_keys(store, ref) if not store.exists(key)]
+    if not gone:
         return ChunkState(True)
-    return ChunkState(False, deleted_by(store, ref) or "missing (no delete record)")
+    why = "missing" if len(gone) == 2 else f"incomplete: {gone[0]} missing"
+    return ChunkState(False, deleted_by(store, ref) or f"{why} (no delete record)")
 
 
 def deleted_by(store: Store, ref: PayloadRef) -> str | None:

@@ -3,7 +3,8 @@
 Lists the prefix (one listing per shard directory, in parallel, with a progress
 bar) and reads no chunk. A chunk's writer comes from its branch id
 (``<actor>-<32 hex>``, what ``Keeper`` draws); only chunks with other ids have
-their ``zarr.json`` read for the ``writer`` attribute. The ledger part counts
+their ``zarr.json`` read for the ``writer`` attribute (an unreadable one is
+listed as corrupt, and the listing goes on). The ledger part counts
 delete records and, per actor, event segments and sessions, reading the last
 segment of each session to see whether it ended with a clean ``close``.
 """
@@ -28,6 +29,8 @@ from storage.store import Store
 _STEP_KEY = re.compile(r"^steps/step_(\d+)\.npz$")
 _DRAWN_ID = re.compile(r"^(?P<writer>.+)-[0-9a-f]{32}$")
 _TEMP_MARK = ".tmp-"
+CORRUPT_WRITER = "(corrupt zarr.json)"
+"""Writer shown for a chunk whose ``zarr.json`` had to be read and is not valid JSON attributes."""
 
 
 def sized_listing(store: Store, key_prefix: str, description: str) -> dict[str, int]:
@@ -51,7 +54,11 @@ def _steps(listing: dict[str, int]) -> dict:
 
 
 def _writer_of(store: Store, node: str) -> str:
-    return read_attributes(store.get(f"{node}/{META_KEY}")).get("writer") or "(unnamed)"
+    """The ``writer`` attribute of the node's ``zarr.json``; ``CORRUPT_WRITER`` if that is unreadable."""
+    try:
+        return read_attributes(store.get(f"{node}/{META_KEY}")).get("writer") or "(unnamed)"
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return CORRUPT_WRITER
 
 
 def _chunks(store: Store, listing: dict[str, int]) -> dict:
@@ -74,6 +81,7 @@ def _chunks(store: Store, listing: dict[str, int]) -> dict:
         per_writer[writers[node]][1] += sum(nodes[node].values())
     return {"num_chunks": len(committed), "nbytes": sum(listing.values()),
             "num_incomplete": len(nodes) - len(committed), "num_temp_files": temp_files,
+            "corrupt": [store.uri(f"{n}/{META_KEY}") for n in unnamed if writers[n] == CORRUPT_WRITER],
             "writers": {w: {"num_chunks": c, "nbytes": b} for w, (c, b) in sorted(per_writer.items())}}
 
 
@@ -123,6 +131,8 @@ def render(summary: dict, console: Console) -> None:
     for writer, w in chunks["writers"].items():
         writers.add_row(writer, str(w["num_chunks"]), decimal(w["nbytes"]))
     console.print(writers)
+    for uri in chunks["corrupt"]:
+        console.print(f"[yellow]corrupt zarr.json (writer unknown):[/] {uri}", highlight=False, soft_wrap=True)
     console.print(f"ledger: {ledger['num_delete_records']} delete records", highlight=False, soft_wrap=True)
     actors = Table("actor", "event segments", "sessions", "closed cleanly")
     for actor, a in ledger["actors"].items():

@@ -3,7 +3,7 @@
 One horizontal bar per micro batch (grouped by DP rank, top to bottom), as long
 as ``seq_len``: its sequences side by side in packing order, coloured by env
 name, borrowed padding dummies hatched, sequences whose chunk is gone outlined
-in red, and the padding the trainer adds in grey at the end. Uses matplotlib's
+in red, and the padding tokens the trainer adds in grey at the end. Uses matplotlib's
 Agg backend (no display needed).
 """
 
@@ -19,6 +19,8 @@ import matplotlib.pyplot as plt  # noqa: E402  (after selecting the backend)
 import numpy as np  # noqa: E402
 from matplotlib.collections import PolyCollection  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
+
+from pipeline.packing import PADDING_ENV_NAME  # noqa: E402
 
 _BAR_HEIGHT = 0.8
 _PADDING_COLOUR = "#d0d0d0"
@@ -69,6 +71,16 @@ def _label_rows(ax, mbs: list[dict]) -> None:
             ax.axhline(row - 0.5, color="black", linewidth=1)
 
 
+def legend_handles(colours: dict[str, tuple]) -> list[Patch]:
+    """One legend entry per env name (padding dummies as ``dummy sequence (padding)``), then the trainer's
+    padding tokens, the borrowed hatching and the missing-chunk outline."""
+    handles = [Patch(color=c, label=f"dummy sequence ({name})" if name == PADDING_ENV_NAME else name)
+               for name, c in colours.items()]
+    return handles + [Patch(color=_PADDING_COLOUR, label="padding tokens"),
+                      Patch(facecolor="white", edgecolor="black", hatch="//", label="borrowed dummy"),
+                      Patch(facecolor="white", edgecolor="red", linewidth=2, label="chunk missing")]
+
+
 def plot_micro_batches(summary: dict, png_path: str) -> None:
     """Draw ``summary`` (``cli.inspect.summarize``) into ``png_path`` (a PNG, overwritten).
 
@@ -85,11 +97,8 @@ def plot_micro_batches(summary: dict, png_path: str) -> None:
         ax.set_xlabel(f"tokens (seq_len = {summary['seq_len']})")
         ax.set_title(f"step {summary['step']}: {len(mbs)} micro batches, {summary['dp_world_size']} DP ranks, "
                      f"{summary['num_chunks_missing']} of {summary['num_chunks']} chunks missing", fontsize=10)
-        handles = [Patch(color=c, label=name) for name, c in colours.items()]
-        handles += [Patch(color=_PADDING_COLOUR, label="padding"),
-                    Patch(facecolor="white", edgecolor="black", hatch="//", label="borrowed dummy"),
-                    Patch(facecolor="white", edgecolor="red", linewidth=2, label="chunk missing")]
-        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+        ax.legend(handles=legend_handles(colours), loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8,
+                  frameon=False)
         fig.tight_layout()
         fig.savefig(png_path, dpi=100)
     finally:

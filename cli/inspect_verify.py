@@ -4,7 +4,8 @@ For each ref: it lies inside the run, its chunk exists, the whole chunk has the
 ref's length and crc32c (``storage.fetch.fetch_arrays`` with ``num_tokens=None``),
 the decoded arrays have the ref's dtypes and shapes, and the chunk's
 ``zarr.json`` field table agrees with the ref. Every token stream of the step
-file is read too. One line per problem on stdout; exit code 1 if any.
+file is read too. One line per problem on stdout, then a one-line summary; exit
+code 1 if any problem.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.inspect_common import EXIT_PROBLEMS, S3_ENDPOINT_HELP, StepTarget, clean_errors, deleted_by, load_step, \
-    open_step, parallel_map
+from cli.inspect_common import EXIT_PROBLEMS, S3_ENDPOINT_HELP, StepTarget, check_step_number, clean_errors, \
+    deleted_by, load_step, open_step, parallel_map
 from pipeline.step_file import HEADER_MEMBER, StepFile, StepHeader
 from storage.chunk import PayloadRef, read_attributes
 from storage.errors import ChunkCorruptError, ChunkNotFoundError, OutsideRunError, StepFileError
@@ -33,7 +34,9 @@ def _load(target: StepTarget) -> StepFile:
         if not isinstance(e.__cause__, OutsideRunError):
             raise
     zf = zipfile.ZipFile(io.BytesIO(target.store.get(target.key)))
-    return StepFile(StepHeader.model_validate_json(zf.read(HEADER_MEMBER)), zf, target.uri)
+    header = StepHeader.model_validate_json(zf.read(HEADER_MEMBER))
+    check_step_number(header, target)
+    return StepFile(header, zf, target.uri)
 
 
 def _stream_problems(step: StepFile) -> list[str]:
@@ -48,8 +51,14 @@ def _stream_problems(step: StepFile) -> list[str]:
 
 def _metadata_problems(store: Store, ref: PayloadRef, meta_key: str) -> list[str]:
     """Compare the chunk's ``zarr.json`` field table and token counts with the ref."""
-    attrs = read_attributes(store.get(meta_key))
-    stored = {name: (a["dtype"], tuple(a["shape"]), a["domain"], a["offset"]) for name, a in attrs["arrays"].items()}
+    try:
+        attrs = read_attributes(store.get(meta_key))
+        stored = {name: (a["dtype"], tuple(a["shape"]), a["domain"], a["offset"])
+                  for name, a in attrs["arrays"].items()}
+    except KeyError as e:
+        return [f"corrupt {ref.uri}: zarr.json unreadable: no key {e}"]
+    except (ValueError, TypeError, AttributeError) as e:
+        return [f"corrupt {ref.uri}: zarr.json unreadable: {e}"]
     expected = {lay.name: (lay.dtype.str, lay.shape, lay.domain, lay.offset) for lay in ref.layout()}
     problems = [f"mismatch {ref.uri}: array {name} is {stored.get(name)} (dtype, shape, domain, offset) in "
                 f"zarr.json, {want} in the reference" for name, want in expected.items() if stored.get(name) != want]
@@ -89,7 +98,7 @@ def verify_step(
 ) -> None:
     """Read every chunk the step file references; check checksum, dtype and shape against each reference.
 
-    Prints one line per problem (missing, corrupt, mismatch, outside the run, corrupt step file).
+    Prints one line per problem (missing, corrupt, mismatch, outside the run, corrupt step file), then a summary.
     Exit codes: 0 all intact; 1 problems found; 2 the step file cannot be read at all.
     """
     target = open_step(step_uri, s3_endpoint_url)
@@ -102,8 +111,8 @@ def verify_step(
     for line in problems:
         typer.echo(line)
     nbytes = sum(ref.nbytes for ref in refs)
+    found = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}" if problems else "all intact"
     typer.echo(f"step {step.header.step}: {len(refs)} chunks ({nbytes} bytes), "
-               f"{len(step.header.micro_batches)} micro batches: "
-               + (f"{len(problems)} problems" if problems else "all intact"), err=True)
+               f"{len(step.header.micro_batches)} micro batches: {found}")
     if problems:
         raise typer.Exit(EXIT_PROBLEMS)

@@ -231,10 +231,15 @@ class StepFile:
         Raises:
             ChunkNotFoundError: the step file does not exist (yet).
             StepFileError: truncated, foreign, unknown schema version, another run, a ref
-                outside the run prefix, or a ref whose arrays disagree with ``header.fields``.
+                outside the run prefix, a ref whose arrays disagree with ``header.fields``, or a
+                header whose ``step`` is not ``step``.
         """
         key = step_key(step)
-        return cls.from_bytes(store.get(key), store, store.uri(key))
+        step_file = cls.from_bytes(store.get(key), store, store.uri(key))
+        if step_file.header.step != step:
+            raise StepFileError(f"step file {step_file.uri}: header says step {step_file.header.step}, "
+                                f"expected step {step}")
+        return step_file
 
     @classmethod
     def from_bytes(cls, data: bytes, store: Store, uri: str) -> "StepFile":

@@ -214,7 +214,7 @@ def test_ls_counts_steps_chunks_per_writer_and_ledger(run):
         return sum(v for k, v in files.items() for n in names if k.startswith(chunk_keys(run.store, run.refs[n])[0][:-3]))
     assert summary["chunks"] == {
         "num_chunks": 7, "nbytes": sum(v for k, v in files.items() if k.startswith("payloads/")),
-        "num_incomplete": 0, "num_temp_files": 0,
+        "num_incomplete": 0, "num_temp_files": 0, "corrupt": [],
         "writers": {"env_worker_0": {"num_chunks": 4, "nbytes": nbytes("abcd")},
                     "env_worker_1": {"num_chunks": 3, "nbytes": nbytes("efg")}},
     }
@@ -288,4 +288,40 @@ def test_inspect_and_verify_a_step_the_orchestrator_packed(storage_config):
     assert [(mb["num_tokens"] + mb["num_padding_tokens"], mb["num_chunks_missing"])
             for mb in summary["micro_batches"]] == [(24, 0)] * len(header.micro_batches)
     result = invoke(["verify", step_uri, *endpoint])
-    assert (result.exit_code, result.stdout) == (0, "") and result.stderr.endswith(": all intact\n")
+    assert (result.exit_code, result.stderr) == (0, "") and result.stdout.endswith(": all intact\n")
+
+
+def test_ls_flags_a_corrupt_zarr_json_and_goes_on(local_run):
+    """A chunk with an id of its own has its ``zarr.json`` read for the writer: garbage there is flagged."""
+    _, meta_key = chunk_keys(local_run.store, local_run.refs["e"])
+    with open(local_run.store.path(meta_key), "w") as f:
+        f.write("{garbage")
+    result = invoke(["ls", local_run.store.prefix.uri, "--json"])
+    assert (result.exit_code, result.stderr) == (0, "")
+    chunks = json.loads(result.stdout)["chunks"]
+    assert chunks["num_chunks"] == 7 and chunks["corrupt"] == [local_run.store.uri(meta_key)]
+    assert {w: c["num_chunks"] for w, c in chunks["writers"].items()} == {
+        "(corrupt zarr.json)": 1, "env_worker_0": 4, "env_worker_1": 2}
+    result = invoke(["ls", local_run.store.prefix.uri])
+    assert (result.exit_code, result.stderr) == (0, "")
+    assert f"corrupt zarr.json (writer unknown): {local_run.store.uri(meta_key)}" in result.stdout.splitlines()
+
+
+def test_inspect_counts_a_chunk_without_its_data_as_missing(local_run):
+    """``zarr.json`` alone is not a chunk: ``inspect`` agrees with ``verify`` and ``show``."""
+    data_key, _ = chunk_keys(local_run.store, local_run.refs["b"])
+    local_run.store.delete([data_key])
+    summary = json.loads(invoke(["inspect", local_run.step_uris[0], "--json"]).stdout)
+    assert (summary["num_chunks_present"], summary["num_chunks_missing"]) == (6, 1)
+    assert summary["missing"] == [{"uri": local_run.refs["b"].uri, "branch_id": local_run.refs["b"].branch_id,
+                                   "owner_dp_rank": 0, "problem": "incomplete: c.0 missing (no delete record)"}]
+    assert (summary["micro_batches"][0]["num_chunks_present"], summary["micro_batches"][0]["missing"]) == (
+        2, [local_run.refs["b"].uri])
+
+
+def test_plot_legend_names_each_entry_once():
+    """An env named ``padding`` (a borrowed dummy's) and the trainer's padding tokens get distinct labels."""
+    from cli.inspect_plot import legend_handles
+
+    labels = [h.get_label() for h in legend_handles({"math": (0, 0, 1, 1), "padding": (1, 0, 0, 1)})]
+    assert labels == ["math", "dummy sequence (padding)", "padding tokens", "borrowed dummy", "chunk missing"]

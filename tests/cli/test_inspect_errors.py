@@ -131,3 +131,23 @@ def test_commands_do_not_import_torch(local_run, tmp_path):
     imported = [line.rpartition("|")[2].strip() for line in result.stderr.splitlines() if "|" in line]
     assert "matplotlib" in imported and "trainer.assemble" in imported
     assert [m for m in imported if m.split(".")[0] == "torch"] == []
+
+
+def test_step_file_whose_header_names_another_step(local_run):
+    """``step_00000002.npz`` holding step 0 (its header says so) is refused by every command."""
+    store = local_run.store
+    store.put(step_key(2), store.get(step_key(0)))
+    before = snapshot(store)
+    for command in STEP_COMMANDS:
+        result = invoke([command[0], store.uri(step_key(2)), *command[1:]])
+        assert_one_line_error(result, f"error: step file {store.uri(step_key(2))}: header says step 0, expected "
+                                      "step 2 (from the file name)\n")
+    assert snapshot(store) == before
+
+
+def test_plot_suffix_is_checked_before_anything_is_printed(local_run, tmp_path):
+    for name in ("x.txt", "x"):
+        result = invoke(["inspect", local_run.step_uris[0], "--plot", str(tmp_path / name)])
+        assert_one_line_error(result, f"error: --plot {str(tmp_path / name)!r}: expected a file name ending "
+                                      "in .png\n")
+        assert not (tmp_path / name).exists()

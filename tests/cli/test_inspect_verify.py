@@ -37,8 +37,8 @@ def test_verify_passes_an_intact_step(run):
     before = snapshot(run.store)
     result = invoke(["verify", run.step_uris[0], *run.cli_args()])
     nbytes = sum(ref.nbytes for ref in run.refs.values())
-    assert (result.exit_code, result.stdout) == (0, "")
-    assert result.stderr == f"step 0: 7 chunks ({nbytes} bytes), 4 micro batches: all intact\n"
+    assert (result.exit_code, result.stderr) == (0, "")
+    assert result.stdout == f"step 0: 7 chunks ({nbytes} bytes), 4 micro batches: all intact\n"
     assert snapshot(run.store) == before
 
 
@@ -74,13 +74,13 @@ def test_verify_flags_every_problem_once(run):
                          f"{refs['b'].nbytes - 9} (truncated or replaced)"]
     assert lines[2].startswith(f"corrupt {c.uri}: chunk {c.uri}: crc32c mismatch: reference {c.checksum:#010x}, "
                                f"stored {c.checksum:#010x}, computed ")
-    assert lines[3:] == [
+    assert lines[3:-1] == [
         f"outside the run: URI {outside!r} is outside run {store.prefix.uri}: expected a URI under {store.prefix.uri}/",
         f"mismatch {refs['f'].uri}: array topk_ids is {('<u4', *f_spec[1:])} (dtype, shape, domain, offset) in "
         f"zarr.json, {f_spec} in the reference",
         f"missing {refs['g'].uri}: no delete record",
     ]
-    assert result.stderr.endswith(": 6 problems\n")
+    assert lines[-1].endswith(": 6 problems") and result.stderr == ""
     assert snapshot(store) == before
 
 
@@ -88,5 +88,22 @@ def test_verify_flags_a_corrupted_stream_of_the_step_file(local_run):
     rewrite_step_file(local_run.store, 0, edit_member="dp1.mb0.advantages.npy")
     result = invoke(["verify", local_run.step_uris[0]])
     assert result.exit_code == 1
+    nbytes = sum(ref.nbytes for ref in local_run.refs.values())
     assert result.stdout == (f"corrupt step file: step file {local_run.step_uris[0]}: member dp1.mb0.advantages.npy "
-                             "unreadable: Bad CRC-32 for file 'dp1.mb0.advantages.npy'\n")
+                             "unreadable: Bad CRC-32 for file 'dp1.mb0.advantages.npy'\n"
+                             f"step 0: 7 chunks ({nbytes} bytes), 4 micro batches: 1 problem\n")
+    assert result.stderr == ""
+
+
+def test_verify_names_a_corrupt_zarr_json(local_run):
+    store, f, g = local_run.store, local_run.refs["f"], local_run.refs["g"]
+    store.put(chunk_keys(store, f)[1], b"{garbage")
+    meta = json.loads(store.get(chunk_keys(store, g)[1]))
+    del meta["attributes"]
+    store.put(chunk_keys(store, g)[1], json.dumps(meta).encode())
+    result = invoke(["verify", local_run.step_uris[0]])
+    assert result.exit_code == 1
+    assert result.stdout.splitlines()[:-1] == [
+        f"corrupt {f.uri}: zarr.json unreadable: Expecting property name enclosed in double quotes: line 1 column 2 "
+        "(char 1)",
+        f"corrupt {g.uri}: zarr.json unreadable: no key 'attributes'"]

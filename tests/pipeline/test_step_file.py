@@ -119,3 +119,11 @@ def test_missing_step_and_stream_mismatch(published):
     with pytest.raises(StepFileError, match=r"dp_rank=0 micro batch 0: stream 'advantages' is <f8"):
         publish_step_file(store, header.model_copy(update={"step": 9}), bad)
     assert not store.exists(step_key(9))
+
+
+def test_a_file_holding_another_step_is_refused(published):
+    store, *_ = published
+    store.put(step_key(2), store.get(step_key(7)))
+    with pytest.raises(StepFileError) as e:
+        StepFile.read(store, 2)
+    assert str(e.value) == f"step file {store.uri(step_key(2))}: header says step 7, expected step 2"
