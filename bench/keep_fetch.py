@@ -56,6 +56,7 @@ from storage.config import StorageConfig  # noqa: E402
 from storage.fetch import fetch_many  # noqa: E402
 from storage.ledger import Ledger  # noqa: E402
 from storage.store import Store, open_store  # noqa: E402
+from _args import positive_int  # noqa: E402  (bench/ is sys.path[0] when run as a script)
 
 PROMPT_TOKENS, COMPLETION_TOKENS = 1024, 3072
 FIELDS = FieldsConfig(num_layers=48, top_k=8, num_experts=128, logprobs_k=128, support_width=20)
@@ -331,17 +332,6 @@ def start_moto() -> tuple[subprocess.Popen, str]:
             time.sleep(0.2)
     proc.kill()
     raise RuntimeError("moto server did not start")
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (counts the bench divides by)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
 
 
 def main() -> None:

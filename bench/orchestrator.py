@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from _args import positive_int  # noqa: E402  (bench/ is sys.path[0] when run as a script)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -193,17 +194,6 @@ def child(variant: str, args) -> dict:
     cmd += [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("variant", "workdir")]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (counts the bench divides by)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
 
 
 def main() -> None:

@@ -50,6 +50,7 @@ from storage.config import StorageConfig
 from storage.fetch import chunk_keys
 from storage.ledger import Ledger
 from storage.store import open_store
+from _args import positive_int  # noqa: E402  (bench/ is sys.path[0] when run as a script)
 
 PROMPT, COMPLETION, LAYERS, TOP_K, EXPERTS, HEAD, SUPPORT = 1024, 3072, 48, 8, 128, 128, 20
 SEQ_LEN = 2 * (PROMPT + COMPLETION) + 512
@@ -202,17 +203,6 @@ def report(results: list[dict], num_branches: int) -> dict:
             "fetch_seconds_per_step": round(metrics["fetch_seconds_max"], 3),
             "fetch_seconds_mean_over_ranks": round(metrics["fetch_seconds_mean"], 3),
             "fetched_GiB_per_step": round(metrics["fetched_bytes"] / 2**30, 3), "deletes": metrics["deletes"]}
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (counts the bench divides by)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
 
 
 def main() -> None:
