@@ -126,6 +126,7 @@ class S3Store(Store):
         return True
 
     def list_prefix(self, key_prefix):
+        key_prefix = key_prefix.rstrip("/")
         base = self.path(key_prefix) if key_prefix else self.prefix.path
         root = self.prefix.path + "/"
         try:

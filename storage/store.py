@@ -369,11 +369,3 @@ def _preadinto(fd: int, view: memoryview, offset: int) -> int:
 
 _HAVE_PREADV = hasattr(os, "preadv")
 
-
-def __getattr__(name: str):
-    """``storage.store.S3Store`` is ``storage.s3_store.S3Store``, imported on first use (as s3fs is)."""
-    if name == "S3Store":
-        from storage.s3_store import S3Store
-
-        return S3Store
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

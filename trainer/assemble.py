@@ -70,11 +70,9 @@ class FieldBatch:
 class AssembledMicroBatch:
     """One micro batch in the padded layout the model consumes (numpy arrays)."""
 
-    dp_rank: int
-    index: int
+    record: MicroBatchRecord
+    """The step file's record of this micro batch (DP rank, index, sequences, policy versions)."""
     seq_len: int
-    num_tokens: int
-    """Real tokens ``T`` (the rest of ``seq_len`` is padding)."""
     streams: dict[str, np.ndarray]
     """name -> [seq_len] array of ``STREAMS[name]``."""
     cu_seqlens: np.ndarray
@@ -83,6 +81,19 @@ class AssembledMicroBatch:
     dropped: bool = False
     """Its chunks could not be fetched on some rank: ``loss_mask`` is all False, completion
     fields are empty and routing repeats real rows; train it for shape only, never for loss."""
+
+    @property
+    def dp_rank(self) -> int:
+        return self.record.dp_rank
+
+    @property
+    def index(self) -> int:
+        return self.record.index
+
+    @property
+    def num_tokens(self) -> int:
+        """Real tokens ``T`` (the rest of ``seq_len`` is padding)."""
+        return self.record.num_tokens
 
 
 @dataclass(frozen=True)
@@ -212,7 +223,7 @@ def finish_micro_batch(plan: MicroBatchPlan, streams: Mapping[str, np.ndarray],
             values, counts = _ragged_values(fdef, plan, arrays, what)
         out[fdef.name] = FieldBatch(values, cu, counts=counts,
                                     row_ids=completion_row_ids(mb, plan.refs, cu, plan.seq_len))
-    return AssembledMicroBatch(mb.dp_rank, mb.index, plan.seq_len, mb.num_tokens, pad_streams(streams, plan.seq_len),
+    return AssembledMicroBatch(mb, plan.seq_len, pad_streams(streams, plan.seq_len),
                                padded_cu_seqlens(mb, plan.seq_len), out)
 
 
@@ -253,7 +264,7 @@ def assemble_dropped_micro_batch(
                                         row_ids=np.full(seq_len, -1, np.int64))
     padded_streams = pad_streams(streams, seq_len)
     padded_streams["loss_mask"][:] = False
-    return AssembledMicroBatch(mb.dp_rank, mb.index, seq_len, mb.num_tokens, padded_streams,
+    return AssembledMicroBatch(mb, seq_len, padded_streams,
                                padded_cu_seqlens(mb, seq_len), out, dropped=True)
 
 

@@ -108,7 +108,7 @@ class TrainerRank:
                             max_concurrency=self.storage.max_concurrent_fetches)
         dropped = self.agree_failures(header, fetched)
         batches = self.stand_in_dropped(step_file, fetched, dropped[dp_rank])
-        train([to_torch(mb, rec) for mb, rec in zip(batches, header.micro_batches_of(dp_rank))])
+        train([to_torch(mb) for mb in batches])
         deletes, problems = self.release(header)
         return self.metrics(header, fetched, dropped, deletes, problems, self.store.retries - retries_before)
 

@@ -43,9 +43,8 @@ class FieldTensors:
 class TrainMicroBatch:
     """What the train callback gets per micro batch: tensors in the layout of ``AssembledMicroBatch``."""
 
-    dp_rank: int
-    index: int
-    num_tokens: int
+    record: MicroBatchRecord
+    """The step file's record of this micro batch (DP rank, index, sequences, policy versions)."""
     streams: dict[str, torch.Tensor]
     """name -> [seq_len] tensor of ``STREAM_TORCH_DTYPES[name]``."""
     cu_seqlens: torch.Tensor
@@ -53,19 +52,16 @@ class TrainMicroBatch:
     fields: dict[str, FieldTensors]
     dropped: bool
     """True: shapes only; its ``loss_mask`` is all False and it must not contribute to the loss."""
-    record: MicroBatchRecord
-    """The step file's record of this micro batch (sequences, env names, policy versions)."""
 
 
 def _wrap(a: np.ndarray | None) -> torch.Tensor | None:
     return None if a is None else torch.from_numpy(a)
 
 
-def to_torch(mb: AssembledMicroBatch, record: MicroBatchRecord) -> TrainMicroBatch:
+def to_torch(mb: AssembledMicroBatch) -> TrainMicroBatch:
     """Tensors of ``mb``: one widening copy per stream, field arrays shared with ``mb``."""
     streams = {name: torch.from_numpy(a.astype(STREAM_TORCH_DTYPES[name])) for name, a in mb.streams.items()}
     fields = {name: FieldTensors(_wrap(f.values), _wrap(f.cu_seqlens), _wrap(f.counts), _wrap(f.padded),
                                  _wrap(f.row_ids))
               for name, f in mb.fields.items()}
-    return TrainMicroBatch(mb.dp_rank, mb.index, mb.num_tokens, streams, torch.from_numpy(mb.cu_seqlens), fields,
-                           mb.dropped, record)
+    return TrainMicroBatch(mb.record, streams, torch.from_numpy(mb.cu_seqlens), fields, mb.dropped)

@@ -9,7 +9,8 @@ from pipeline.keep import Branch, Keeper
 from pipeline.samples import BranchResult, Episode
 from storage.config import StorageConfig
 from storage.ledger import Ledger
-from storage.store import LocalStore, S3Store, Store
+from storage.s3_store import S3Store
+from storage.store import LocalStore, Store
 from storage.uri import RunPrefix
 
 FIELDS = FieldsConfig(num_layers=2, top_k=2, num_experts=8, logprobs_k=3)

@@ -12,7 +12,8 @@ from storage.errors import (ChunkNotFoundError, ConfigError, DoubleDeleteError, 
                             UnknownRefError)
 from storage.fetch import fetch_arrays, put_chunk
 from storage.ledger import SEGMENT_MAX_EVENTS, Ledger, parse_segment_key, tombstone_key
-from storage.store import LocalStore, S3Store, Store
+from storage.s3_store import S3Store
+from storage.store import LocalStore, Store
 from storage.uri import RunPrefix
 
 

@@ -46,7 +46,7 @@ def main(spec_path: str, rank: int) -> None:
         def train(batches):
             for mb in batches:
                 result["dropped"].append(mb.dropped)
-                got.update({f"mb{mb.index}.{k}": v for k, v in flatten(mb.streams, mb.cu_seqlens, mb.fields).items()})
+                got.update({f"mb{mb.record.index}.{k}": v for k, v in flatten(mb.streams, mb.cu_seqlens, mb.fields).items()})
 
         started = time.monotonic()
         try:

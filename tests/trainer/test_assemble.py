@@ -143,7 +143,7 @@ def test_to_torch_widens_streams_once_and_shares_field_memory(local):
     arrays = {i: fetch_arrays(store, header.refs[i], n) for i, n in own_requests(header, 0).items()}
     record = header.micro_batches_of(0)[0]
     mb = assemble_micro_batch(record, step.streams[(0, 0)], arrays, header.refs, seq_len=SEQ_LEN, fields=FIELDS)
-    t = to_torch(mb, record)
+    t = to_torch(mb)
     assert t.record is record
     assert t.streams["input_ids"].dtype == torch.int64 and t.streams["position_ids"].dtype == torch.int64
     assert t.streams["loss_mask"].dtype == torch.bool and t.streams["temperatures"].dtype == torch.float32
