@@ -22,10 +22,10 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from pipeline.step_file import StepFile, StepHeader
+from pipeline.step_file import StepFile, step_key
 from storage.chunk import PayloadRef
 from storage.config import StorageConfig
-from storage.errors import ChunkNotFoundError, ConfigError, RefpipeError, StepFileError
+from storage.errors import ChunkNotFoundError, ConfigError, RefpipeError
 from storage.fetch import chunk_keys
 from storage.ledger import tombstone_key
 from storage.store import Store, open_store
@@ -107,8 +107,8 @@ def open_step(step_uri: str, s3_endpoint_url: str | None) -> StepTarget:
     """
     directory, _, name = _absolute(step_uri).rpartition("/")
     match = _STEP_NAME.match(name)
-    if not match or not directory.endswith("/steps"):
-        raise ConfigError(f"step URI {step_uri!r}: expected <root>/<run_id>/steps/step_<N>.npz")
+    if not match or not directory.endswith("/steps") or f"steps/{name}" != step_key(int(match.group(1))):
+        raise ConfigError(f"step URI {step_uri!r}: expected <root>/<run_id>/steps/step_<N:08d>.npz")
     store = open_run(directory.removesuffix("/steps"), s3_endpoint_url)
     return StepTarget(store, f"steps/{name}", int(match.group(1)))
 
@@ -122,16 +122,7 @@ def load_step(target: StepTarget) -> StepFile:
             is not the one in the file name.
         PermissionError: the file cannot be read.
     """
-    step = StepFile.from_bytes(target.store.get(target.key), target.store, target.uri)
-    check_step_number(step.header, target)
-    return step
-
-
-def check_step_number(header: StepHeader, target: StepTarget) -> None:
-    """Raise ``StepFileError`` unless ``header.step`` is the step number in ``target``'s file name."""
-    if header.step != target.step:
-        raise StepFileError(f"step file {target.uri}: header says step {header.step}, expected step "
-                            f"{target.step} (from the file name)")
+    return StepFile.read(target.store, target.step)
 
 
 def progress(description: str) -> Progress:

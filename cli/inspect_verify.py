@@ -16,9 +16,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.inspect_common import EXIT_PROBLEMS, S3_ENDPOINT_HELP, StepTarget, check_step_number, clean_errors, \
+from cli.inspect_common import EXIT_PROBLEMS, S3_ENDPOINT_HELP, StepTarget, clean_errors, \
     deleted_by, load_step, open_step, parallel_map
-from pipeline.step_file import HEADER_MEMBER, StepFile, StepHeader
+from pipeline.step_file import HEADER_MEMBER, StepFile, StepHeader, check_step
 from storage.chunk import PayloadRef, read_attributes
 from storage.errors import ChunkCorruptError, ChunkNotFoundError, OutsideRunError, StepFileError
 from storage.fetch import chunk_keys, fetch_arrays
@@ -35,7 +35,7 @@ def _load(target: StepTarget) -> StepFile:
             raise
     zf = zipfile.ZipFile(io.BytesIO(target.store.get(target.key)))
     header = StepHeader.model_validate_json(zf.read(HEADER_MEMBER))
-    check_step_number(header, target)
+    check_step(header, target.step, target.uri)
     return StepFile(header, zf, target.uri)
 
 

@@ -78,6 +78,7 @@ class Launcher:
         self.deletes: Counter[str] = Counter()
         self.kept_chunks = self.kept_bytes = 0
         self.alignment_max = 0.0
+        self.alignment_tokens = 0
         self.rewards: list[float] = []
         self.rows: dict[int, StepRow] = {}
 
@@ -220,6 +221,7 @@ class Launcher:
                 return progressed
             self.deletes["trainer"] += metrics["deletes"]
             self.alignment_max = max(self.alignment_max, metrics["on_policy_max_abs_diff"])
+            self.alignment_tokens += metrics["on_policy_tokens"]
             deletes = (sum(self.orchestrator.deleted.values()), self.deletes["trainer"],
                        self.deletes["env worker discard"])
             self.view.step_done(self.rows.pop(self.trained).with_trainer(metrics, deletes))
@@ -241,6 +243,7 @@ class Launcher:
                           failure=failure)
         summary = {"failed": failed, "failure": failure, "trained_steps": self.trained, "rewards": self.rewards,
                    "deletes": dict(self.deletes), "alignment_max_abs_diff": self.alignment_max,
+                   "alignment_on_policy_tokens": self.alignment_tokens,
                    "alignment_ok": alignment_ok, "dead_env_workers": sorted(fleet.dead), "audit": report.model_dump()}
         self.store.put(SUMMARY_KEY, json.dumps(summary, indent=2).encode())
         return 0 if report.clean and alignment_ok and not failed else 1

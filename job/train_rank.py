@@ -108,14 +108,13 @@ class PolicyTrainer:
 
     def _check_alignment(self, mb: TrainMicroBatch, logprobs, inference, mask, positions, stats: StepStats) -> None:
         """Max |recomputed - inference| logprob, apart for tokens sampled with these weights or older ones."""
-        version = torch.as_tensor(token_policy_versions(mb))[positions]
+        version = token_policy_versions(mb)[positions]
         diff = (logprobs - inference).abs()
-        for on_policy, attr in ((True, "on_policy"), (False, "off_policy")):
-            sel = mask & ((version == self.version) if on_policy else (version < self.version))
-            if sel.any():
-                setattr(stats, f"{attr}_tokens", getattr(stats, f"{attr}_tokens") + int(sel.sum()))
-                setattr(stats, f"{attr}_max_abs_diff", max(getattr(stats, f"{attr}_max_abs_diff"),
-                                                            float(diff[sel].max())))
+        on, off = mask & (version == self.version), mask & (version < self.version)
+        stats.on_policy_tokens += int(on.sum())
+        stats.off_policy_tokens += int(off.sum())
+        stats.on_policy_max_abs_diff = max(stats.on_policy_max_abs_diff, _max_or_zero(diff[on]))
+        stats.off_policy_max_abs_diff = max(stats.off_policy_max_abs_diff, _max_or_zero(diff[off]))
 
     def _all_reduce_gradients(self) -> None:
         scale = 1.0 / self.cfg.trainer.model_parallel_size
@@ -124,13 +123,15 @@ class PolicyTrainer:
             p.grad.mul_(scale)
 
 
+def _max_or_zero(t: torch.Tensor) -> float:
+    return float(t.max()) if t.numel() else 0.0
+
+
 def token_policy_versions(mb: TrainMicroBatch) -> torch.Tensor:
     """[seq_len] int64 policy version of each position's sequence (-1 on padding)."""
-    versions = torch.full((mb.streams["input_ids"].numel(),), -1, dtype=torch.int64)
-    starts = mb.cu_seqlens.tolist()
-    for seq, start, end in zip(mb.record.sequences, starts, starts[1:]):
-        versions[start:end] = seq.policy_version
-    return versions
+    per_sequence = [seq.policy_version for seq in mb.record.sequences]
+    per_sequence += [-1] * (len(mb.cu_seqlens) - 1 - len(per_sequence))  # the padding sequence, if any
+    return torch.tensor(per_sequence, dtype=torch.int64).repeat_interleave(mb.cu_seqlens.diff().long())
 
 
 def publish_step_metrics(store: Store, step: int, metrics: dict) -> None:

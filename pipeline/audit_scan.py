@@ -142,16 +142,17 @@ def _scan_steps(store: Store, scan: RunScan, progress: Progress | None) -> None:
         (keys if _STEP_KEY.match(key) else scan.stray_keys).append(key)
 
     def read(key: str) -> StepHeader | str:
+        step = int(_STEP_KEY.match(key).group(1))
+        if step_key(step) != key:
+            return f"{store.uri(key)}: not a step file name (expected {step_key(step)})"
         try:
-            return StepFile.from_bytes(store.get(key), store, store.uri(key)).header
+            return StepFile.read(store, step).header
         except (StepFileError, ChunkNotFoundError) as e:
             return f"{store.uri(key)}: {e}"
 
-    for key, header in zip(keys, _parallel(store, read, keys, progress, "reading step files")):
+    for header in _parallel(store, read, keys, progress, "reading step files"):
         if isinstance(header, str):
             scan.unreadable_steps.append(header)
-        elif step_key(header.step) != key:
-            scan.unreadable_steps.append(f"{store.uri(key)}: holds step {header.step}")
         else:
             scan.steps[header.step] = header
 

@@ -236,9 +236,7 @@ class StepFile:
         """
         key = step_key(step)
         step_file = cls.from_bytes(store.get(key), store, store.uri(key))
-        if step_file.header.step != step:
-            raise StepFileError(f"step file {step_file.uri}: header says step {step_file.header.step}, "
-                                f"expected step {step}")
+        check_step(step_file.header, step, step_file.uri)
         return step_file
 
     @classmethod
@@ -281,6 +279,12 @@ class StepFile:
                                     f"expected {dtype} [{mb.num_tokens}]")
             out[name] = a
         return out
+
+
+def check_step(header: StepHeader, step: int, uri: str) -> None:
+    """Raise ``StepFileError`` unless the header of the file at ``uri`` (named for ``step``) holds step ``step``."""
+    if header.step != step:
+        raise StepFileError(f"step file {uri}: header says step {header.step}, expected step {step}")
 
 
 def _check_run(header: StepHeader, store: Store, uri: str) -> None:

@@ -61,8 +61,9 @@ def test_main_job_trains_through_refpipe_and_ends_clean(request, backend):
     assert code == 0, text
     assert_clean_end(cfg, summary)
     assert summary["alignment_ok"] and 0 <= summary["alignment_max_abs_diff"] < 1e-4
+    assert summary["alignment_on_policy_tokens"] > 0  # the check compared real tokens
     deletes = summary["deletes"]
-    assert deletes["trainer"] == summary["audit"]["shipped"] - summary["audit"]["borrowed"] * 0
+    assert deletes["trainer"] == summary["audit"]["shipped"]  # borrowed chunks are shipped once and deleted once
     assert deletes["orchestrator eval"] >= cfg.orchestrator.group_size
     assert sum(deletes.values()) == summary["audit"]["deleted"]
     assert "audit clean; alignment ok" in text

@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from pipeline.fields import spread_expert_rows
 from storage.config import StorageConfig
