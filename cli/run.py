@@ -24,6 +24,9 @@ def run_job(config: Path = typer.Option(Path("configs/local.toml"), "--config", 
     except RefpipeError as e:  # raised before the run started: bad config, root, credentials, existing run
         console.print(f"[red]error:[/] {e}", soft_wrap=True, highlight=False)
         raise typer.Exit(2) from None
+    except KeyboardInterrupt:  # before the fleet started (warm start): only config.json and weights were written
+        console.print("[red]interrupted before the run started[/]", highlight=False)
+        raise typer.Exit(130) from None
     raise typer.Exit(code)
 
 

@@ -84,21 +84,21 @@ class Launcher:
 
     def run(self) -> int:
         """Run the job; return the process exit code (0: audit clean and alignment within tolerance)."""
-        config_path = self.prepare()
-        try:
-            fleet = start_fleet(self.cfg, config_path)
-            self.orchestrator = Orchestrator(self.cfg.orchestrator, self.store, fields=self.cfg.fields)
-            failure = self.drive(fleet)
-        finally:
-            os.unlink(config_path)
+        with _sigterm_as_interrupt():  # SIGTERM before the fleet exists ends like Ctrl-C (KeyboardInterrupt)
+            config_path = self.prepare()
+            try:
+                fleet = start_fleet(self.cfg, config_path)
+                self.orchestrator = Orchestrator(self.cfg.orchestrator, self.store, fields=self.cfg.fields)
+                failure = self.drive(fleet)
+            finally:
+                os.unlink(config_path)
         return self.finish(fleet, failure=failure)
 
     def drive(self, fleet: Fleet) -> str | None:
         """Loop until done, then stop the fleet and shut the orchestrator down; return why the run failed."""
         failure = None
         try:
-            with _sigterm_as_interrupt():
-                self.loop(fleet)
+            self.loop(fleet)
         except RefpipeError as e:
             failure = f"{type(e).__name__}: {e}"
         except KeyboardInterrupt:
@@ -119,9 +119,6 @@ class Launcher:
         except KeyExistsError as e:
             raise ConfigError(f"run {self.store.prefix.uri} already exists: choose another storage.run_id "
                               f'(or "auto")') from e
-        fd, path = tempfile.mkstemp(prefix=f"refpipe-{self.cfg.storage.run_id}-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
         torch.set_num_threads(1)
         model = MoELM(self.cfg.model)
         with self.console.status(f"warm start: {self.cfg.job.warm_start_steps} supervised steps"):
@@ -131,6 +128,9 @@ class Launcher:
         publish_weights(self.store, model, 0)
         self.console.log(f"run {self.store.prefix.uri}: {self.cfg.job.num_env_workers} env workers, "
                          f"{self.cfg.job.trainer_world_size} trainer ranks, {self.cfg.job.num_steps} steps")
+        fd, path = tempfile.mkstemp(prefix=f"refpipe-{self.cfg.storage.run_id}-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
         return path
 
     def loop(self, fleet: Fleet) -> None:
@@ -234,6 +234,7 @@ class Launcher:
         A failed run is audited as stopped, not finished: untrained step files keep their chunks
         for a restart, and ``refpipe sweep`` is left to the user.
         """
+        self.poll_trainer()  # steps the trainer finished while the fleet was stopping
         failed = failure is not None
         if fleet.dead and not failed:
             self.deletes["sweep"] += len(sweep(self.store, stopped=True).deleted)
@@ -262,7 +263,7 @@ def start_fleet(cfg: RunConfig, config_path: str) -> Fleet:
     port = _free_port()
     trainers = []
     for rank in range(cfg.job.trainer_world_size):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(cfg.job.trainer_world_size),
+        env = {**os.environ, "REFPIPE_LAUNCHER_PID": str(os.getpid()), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(cfg.job.trainer_world_size),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
         trainers.append(subprocess.Popen([sys.executable, "-m", "job.train_rank", config_path], env=env,
                                          start_new_session=True))  # Ctrl-C is the launcher's; it stops them

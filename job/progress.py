@@ -100,6 +100,6 @@ class ProgressView:
         verdict = "[green]audit clean" if report.clean else "[red]audit FAILED"
         self.console.print(f"{verdict}; alignment {'ok' if alignment_ok else 'FAILED'}")
         if failure:
-            self.console.print(f"[red]run FAILED: {failure}. Chunks of untrained steps are kept; once no process "
+            self.console.print(f"[red]run FAILED: {failure}. Chunks of any untrained steps are kept; once no process "
                                f"of the run is left, `refpipe sweep --stopped {report.run_uri}` removes what no "
                                "step file holds.", soft_wrap=True)

@@ -18,6 +18,8 @@ import json
 import logging
 import os
 import sys
+import threading
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -139,8 +141,24 @@ def publish_step_metrics(store: Store, step: int, metrics: dict) -> None:
     store.put(metrics_key(step), json.dumps(metrics).encode())
 
 
+def _exit_with_launcher() -> None:
+    """Started by ``refpipe run`` (``REFPIPE_LAUNCHER_PID`` set): exit when the launcher is gone (SIGKILLed),
+    instead of waiting for step files that will never come. Under torchrun nothing is watched."""
+    launcher = int(os.environ.get("REFPIPE_LAUNCHER_PID", "0"))
+    if not launcher:
+        return
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(1.0)
+        os._exit(3)
+
+    threading.Thread(target=watch, daemon=True, name="launcher-watch").start()
+
+
 def main(config_path: str) -> None:
     """Rank entry (torchrun environment). Trains ``job.num_steps`` steps, publishing weights after each."""
+    _exit_with_launcher()
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, format=f"[trainer rank {os.environ.get('RANK')}] %(message)s")
     cfg = load_config(config_path)

@@ -171,3 +171,34 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_sigkill_of_the_launcher_leaves_no_worker_or_trainer_behind(tmp_path):
+    """Env workers and trainer ranks watch the launcher and exit when it is SIGKILLed."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "root"
+    path = write_config(tmp_path, root, "kill", num_steps=50)
+    refpipe = os.path.join(os.path.dirname(sys.executable), "refpipe")
+    proc = subprocess.Popen([refpipe, "run", "--config", path], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    store = open_store(StorageConfig(root=str(root), run_id="kill"))
+    deadline = time.monotonic() + 300
+    while not store.exists(step_key(1)) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    children = [pid for pid in _children(proc.pid) if _cmdline(pid) and "resource_tracker" not in _cmdline(pid)]
+    assert len(children) == 4  # 2 env workers, 2 trainer ranks
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while [pid for pid in children if _alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert [pid for pid in children if _alive(pid)] == []
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except FileNotFoundError:
+        return ""
