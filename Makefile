@@ -18,6 +18,7 @@ run: $(STAMP)
 	$(VENV)/bin/refpipe run --config $(CONFIG)
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

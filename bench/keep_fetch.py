@@ -46,17 +46,14 @@ import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import numpy as np  # noqa: E402
-
-from pipeline.fields import FieldsConfig  # noqa: E402
-from pipeline.keep import Branch, Keeper  # noqa: E402
-from storage.config import StorageConfig  # noqa: E402
-from storage.fetch import fetch_many  # noqa: E402
-from storage.ledger import Ledger  # noqa: E402
-from storage.store import Store, open_store  # noqa: E402
 from _args import positive_int  # noqa: E402  (bench/ is sys.path[0] when run as a script)
+from refpipe.pipeline.fields import FieldsConfig  # noqa: E402
+from refpipe.pipeline.keep import Branch, Keeper  # noqa: E402
+from refpipe.storage.config import StorageConfig  # noqa: E402
+from refpipe.storage.fetch import fetch_many  # noqa: E402
+from refpipe.storage.ledger import Ledger  # noqa: E402
+from refpipe.storage.store import Store, open_store  # noqa: E402
 
 PROMPT_TOKENS, COMPLETION_TOKENS = 1024, 3072
 FIELDS = FieldsConfig(num_layers=48, top_k=8, num_experts=128, logprobs_k=128, support_width=20)
@@ -302,7 +299,8 @@ def _fmt(d: dict) -> str:
 
 def _count_summary(counter, n: int) -> dict:
     if isinstance(counter, S3Counter):
-        return {"s3_requests_per_branch": {p: {s: {k: round(v / n, 3) for k, v in sorted(counter.requests[s, p].items())}
+        return {"s3_requests_per_branch": {p: {s: {k: round(v / n, 3)
+                                                   for k, v in sorted(counter.requests[s, p].items())}
                                                for s in SIDES} for p in PHASES}}
     return {
         "fs_ops_per_branch": {p: {s: round(sum(counter.ops[s, p].values()) / n, 3) for s in SIDES} for p in PHASES},

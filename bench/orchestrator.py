@@ -34,9 +34,8 @@ import sys
 import tempfile
 import time
 import zipfile
-from _args import positive_int  # noqa: E402  (bench/ is sys.path[0] when run as a script)
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _args import positive_int  # noqa: E402  (bench/ is sys.path[0] when run as a script)
 
 NUM_EXPERTS = 128
 
@@ -71,8 +70,7 @@ def base_arrays(args):
 def episode_of(i: int, args, ref):
     """Episode ``i`` (one branch; groups of ``group_size``) with random tokens and reward."""
     import numpy as np
-
-    from pipeline.samples import BranchResult, Episode
+    from refpipe.pipeline.samples import BranchResult, Episode
 
     rng = np.random.default_rng(1000 + i)
     c = args.tokens - args.prompt_tokens
@@ -83,7 +81,7 @@ def episode_of(i: int, args, ref):
 
 
 def orch_config(args):
-    from pipeline.orchestrator import OrchestratorConfig
+    from refpipe.pipeline.orchestrator import OrchestratorConfig
 
     return OrchestratorConfig(seq_len=args.tokens, dp_world_size=args.dp, group_size=args.group_size,
                               groups_per_step=args.branches // args.group_size, max_async_level=1)
@@ -91,22 +89,22 @@ def orch_config(args):
 
 def fields_config(args):
     """The run's field shapes: routing [layers, top_k] of ``NUM_EXPERTS`` experts, a top-``logprobs_k`` head."""
-    from pipeline.fields import FieldsConfig
+    from refpipe.pipeline.fields import FieldsConfig
 
     return FieldsConfig(num_layers=args.layers, top_k=args.top_k, num_experts=NUM_EXPERTS, logprobs_k=args.logprobs_k)
 
 
 def storage_config(args):
-    from storage.config import StorageConfig
+    from refpipe.storage.config import StorageConfig
 
     return StorageConfig(root=args.workdir, run_id="run_bench")
 
 
 def run_env(args) -> dict:
     """Env-server process: keep every branch, write the episodes (refs only) to a pickle."""
-    from pipeline.keep import Branch, Keeper
-    from storage.ledger import Ledger
-    from storage.store import open_store
+    from refpipe.pipeline.keep import Branch, Keeper
+    from refpipe.storage.ledger import Ledger
+    from refpipe.storage.store import open_store
 
     store = open_store(storage_config(args))
     keeper = Keeper(store, Ledger(store, "env_worker_0"), fields_config(args), storage_config(args))
@@ -124,9 +122,9 @@ def run_env(args) -> dict:
 
 def run_refpipe(args) -> dict:
     """Orchestrator process with refs: submit every episode, build and publish one step."""
-    from pipeline.orchestrator import Orchestrator
-    from pipeline.step_file import step_key
-    from storage.store import open_store
+    from refpipe.pipeline.orchestrator import Orchestrator
+    from refpipe.pipeline.step_file import step_key
+    from refpipe.storage.store import open_store
 
     with open(os.path.join(args.workdir, "episodes.pkl"), "rb") as f:
         episodes = pickle.load(f)
@@ -147,10 +145,9 @@ def run_refpipe(args) -> dict:
 def run_inline(args) -> dict:
     """Baseline orchestrator process: samples carry their arrays into the step file."""
     import numpy as np
-
-    from pipeline.advantages import group_advantages
-    from pipeline.packing import pack_step
-    from pipeline.samples import build_sample
+    from refpipe.pipeline.advantages import group_advantages
+    from refpipe.pipeline.packing import pack_step
+    from refpipe.pipeline.samples import build_sample
 
     base = base_arrays(args)
     episodes = [episode_of(i, args, None) for i in range(args.branches)]
@@ -175,8 +172,7 @@ def run_inline(args) -> dict:
 def write_inline_step(path: str, packed, arrays) -> None:
     """An npz like a step file, with every side-channel array inline per micro batch (streamed to disk)."""
     import numpy as np
-
-    from pipeline.step_file import STREAMS
+    from refpipe.pipeline.step_file import STREAMS
 
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
         for mb in packed:

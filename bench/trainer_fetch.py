@@ -33,8 +33,8 @@ import os
 import resource
 import shutil
 import socket
-import subprocess
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -42,15 +42,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-
-from pipeline.fields import FieldsConfig
-from pipeline.keep import Branch, Keeper
-from pipeline.step_file import SCHEMA_VERSION, MicroBatchRecord, SequenceRecord, StepHeader, publish_step_file
-from storage.config import StorageConfig
-from storage.fetch import chunk_keys
-from storage.ledger import Ledger
-from storage.store import open_store
 from _args import positive_int  # noqa: E402  (bench/ is sys.path[0] when run as a script)
+from refpipe.pipeline.fields import FieldsConfig
+from refpipe.pipeline.keep import Branch, Keeper
+from refpipe.pipeline.step_file import SCHEMA_VERSION, MicroBatchRecord, SequenceRecord, StepHeader, publish_step_file
+from refpipe.storage.config import StorageConfig
+from refpipe.storage.fetch import chunk_keys
+from refpipe.storage.ledger import Ledger
+from refpipe.storage.store import open_store
 
 PROMPT, COMPLETION, LAYERS, TOP_K, EXPERTS, HEAD, SUPPORT = 1024, 3072, 48, 8, 128, 128, 20
 SEQ_LEN = 2 * (PROMPT + COMPLETION) + 512
@@ -122,11 +121,10 @@ def timed(wall_s: list[float], cpu_s: list[float]):
 def rank_main(spec: dict, rank: int) -> None:
     """One trainer rank: timed rounds of raw reads and fetch + assembly, then one full step."""
     import torch.distributed as dist
-
-    from trainer.config import TrainerConfig
-    from trainer.dist import init_process_group
-    from trainer.fetch import fetch_own, own_requests
-    from trainer.step import TrainerRank
+    from refpipe.trainer.config import TrainerConfig
+    from refpipe.trainer.dist import init_process_group
+    from refpipe.trainer.fetch import fetch_own, own_requests
+    from refpipe.trainer.step import TrainerRank
 
     config = TrainerConfig(collective_timeout_s=600)
     storage = StorageConfig(**spec["storage"])

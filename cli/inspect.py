@@ -13,16 +13,22 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from refpipe.cli.inspect_common import (
+    S3_ENDPOINT_HELP,
+    ChunkState,
+    chunk_states,
+    clean_errors,
+    load_step,
+    open_step,
+    refuse_inside_run,
+)
+from refpipe.cli.inspect_ls import ls_run
+from refpipe.cli.inspect_show import show_arrays
+from refpipe.cli.inspect_verify import verify_step
+from refpipe.pipeline.step_file import MicroBatchRecord, StepHeader
+from refpipe.storage.errors import ConfigError
 from rich.console import Console
 from rich.table import Table
-
-from cli.inspect_common import S3_ENDPOINT_HELP, ChunkState, chunk_states, clean_errors, load_step, open_step, \
-    refuse_inside_run
-from cli.inspect_ls import ls_run
-from cli.inspect_show import show_arrays
-from cli.inspect_verify import verify_step
-from pipeline.step_file import MicroBatchRecord, StepHeader
-from storage.errors import ConfigError
 
 __all__ = ["inspect_step", "ls_run", "show_arrays", "summarize", "verify_step"]
 
@@ -126,6 +132,6 @@ def inspect_step(
     else:
         render(summary, Console())
     if plot_path:
-        from cli.inspect_plot import plot_micro_batches
+        from refpipe.cli.inspect_plot import plot_micro_batches
 
         plot_micro_batches(summary, plot_path)

@@ -19,16 +19,15 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import typer
+from refpipe.pipeline.step_file import StepFile, step_key
+from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.config import StorageConfig
+from refpipe.storage.errors import ChunkNotFoundError, ConfigError, RefpipeError
+from refpipe.storage.fetch import chunk_keys
+from refpipe.storage.ledger import tombstone_key
+from refpipe.storage.store import Store, open_store
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-from pipeline.step_file import StepFile, step_key
-from storage.chunk import PayloadRef
-from storage.config import StorageConfig
-from storage.errors import ChunkNotFoundError, ConfigError, RefpipeError
-from storage.fetch import chunk_keys
-from storage.ledger import tombstone_key
-from storage.store import Store, open_store
 
 T = TypeVar("T")
 R = TypeVar("R")

@@ -17,14 +17,13 @@ from collections import Counter, defaultdict
 from typing import Annotated, Optional
 
 import typer
+from refpipe.cli.inspect_common import S3_ENDPOINT_HELP, clean_errors, fail, open_run, parallel_map
+from refpipe.storage.chunk import DATA_KEY, META_KEY, read_attributes
+from refpipe.storage.ledger import DELETES_PREFIX, EVENTS_PREFIX, parse_segment_key, session_opened_ms
+from refpipe.storage.store import Store
 from rich.console import Console
 from rich.filesize import decimal
 from rich.table import Table
-
-from cli.inspect_common import S3_ENDPOINT_HELP, clean_errors, fail, open_run, parallel_map
-from storage.chunk import DATA_KEY, META_KEY, read_attributes
-from storage.ledger import DELETES_PREFIX, EVENTS_PREFIX, parse_segment_key, session_opened_ms
-from storage.store import Store
 
 _STEP_KEY = re.compile(r"^steps/step_(\d+)\.npz$")
 _DRAWN_ID = re.compile(r"^(?P<writer>.+)-[0-9a-f]{32}$")

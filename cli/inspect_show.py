@@ -23,14 +23,21 @@ from typing import Annotated, Optional
 
 import numpy as np
 import typer
+from refpipe.cli.inspect_common import (
+    S3_ENDPOINT_HELP,
+    clean_errors,
+    deleted_by,
+    load_step,
+    open_step,
+    parallel_map,
+    refuse_inside_run,
+)
+from refpipe.pipeline.step_file import MicroBatchRecord, StepHeader
+from refpipe.storage.errors import ChunkNotFoundError, ConfigError
+from refpipe.storage.fetch import fetch_arrays
+from refpipe.storage.store import Store
+from refpipe.trainer.assemble import AssembledMicroBatch, assemble_micro_batch
 
-from cli.inspect_common import S3_ENDPOINT_HELP, clean_errors, deleted_by, load_step, open_step, \
-    parallel_map, refuse_inside_run
-from pipeline.step_file import MicroBatchRecord, StepHeader
-from storage.errors import ChunkNotFoundError, ConfigError
-from storage.fetch import fetch_arrays
-from storage.store import Store
-from trainer.assemble import AssembledMicroBatch, assemble_micro_batch
 
 def _micro_batch(header: StepHeader, dp_rank: int, index: int) -> MicroBatchRecord:
     mbs = header.micro_batches_of(dp_rank) if 0 <= dp_rank < header.dp_world_size else []

@@ -15,14 +15,21 @@ import zipfile
 from typing import Annotated, Optional
 
 import typer
-
-from cli.inspect_common import EXIT_PROBLEMS, S3_ENDPOINT_HELP, StepTarget, clean_errors, \
-    deleted_by, load_step, open_step, parallel_map
-from pipeline.step_file import HEADER_MEMBER, StepFile, StepHeader, check_step
-from storage.chunk import PayloadRef, read_attributes
-from storage.errors import ChunkCorruptError, ChunkNotFoundError, OutsideRunError, StepFileError
-from storage.fetch import chunk_keys, fetch_arrays
-from storage.store import Store
+from refpipe.cli.inspect_common import (
+    EXIT_PROBLEMS,
+    S3_ENDPOINT_HELP,
+    StepTarget,
+    clean_errors,
+    deleted_by,
+    load_step,
+    open_step,
+    parallel_map,
+)
+from refpipe.pipeline.step_file import HEADER_MEMBER, StepFile, StepHeader, check_step
+from refpipe.storage.chunk import PayloadRef, read_attributes
+from refpipe.storage.errors import ChunkCorruptError, ChunkNotFoundError, OutsideRunError, StepFileError
+from refpipe.storage.fetch import chunk_keys, fetch_arrays
+from refpipe.storage.store import Store
 
 
 def _load(target: StepTarget) -> StepFile:

@@ -10,11 +10,10 @@ from __future__ import annotations
 from typing import Annotated, Optional
 
 import typer
+from refpipe.cli.inspect_common import EXIT_PROBLEMS, S3_ENDPOINT_HELP, clean_errors, open_run, progress
+from refpipe.pipeline.audit import AuditReport, SweepResult, audit, sweep
 from rich.console import Console
 from rich.table import Table
-
-from cli.inspect_common import EXIT_PROBLEMS, S3_ENDPOINT_HELP, clean_errors, open_run, progress
-from pipeline.audit import AuditReport, SweepResult, audit, sweep
 
 RunArg = Annotated[str, typer.Argument(help="Run: path, file:// or s3:// URI of <root>/<run_id>.")]
 StoppedOpt = Annotated[bool, typer.Option(

@@ -5,16 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+from refpipe.storage.errors import RefpipeError
 from rich.console import Console
-
-from storage.errors import RefpipeError
 
 
 def run_job(config: Path = typer.Option(Path("configs/local.toml"), "--config", "-c",
-                                        help="Run config (TOML); see configs/ and the README's config reference.")) -> None:
+                                        help="Run config (TOML); see configs/ and the README's config reference."),
+            ) -> None:
     """Train the small MoE policy end to end through refpipe; end with the ledger audit."""
-    from job.config import load_config
-    from job.launcher import Launcher
+    from refpipe.job.config import load_config
+    from refpipe.job.launcher import Launcher
 
     console = Console()
     try:
@@ -32,6 +32,6 @@ def run_job(config: Path = typer.Option(Path("configs/local.toml"), "--config", 
 
 def train_rank(config: Path = typer.Argument(..., help="The run's resolved config.json (fixed run_id).")) -> None:
     """One trainer rank of a run (torchrun environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
-    from job.train_rank import main
+    from refpipe.job.train_rank import main
 
     main(str(config))

@@ -30,20 +30,25 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
+from refpipe.integrations.verifiers_branches import (
+    INFO_KEY,
+    BranchRef,
+    fingerprint,
+    refs_record,
+    side_channels,
+    trainable_branches,
+)
+from refpipe.pipeline.fields import FieldsConfig
+from refpipe.pipeline.keep import Branch, Keeper
+from refpipe.storage.config import StorageConfig
+from refpipe.storage.errors import RefpipeError
+from refpipe.storage.ledger import Ledger
+from refpipe.storage.store import open_store
 from verifiers.v1.configs.env import EnvConfig
 from verifiers.v1.serve.delta import DeltaStreamer, TraceSummary, dump, pack
 from verifiers.v1.serve.server import EnvServer
 from verifiers.v1.serve.types import RunRequest, RunResponse
 from verifiers.v1.trace import Trace
-
-from integrations.verifiers_branches import (INFO_KEY, BranchRef, fingerprint, refs_record, side_channels,
-                                             trainable_branches)
-from pipeline.fields import FieldsConfig
-from pipeline.keep import Branch, Keeper
-from storage.config import StorageConfig
-from storage.errors import RefpipeError
-from storage.ledger import Ledger
-from storage.store import open_store
 
 logger = logging.getLogger(__name__)
 

@@ -13,15 +13,14 @@ import tomllib
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-
-from job.model import ModelConfig
-from job.rollout import SamplingConfig
-from job.task import TaskConfig
-from pipeline.fields import FieldsConfig
-from pipeline.orchestrator import OrchestratorConfig
-from storage.config import StorageConfig
-from storage.errors import ConfigError
-from trainer.config import TrainerConfig
+from refpipe.job.model import ModelConfig
+from refpipe.job.rollout import SamplingConfig
+from refpipe.job.task import TaskConfig
+from refpipe.pipeline.fields import FieldsConfig
+from refpipe.pipeline.orchestrator import OrchestratorConfig
+from refpipe.storage.config import StorageConfig
+from refpipe.storage.errors import ConfigError
+from refpipe.trainer.config import TrainerConfig
 
 
 class JobConfig(BaseModel):

@@ -18,16 +18,15 @@ import signal
 from dataclasses import dataclass
 
 import torch
-
-from job.config import RunConfig
-from job.model import EOS_ID, MoELM
-from job.rollout import SampledBranch, sample_branches
-from job.task import Problem, make_problems, reward
-from job.weights import latest_version, load_weights
-from pipeline.keep import Branch, Keeper
-from pipeline.samples import BranchResult, Episode
-from storage.ledger import Ledger
-from storage.store import open_store
+from refpipe.job.config import RunConfig
+from refpipe.job.model import EOS_ID, MoELM
+from refpipe.job.rollout import SampledBranch, sample_branches
+from refpipe.job.task import Problem, make_problems, reward
+from refpipe.job.weights import latest_version, load_weights
+from refpipe.pipeline.keep import Branch, Keeper
+from refpipe.pipeline.samples import BranchResult, Episode
+from refpipe.storage.ledger import Ledger
+from refpipe.storage.store import open_store
 
 ENV_NAME = "reverse"
 log = logging.getLogger(__name__)

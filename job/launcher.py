@@ -30,21 +30,19 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
+from refpipe.job.config import RunConfig
+from refpipe.job.env_worker import GroupRequest, GroupResult, env_worker_main
+from refpipe.job.model import MoELM
+from refpipe.job.progress import ProgressView, StepRow
+from refpipe.job.task import warm_start
+from refpipe.job.train_rank import metrics_key
+from refpipe.job.weights import publish_weights
+from refpipe.pipeline.audit import AuditReport, audit, sweep
+from refpipe.pipeline.orchestrator import Orchestrator
+from refpipe.pipeline.step_file import step_key
+from refpipe.storage.errors import ChunkNotFoundError, ConfigError, KeyExistsError, RefpipeError
+from refpipe.storage.store import Store, open_store
 from rich.console import Console
-
-from job.config import RunConfig
-from job.env_worker import GroupRequest, GroupResult, env_worker_main
-from job.model import MoELM
-from job.progress import ProgressView, StepRow
-from job.task import warm_start
-from job.train_rank import metrics_key
-from job.weights import publish_weights
-from pipeline.audit import AuditReport, audit, sweep
-from pipeline.orchestrator import Orchestrator
-from pipeline.step_file import step_key
-from storage.errors import ChunkNotFoundError, ConfigError, KeyExistsError, RefpipeError
-from storage.store import Store, open_store
-
 
 SUMMARY_KEY = "summary.json"
 """``<run>/summary.json``: the run's outcome (audit, deletes by actor and path, alignment, rewards)."""
@@ -263,9 +261,10 @@ def start_fleet(cfg: RunConfig, config_path: str) -> Fleet:
     port = _free_port()
     trainers = []
     for rank in range(cfg.job.trainer_world_size):
-        env = {**os.environ, "REFPIPE_LAUNCHER_PID": str(os.getpid()), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(cfg.job.trainer_world_size),
+        env = {**os.environ, "REFPIPE_LAUNCHER_PID": str(os.getpid()), "RANK": str(rank), "LOCAL_RANK": str(rank),
+               "WORLD_SIZE": str(cfg.job.trainer_world_size),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        trainers.append(subprocess.Popen([sys.executable, "-m", "job.train_rank", config_path], env=env,
+        trainers.append(subprocess.Popen([sys.executable, "-m", "refpipe.job.train_rank", config_path], env=env,
                                          start_new_session=True))  # Ctrl-C is the launcher's; it stops them
     return Fleet(workers, requests, results, stop, trainers, [{} for _ in workers])
 

@@ -19,9 +19,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from refpipe.storage.errors import ConfigError, FieldError
 from torch import nn
-
-from storage.errors import ConfigError, FieldError
 
 BOS_ID = 256
 """Begins every prompt."""
@@ -213,15 +212,19 @@ class MoELM(nn.Module):
     def _check(self, input_ids, position_ids, cu_seqlens, routed_experts) -> torch.Tensor | None:
         t, cfg = input_ids.numel(), self.cfg
         if input_ids.shape != (t,) or position_ids.shape != (t,):
-            raise FieldError(f"input_ids {list(input_ids.shape)} / position_ids {list(position_ids.shape)}: expected [T]")
+            raise FieldError(f"input_ids {list(input_ids.shape)} / position_ids {list(position_ids.shape)}: "
+                             "expected [T]")
         if t and (int(input_ids.min()) < 0 or int(input_ids.max()) >= VOCAB_SIZE):
-            raise FieldError(f"input_ids outside [0, {VOCAB_SIZE}): got {int(input_ids.min())}..{int(input_ids.max())}")
+            raise FieldError(f"input_ids outside [0, {VOCAB_SIZE}): "
+                             f"got {int(input_ids.min())}..{int(input_ids.max())}")
         if t and int(position_ids.max()) >= cfg.max_positions:
-            raise FieldError(f"position_ids max {int(position_ids.max())}: expected < max_positions={cfg.max_positions}")
+            raise FieldError(f"position_ids max {int(position_ids.max())}: "
+                             f"expected < max_positions={cfg.max_positions}")
         if routed_experts is None:
             return None
         if routed_experts.shape != (t, cfg.num_layers, cfg.top_k):
-            raise FieldError(f"routed_experts shape {list(routed_experts.shape)}: expected [{t}, {cfg.num_layers}, {cfg.top_k}]")
+            raise FieldError(f"routed_experts shape {list(routed_experts.shape)}: "
+                             f"expected [{t}, {cfg.num_layers}, {cfg.top_k}]")
         replay = routed_experts.to(torch.int64)
         if t and int(replay.max()) >= cfg.num_experts:
             raise FieldError(f"routed_experts id {int(replay.max())}: expected < num_experts={cfg.num_experts}")

@@ -5,12 +5,11 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, replace
 
+from refpipe.pipeline.audit import AuditReport
+from refpipe.pipeline.step_file import StepHeader
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-
-from pipeline.audit import AuditReport
-from pipeline.step_file import StepHeader
 
 COLUMNS = ("step", "reward", "tokens", "kept", "kept MiB", "step KiB", "fetch s", "dropped", "del o/t/e",
            "align err")

@@ -19,9 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
-
-from job.model import EOS_ID, MoELM
-from storage.errors import ConfigError
+from refpipe.job.model import EOS_ID, MoELM
+from refpipe.storage.errors import ConfigError
 
 
 class SamplingConfig(BaseModel):
@@ -82,7 +81,8 @@ class _Buffers:
 
 
 @torch.no_grad()
-def sample_branches(model: MoELM, prompts: Sequence[np.ndarray], cfg: SamplingConfig, *, seed: int) -> list[SampledBranch]:
+def sample_branches(model: MoELM, prompts: Sequence[np.ndarray], cfg: SamplingConfig, *,
+                    seed: int) -> list[SampledBranch]:
     """Sample one completion per prompt (a batch of N prompts; deterministic in ``seed``).
 
     Args:

@@ -17,9 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from job.model import BOS_ID, EOS_ID, MoELM
-from storage.errors import ConfigError
+from refpipe.job.model import BOS_ID, EOS_ID, MoELM
+from refpipe.storage.errors import ConfigError
 
 
 class TaskConfig(BaseModel):
@@ -84,7 +83,8 @@ def reward(completion_ids: np.ndarray, target_ids: np.ndarray) -> float:
     return 1.0 if longest == 0 else float((answer[:n] == target_ids[:n]).sum()) / longest
 
 
-def warm_start(model: MoELM, cfg: TaskConfig, *, steps: int = 100, batch_size: int = 32, lr: float = 3e-3) -> list[float]:
+def warm_start(model: MoELM, cfg: TaskConfig, *, steps: int = 100, batch_size: int = 32,
+               lr: float = 3e-3) -> list[float]:
     """Supervised warm start on the task: teacher-forced cross-entropy on ``target + EOS``.
 
     Deterministic given the model's weights and ``cfg``; its problems come from a stream

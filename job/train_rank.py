@@ -2,7 +2,7 @@
 
 Launched by ``refpipe run`` (one process per rank, with the environment torchrun sets:
 ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), or on several nodes by
-``torchrun ... -m job.train_rank <resolved config.json>`` with the same code.
+``torchrun ... -m refpipe.job.train_rank <resolved config.json>`` with the same code.
 
 Per step ``s`` every rank, in order: ``TrainerRank.run_step`` (load the step file, fetch
 its micro batches' chunks, all-reduce failures, assemble) calls ``train``: forward
@@ -24,15 +24,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
-
-from job.config import RunConfig, load_config
-from job.loss import policy_loss
-from job.model import MoELM
-from job.weights import load_weights, publish_weights
-from storage.store import Store, open_store
-from trainer.dist import init_process_group
-from trainer.step import TrainerRank
-from trainer.tensors import TrainMicroBatch
+from refpipe.job.config import RunConfig, load_config
+from refpipe.job.loss import policy_loss
+from refpipe.job.model import MoELM
+from refpipe.job.weights import load_weights, publish_weights
+from refpipe.storage.store import Store, open_store
+from refpipe.trainer.dist import init_process_group
+from refpipe.trainer.step import TrainerRank
+from refpipe.trainer.tensors import TrainMicroBatch
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,8 @@ import io
 import json
 
 import torch
-
-from storage.errors import ChunkNotFoundError
-from storage.store import Store
+from refpipe.storage.errors import ChunkNotFoundError
+from refpipe.storage.store import Store
 
 LATEST_KEY = "weights/latest.json"
 

@@ -46,12 +46,11 @@ import socket
 from collections import Counter
 
 from pydantic import BaseModel, ConfigDict, computed_field
+from refpipe.pipeline.audit_scan import RunScan, committed, scan_run
+from refpipe.storage.errors import ConfigError, DoubleDeleteError, StepFileError, UnknownRefError
+from refpipe.storage.ledger import Ledger, session_opened_ms
+from refpipe.storage.store import Store
 from rich.progress import Progress
-
-from pipeline.audit_scan import RunScan, committed, scan_run
-from storage.errors import ConfigError, DoubleDeleteError, StepFileError, UnknownRefError
-from storage.ledger import Ledger, session_opened_ms
-from storage.store import Store
 
 ORCHESTRATOR_ACTOR = "orchestrator"
 SWEEP_ACTOR = "sweep"

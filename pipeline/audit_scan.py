@@ -24,13 +24,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from refpipe.pipeline.step_file import StepFile, StepHeader, step_key
+from refpipe.storage.chunk import META_KEY, node_key, read_attributes
+from refpipe.storage.errors import ChunkNotFoundError, ConfigError, RunNotFoundError, StepFileError
+from refpipe.storage.ledger import parse_segment_key, tombstone_key
+from refpipe.storage.store import Store
 from rich.progress import Progress
-
-from pipeline.step_file import StepFile, StepHeader, step_key
-from storage.chunk import META_KEY, node_key, read_attributes
-from storage.errors import ChunkNotFoundError, ConfigError, RunNotFoundError, StepFileError
-from storage.ledger import parse_segment_key, tombstone_key
-from storage.store import Store
 
 _STEP_KEY = re.compile(r"^steps/step_(\d+)\.npz$")
 _DRAWN_ID = re.compile(r"^(?P<writer>.+)-[0-9a-f]{32}$")

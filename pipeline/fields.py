@@ -16,9 +16,8 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
-
-from storage.chunk import ArraySpec
-from storage.errors import FieldError
+from refpipe.storage.chunk import ArraySpec
+from refpipe.storage.errors import FieldError
 
 
 class FieldsConfig(BaseModel):
@@ -139,7 +138,8 @@ def validate_branch(
             trailing shape or row count, or a bad value (expert id out of range, NaN
             logprob, id < -1).
     """
-    for count_name, count in (("num_prompt_tokens", num_prompt_tokens), ("num_completion_tokens", num_completion_tokens)):
+    for count_name, count in (("num_prompt_tokens", num_prompt_tokens),
+                              ("num_completion_tokens", num_completion_tokens)):
         if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
             raise FieldError(f"{what}: {count_name}={count!r}: expected an integer >= 0")
     arrays: dict[str, np.ndarray] = {}
@@ -165,7 +165,8 @@ def _check_array(fdef: FieldDef, name: str, a, shape: tuple[int, ...], cfg: Fiel
     if not isinstance(a, np.ndarray):
         raise FieldError(f"{what}: field {name!r} is {type(a).__name__}: expected a numpy array")
     if _stored_dtype(a) not in fdef.dtypes:
-        raise FieldError(f"{what}: field {name!r} has dtype {a.dtype}: expected one of {[str(np.dtype(d)) for d in fdef.dtypes]}")
+        raise FieldError(f"{what}: field {name!r} has dtype {a.dtype}: "
+                         f"expected one of {[str(np.dtype(d)) for d in fdef.dtypes]}")
     if a.shape != shape:
         raise FieldError(f"{what}: field {name!r} has shape {list(a.shape)}: expected {list(shape)} "
                          f"({fdef.domain} domain rows, trailing shape from FieldsConfig)")

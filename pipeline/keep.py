@@ -13,13 +13,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from pipeline.fields import FieldsConfig, Ragged, validate_branch
-from storage.chunk import PayloadRef, encode_chunk
-from storage.config import StorageConfig
-from storage.fetch import put_chunk
-from storage.ledger import DeleteResult, Ledger
-from storage.store import Store
+from refpipe.pipeline.fields import FieldsConfig, Ragged, validate_branch
+from refpipe.storage.chunk import PayloadRef, encode_chunk
+from refpipe.storage.config import StorageConfig
+from refpipe.storage.fetch import put_chunk
+from refpipe.storage.ledger import DeleteResult, Ledger
+from refpipe.storage.store import Store
 
 
 @dataclass

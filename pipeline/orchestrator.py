@@ -21,16 +21,15 @@ from dataclasses import dataclass
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-
-from pipeline.advantages import group_advantages, reward_in_range, stale, zero_advantage
-from pipeline.fields import FieldsConfig
-from pipeline.packing import PackedMicroBatch, pack_step, step_contents
-from pipeline.samples import BranchResult, Episode, Sample, build_sample, check_episode, kept_completion_tokens
-from pipeline.step_file import StepHeader, publish_step_file
-from storage.chunk import PayloadRef
-from storage.errors import EpisodeError
-from storage.ledger import Ledger
-from storage.store import Store
+from refpipe.pipeline.advantages import group_advantages, reward_in_range, stale, zero_advantage
+from refpipe.pipeline.fields import FieldsConfig
+from refpipe.pipeline.packing import PackedMicroBatch, pack_step, step_contents
+from refpipe.pipeline.samples import BranchResult, Episode, Sample, build_sample, check_episode, kept_completion_tokens
+from refpipe.pipeline.step_file import StepHeader, publish_step_file
+from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.errors import EpisodeError
+from refpipe.storage.ledger import Ledger
+from refpipe.storage.store import Store
 
 LEDGER_ACTOR = "orchestrator"
 

@@ -24,12 +24,11 @@ from dataclasses import dataclass
 
 import numpy as np
 from pydantic import ValidationError
-
-from pipeline.fields import FieldsConfig
-from pipeline.samples import Sample
-from pipeline.step_file import SCHEMA_VERSION, STREAMS, MicroBatchRecord, SequenceRecord, StepHeader
-from storage.chunk import PayloadRef
-from storage.errors import PackingError
+from refpipe.pipeline.fields import FieldsConfig
+from refpipe.pipeline.samples import Sample
+from refpipe.pipeline.step_file import SCHEMA_VERSION, STREAMS, MicroBatchRecord, SequenceRecord, StepHeader
+from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.errors import PackingError
 
 PADDING_ENV_NAME = "padding"
 """``env_name`` of padding dummies in step files."""

@@ -16,11 +16,10 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
-
-from pipeline.step_file import STREAMS
-from storage.chunk import PayloadRef
-from storage.errors import EpisodeError, OutsideRunError, PackingError
-from storage.uri import RunPrefix
+from refpipe.pipeline.step_file import STREAMS
+from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.errors import EpisodeError, OutsideRunError, PackingError
+from refpipe.storage.uri import RunPrefix
 
 
 @dataclass(frozen=True, eq=False)

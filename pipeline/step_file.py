@@ -26,11 +26,10 @@ from collections.abc import Mapping
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-
-from pipeline.fields import FIELDS, FieldsConfig, trailing_shape
-from storage.chunk import PayloadRef
-from storage.errors import ChunkNotFoundError, OutsideRunError, StepFileError
-from storage.store import Store
+from refpipe.pipeline.fields import FIELDS, FieldsConfig, trailing_shape
+from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.errors import ChunkNotFoundError, OutsideRunError, StepFileError
+from refpipe.storage.store import Store
 
 SCHEMA_VERSION = 2
 """2: the header carries ``fields`` (version 1 had no field shapes)."""

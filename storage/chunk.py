@@ -30,12 +30,11 @@ import crc32c  # CRC-32C like zarr's codec (google-crc32c); releases the GIL and
 import numcodecs
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
+from refpipe.storage.errors import ChunkCorruptError, ConfigError
 from zarr.codecs import BytesCodec, Crc32cCodec, ZstdCodec
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.dtype import parse_dtype
 from zarr.core.metadata.v3 import ArrayV3Metadata
-
-from storage.errors import ChunkCorruptError, ConfigError
 
 FORMAT_VERSION = 1
 ALIGN_BYTES = 64

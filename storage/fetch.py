@@ -16,11 +16,20 @@ from concurrent.futures import ThreadPoolExecutor
 
 import crc32c
 import numpy as np
-
-from storage.chunk import (DATA_KEY, META_KEY, ArrayLayout, EncodedChunk, PayloadRef, check_checksum, check_length,
-                           decode_payload, node_key, view_array)
-from storage.errors import ChunkCorruptError, RefpipeError
-from storage.store import Store
+from refpipe.storage.chunk import (
+    DATA_KEY,
+    META_KEY,
+    ArrayLayout,
+    EncodedChunk,
+    PayloadRef,
+    check_checksum,
+    check_length,
+    decode_payload,
+    node_key,
+    view_array,
+)
+from refpipe.storage.errors import ChunkCorruptError, RefpipeError
+from refpipe.storage.store import Store
 
 
 def put_chunk(store: Store, branch_id: str, chunk: EncodedChunk) -> str:
@@ -157,7 +166,8 @@ def _cut(ref: PayloadRef, n: int, read) -> dict[str, np.ndarray]:
             counts_name = lay.domain.partition(":")[2]
             counts = out.get(counts_name)
             if counts is None or counts_name not in by_name:
-                raise ChunkCorruptError(f"chunk {ref.uri}: ragged array {lay.name} names missing counts {counts_name!r}")
+                raise ChunkCorruptError(f"chunk {ref.uri}: ragged array {lay.name} "
+                                        f"names missing counts {counts_name!r}")
         out[lay.name] = read(lay, rows_for(lay, ref, n, counts))
     return {name: out[name] for name in ref.arrays}
 

@@ -41,11 +41,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from storage.chunk import META_KEY, PayloadRef, node_key
-from storage.errors import (ChunkNotFoundError, ConfigError, DoubleDeleteError, KeyExistsError, StorageError,
-                            UnknownRefError)
-from storage.fetch import chunk_keys
-from storage.store import Store
+from refpipe.storage.chunk import META_KEY, PayloadRef, node_key
+from refpipe.storage.errors import (
+    ChunkNotFoundError,
+    ConfigError,
+    DoubleDeleteError,
+    KeyExistsError,
+    StorageError,
+    UnknownRefError,
+)
+from refpipe.storage.fetch import chunk_keys
+from refpipe.storage.store import Store
 
 SEGMENT_MAX_EVENTS = 512
 SEGMENT_MAX_AGE_S = 2.0

@@ -15,9 +15,8 @@ from typing import TypeVar
 import aiohttp
 import botocore.exceptions
 import fsspec
-
-from storage.errors import ChunkNotFoundError, KeyExistsError, StorageError, TransientStorageError
-from storage.store import Store, _buffers
+from refpipe.storage.errors import ChunkNotFoundError, KeyExistsError, StorageError, TransientStorageError
+from refpipe.storage.store import Store, _buffers
 
 T = TypeVar("T")
 _S3_DELETE_BATCH = 1000  # DeleteObjects takes at most 1,000 keys (AWS S3 API reference)
@@ -26,10 +25,10 @@ _S3_DELETE_BATCH = 1000  # DeleteObjects takes at most 1,000 keys (AWS S3 API re
 class S3Store(Store):
     """A run prefix on S3 (or an S3-compatible endpoint) through s3fs.
 
-    ``get_into`` is one GET copied into the buffers. ``put`` is one PUT; ``exclusive`` adds ``If-None-Match: *`` (a 412 means the key
-    exists; a 409 from a concurrent conditional PUT is retried). ``delete`` sends
-    ``DeleteObjects`` in batches of 1,000 and checks every key's result, since
-    s3fs's bulk ``rm`` drops per-key errors.
+    ``get_into`` is one GET copied into the buffers. ``put`` is one PUT; ``exclusive`` adds
+    ``If-None-Match: *`` (a 412 means the key exists; a 409 from a concurrent conditional PUT is
+    retried). ``delete`` sends ``DeleteObjects`` in batches of 1,000 and checks every key's
+    result, since s3fs's bulk ``rm`` drops per-key errors.
     """
 
     def _new_fs(self):
@@ -89,7 +88,8 @@ class S3Store(Store):
         bucket, object_key = self._split(key)
         match = {"IfNoneMatch": "*"} if exclusive else {}
         try:
-            self._call(f"PUT {self.uri(key)}", "put_object", Bucket=bucket, Key=object_key, Body=b"".join(_buffers(data)), **match)
+            self._call(f"PUT {self.uri(key)}", "put_object", Bucket=bucket, Key=object_key,
+                       Body=b"".join(_buffers(data)), **match)
         except FileExistsError as e:
             raise KeyExistsError(f"{self.uri(key)} already exists") from e
         except FileNotFoundError as e:  # a PUT only misses when the bucket does
@@ -130,7 +130,8 @@ class S3Store(Store):
         base = self.path(key_prefix) if key_prefix else self.prefix.path
         root = self.prefix.path + "/"
         try:
-            paths = _typed(f"LIST {self.uri(key_prefix) if key_prefix else self.prefix.uri}", lambda: self.fs.find(base))
+            paths = _typed(f"LIST {self.uri(key_prefix) if key_prefix else self.prefix.uri}",
+                           lambda: self.fs.find(base))
         except FileNotFoundError:
             return []
         return sorted(p[len(root):] for p in paths if p.startswith(base + "/"))

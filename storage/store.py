@@ -1,9 +1,10 @@
 """One store interface over fsspec: a local directory (here) or S3 (``storage.s3_store``).
 
 Keys are relative to the run prefix (``storage.uri``). Verbs, one per operation:
-``get`` (optionally a byte range), ``get_into`` (a whole object into caller buffers), ``put`` (``exclusive=True`` is atomic or raises
-``KeyExistsError``), ``delete`` (known keys; S3 batches ``DeleteObjects``),
-``exists``, ``list_prefix``. Nothing on the hot path lists or stats.
+``get`` (optionally a byte range), ``get_into`` (a whole object into caller buffers),
+``put`` (``exclusive=True`` is atomic or raises ``KeyExistsError``),
+``delete`` (known keys; S3 batches ``DeleteObjects``), ``exists``, ``list_prefix``.
+Nothing on the hot path lists or stats.
 
 Filesystems are created per process (s3fs is not fork-safe): a ``Store`` that
 crosses a fork rebuilds its filesystem on first use in the child.
@@ -22,11 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import fsspec
+from refpipe.storage.config import StorageConfig
+from refpipe.storage.errors import ChunkNotFoundError, KeyExistsError, StorageError, TransientStorageError
+from refpipe.storage.uri import RunPrefix
 from typing_extensions import Buffer
-
-from storage.config import StorageConfig
-from storage.errors import ChunkNotFoundError, KeyExistsError, StorageError, TransientStorageError
-from storage.uri import RunPrefix
 
 Data = Buffer | list[Buffer] | tuple[Buffer, ...]
 """What ``put`` writes: one bytes-like object (bytes, memoryview, a C-contiguous ndarray), or a list/tuple of them."""
@@ -38,14 +38,15 @@ def open_store(config: StorageConfig) -> "Store":
     """Build the store for ``config``'s run prefix: the one place URIs become filesystems."""
     prefix = RunPrefix.from_root(config.root, config.run_id)
     if prefix.scheme == "s3":
-        from storage.s3_store import S3Store  # s3fs, aiobotocore: imported only by runs on S3
+        from refpipe.storage.s3_store import S3Store  # s3fs, aiobotocore: imported only by runs on S3
 
         return S3Store(prefix, config)
     return LocalStore(prefix, config)
 
 
 def _buffers(data: Data) -> list | tuple:
-    """``data`` as a list of buffers: a list or tuple is already one; anything else (bytes, an ndarray) is one buffer."""
+    """``data`` as a list of buffers: a list or tuple is already one; anything else (bytes, an ndarray) is one
+    buffer."""
     return data if isinstance(data, (list, tuple)) else [data]
 
 

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from storage.errors import ConfigError, OutsideRunError
+from refpipe.storage.errors import ConfigError, OutsideRunError
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 SCHEMES = ("file", "s3")

@@ -11,9 +11,8 @@ import uuid
 
 import boto3
 import pytest
-
-from storage.config import StorageConfig
-from storage.store import open_store
+from refpipe.storage.config import StorageConfig
+from refpipe.storage.store import open_store
 
 os.environ.update(
     AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",

@@ -39,11 +39,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-
-from pipeline.fields import FIELDS, FieldDef, FieldsConfig, spread_expert_rows, trailing_shape
-from pipeline.step_file import STREAMS, MicroBatchRecord, SequenceRecord
-from storage.chunk import PayloadRef
-from storage.errors import FieldError, PackingError
+from refpipe.pipeline.fields import FIELDS, FieldDef, FieldsConfig, spread_expert_rows, trailing_shape
+from refpipe.pipeline.step_file import STREAMS, MicroBatchRecord, SequenceRecord
+from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.errors import FieldError, PackingError
 
 _STREAM_PADDING = {"input_ids": 0, "loss_mask": False, "advantages": 0.0, "inference_logprobs": 0.0,
                    "temperatures": 1.0}

@@ -19,9 +19,8 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
-
-from storage.errors import ConfigError
-from trainer.config import TrainerConfig
+from refpipe.storage.errors import ConfigError
+from refpipe.trainer.config import TrainerConfig
 
 
 @dataclass(frozen=True)

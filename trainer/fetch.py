@@ -27,13 +27,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from pipeline.fields import FieldsConfig
-from pipeline.step_file import StepFile, StepHeader, step_key
-from storage.errors import ChunkNotFoundError, RefpipeError, StepFileError
-from storage.fetch import FetchStats, fetch_arrays
-from storage.store import Store
-from trainer.assemble import AssembledMicroBatch, MicroBatchPlan, finish_micro_batch, plan_micro_batch
+from refpipe.pipeline.fields import FieldsConfig
+from refpipe.pipeline.step_file import StepFile, StepHeader, step_key
+from refpipe.storage.errors import ChunkNotFoundError, RefpipeError, StepFileError
+from refpipe.storage.fetch import FetchStats, fetch_arrays
+from refpipe.storage.store import Store
+from refpipe.trainer.assemble import AssembledMicroBatch, MicroBatchPlan, finish_micro_batch, plan_micro_batch
 
 log = logging.getLogger(__name__)
 

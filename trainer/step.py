@@ -7,18 +7,17 @@ from collections.abc import Callable
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
-
-from pipeline.fields import FieldsConfig
-from pipeline.step_file import StepFile, StepHeader
-from storage.config import StorageConfig
-from storage.errors import ConfigError, DoubleDeleteError, FetchError, UnknownRefError
-from storage.ledger import Ledger
-from storage.store import Store
-from trainer.assemble import AssembledMicroBatch, assemble_dropped_micro_batch
-from trainer.config import TrainerConfig
-from trainer.dist import Topology, agree_failures, gather_rank_values
-from trainer.fetch import FetchedStep, fetch_own, wait_for_step
-from trainer.tensors import TrainMicroBatch, to_torch
+from refpipe.pipeline.fields import FieldsConfig
+from refpipe.pipeline.step_file import StepFile, StepHeader
+from refpipe.storage.config import StorageConfig
+from refpipe.storage.errors import ConfigError, DoubleDeleteError, FetchError, UnknownRefError
+from refpipe.storage.ledger import Ledger
+from refpipe.storage.store import Store
+from refpipe.trainer.assemble import AssembledMicroBatch, assemble_dropped_micro_batch
+from refpipe.trainer.config import TrainerConfig
+from refpipe.trainer.dist import Topology, agree_failures, gather_rank_values
+from refpipe.trainer.fetch import FetchedStep, fetch_own, wait_for_step
+from refpipe.trainer.tensors import TrainMicroBatch, to_torch
 
 log = logging.getLogger(__name__)
 

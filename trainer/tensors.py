@@ -13,9 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from pipeline.step_file import MicroBatchRecord
-from trainer.assemble import AssembledMicroBatch
+from refpipe.pipeline.step_file import MicroBatchRecord
+from refpipe.trainer.assemble import AssembledMicroBatch
 
 STREAM_TORCH_DTYPES: dict[str, np.dtype] = {
     "input_ids": np.dtype(np.int64),

@@ -17,18 +17,24 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from refpipe.cli.main import app
+from refpipe.pipeline.fields import FieldsConfig, Ragged
+from refpipe.pipeline.keep import Branch, Keeper
+from refpipe.pipeline.step_file import (
+    SCHEMA_VERSION,
+    STREAMS,
+    MicroBatchRecord,
+    SequenceRecord,
+    StepHeader,
+    publish_step_file,
+    step_key,
+)
+from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.config import StorageConfig
+from refpipe.storage.fetch import chunk_keys
+from refpipe.storage.ledger import Ledger
+from refpipe.storage.store import Store, open_store
 from typer.testing import CliRunner
-
-from cli.main import app
-from pipeline.fields import FieldsConfig, Ragged
-from pipeline.keep import Branch, Keeper
-from pipeline.step_file import (SCHEMA_VERSION, STREAMS, MicroBatchRecord, SequenceRecord, StepHeader,
-                                publish_step_file, step_key)
-from storage.chunk import PayloadRef
-from storage.config import StorageConfig
-from storage.fetch import chunk_keys
-from storage.ledger import Ledger
-from storage.store import Store, open_store
 
 FIELDS_CFG = FieldsConfig(num_layers=2, top_k=2, num_experts=8, logprobs_k=3, sampling_mask=True)
 SEQ_LEN = 40
@@ -104,7 +110,8 @@ def packed_header(store: Store, refs: dict[str, PayloadRef], step: int) -> tuple
         t = sum(r.num_tokens for r in records)
         micro_batches.append(MicroBatchRecord(dp_rank=dp_rank, index=index, sequences=records,
                                               num_padding_tokens=SEQ_LEN - t, has_routing=seqs[0][0] in ROUTING))
-        streams[(dp_rank, index)] = {name: (rng.standard_normal(t) * 10).astype(dtype) for name, dtype in STREAMS.items()}
+        streams[(dp_rank, index)] = {name: (rng.standard_normal(t) * 10).astype(dtype)
+                                     for name, dtype in STREAMS.items()}
     header = StepHeader(schema_version=SCHEMA_VERSION, run_uri=store.prefix.uri, step=step, seq_len=SEQ_LEN,
                         dp_world_size=2, micro_batches=micro_batches, refs=[refs[n] for n in order],
                         owners=[owners[n] for n in order], fields=FIELDS_CFG, metrics={"reward_mean": 0.25})
@@ -211,7 +218,8 @@ def test_ls_counts_steps_chunks_per_writer_and_ledger(run):
     step_bytes = sum(v for k, v in files.items() if k.startswith("steps/"))
     assert summary["steps"] == {"num_steps": 2, "first": 0, "latest": 1, "nbytes": step_bytes}
     def nbytes(names):
-        return sum(v for k, v in files.items() for n in names if k.startswith(chunk_keys(run.store, run.refs[n])[0][:-3]))
+        return sum(v for k, v in files.items() for n in names
+                   if k.startswith(chunk_keys(run.store, run.refs[n])[0][:-3]))
     assert summary["chunks"] == {
         "num_chunks": 7, "nbytes": sum(v for k, v in files.items() if k.startswith("payloads/")),
         "num_incomplete": 0, "num_temp_files": 0, "corrupt": [],
@@ -234,7 +242,8 @@ def test_ls_table(local_run):
     assert lines[2].startswith("chunks: 7, ") and lines[2].endswith("; 0 incomplete, 0 temp files")
     assert [line.split(" │ ")[:2] for line in lines if line.startswith("env_worker_")][:2] == [
         ["env_worker_0", "4"], ["env_worker_1", "3"]]
-    assert [line.split(" │ ")[2:] for line in lines if line.startswith("env_worker_")][2:] == [["1", "1/1"], ["1", "0/1"]]
+    assert [line.split(" │ ")[2:] for line in lines if line.startswith("env_worker_")][2:] == [
+        ["1", "1/1"], ["1", "0/1"]]
     assert "ledger: 1 delete records" in lines
 
 
@@ -260,8 +269,8 @@ def test_s3_endpoint_from_aws_environment(s3_config, monkeypatch):
 
 def test_inspect_and_verify_a_step_the_orchestrator_packed(storage_config):
     """A step packed by the real orchestrator: every shipped sample is one non-borrowed sequence with its tokens."""
-    from pipeline.orchestrator import Orchestrator, OrchestratorConfig
-    from pipeline.samples import BranchResult, Episode
+    from refpipe.pipeline.orchestrator import Orchestrator, OrchestratorConfig
+    from refpipe.pipeline.samples import BranchResult, Episode
 
     store = open_store(storage_config)
     rng = np.random.default_rng(3)
@@ -321,7 +330,7 @@ def test_inspect_counts_a_chunk_without_its_data_as_missing(local_run):
 
 def test_plot_legend_names_each_entry_once():
     """An env named ``padding`` (a borrowed dummy's) and the trainer's padding tokens get distinct labels."""
-    from cli.inspect_plot import legend_handles
+    from refpipe.cli.inspect_plot import legend_handles
 
     labels = [h.get_label() for h in legend_handles({"math": (0, 0, 1, 1), "padding": (1, 0, 0, 1)})]
     assert labels == ["math", "dummy sequence (padding)", "padding tokens", "borrowed dummy", "chunk missing"]

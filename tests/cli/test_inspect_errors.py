@@ -9,10 +9,9 @@ import subprocess
 import sys
 
 import numpy as np
-from test_inspect import build_run, invoke, local_run, run, snapshot  # noqa: F401 (fixtures)
-
-from pipeline.step_file import step_key
-from storage.config import StorageConfig
+from refpipe.pipeline.step_file import step_key
+from refpipe.storage.config import StorageConfig
+from test_inspect import build_run, invoke, snapshot
 
 REFPIPE = os.path.join(os.path.dirname(sys.executable), "refpipe")
 STEP_COMMANDS = (["inspect"], ["inspect", "--json"], ["verify"], ["show", "--micro-batch", "0"])
@@ -100,7 +99,7 @@ def test_permission_denied_is_one_line(local_run):
 
 
 def test_no_command_changes_the_run(run, tmp_path):
-    from storage.fetch import chunk_keys
+    from refpipe.storage.fetch import chunk_keys
 
     run.store.delete(list(chunk_keys(run.store, run.refs["e"])))  # so failing paths run too
     before = snapshot(run.store)
@@ -129,7 +128,7 @@ def test_commands_do_not_import_torch(local_run, tmp_path):
                             timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     assert result.stdout.splitlines()[-1] == "RESULT [None, None, None, None] []", result.stderr[-2000:]
     imported = [line.rpartition("|")[2].strip() for line in result.stderr.splitlines() if "|" in line]
-    assert "matplotlib" in imported and "trainer.assemble" in imported
+    assert "matplotlib" in imported and "refpipe.trainer.assemble" in imported
     assert [m for m in imported if m.split(".")[0] == "torch"] == []
 
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_inspect import FIELDS_CFG, PACKING, SEQ_LEN, invoke, local_run, run, snapshot  # noqa: F401 (fixtures)
-
-from pipeline.fields import spread_expert_rows
-from pipeline.step_file import STREAMS, StepFile
-from storage.fetch import fetch_arrays
-from storage.ledger import Ledger
-from trainer.assemble import assemble_micro_batch
+from refpipe.pipeline.fields import spread_expert_rows
+from refpipe.pipeline.step_file import STREAMS, StepFile
+from refpipe.storage.fetch import fetch_arrays
+from refpipe.storage.ledger import Ledger
+from refpipe.trainer.assemble import assemble_micro_batch
+from test_inspect import FIELDS_CFG, PACKING, SEQ_LEN, invoke, snapshot
 
 COMPLETION_FIELDS = ("topk_ids", "topk_logprobs", "sampling_mask")
 
@@ -119,7 +118,8 @@ def test_show_pads_routing_with_the_num_experts_of_the_step_header(local_run, tm
 @pytest.mark.parametrize("args, message", [
     (["--micro-batch", "2"], "error: --dp-rank 0 --micro-batch 2: step 0 has DP ranks 0..1 with 2 micro batches each"),
     (["--micro-batch", "0", "--dp-rank", "2"], "error: --dp-rank 2 --micro-batch 0: step 0 has DP ranks 0..1"),
-    (["--micro-batch", "1", "--sequence", "2"], "error: --sequence 2: micro batch dp_rank=0 index=1 has sequences 0..1"),
+    (["--micro-batch", "1", "--sequence", "2"],
+     "error: --sequence 2: micro batch dp_rank=0 index=1 has sequences 0..1"),
     (["--micro-batch", "0", "--field", "nope"], "error: --field 'nope': expected one of ['advantages', 'cu_seqlens'"),
 ])
 def test_show_bad_selection_is_one_line(local_run, args, message):

@@ -6,11 +6,10 @@ import io
 import json
 import zipfile
 
-from test_inspect import invoke, local_run, run, snapshot  # noqa: F401 (fixtures)
-
-from pipeline.step_file import HEADER_MEMBER, step_key
-from storage.fetch import chunk_keys
-from storage.ledger import Ledger
+from refpipe.pipeline.step_file import HEADER_MEMBER, step_key
+from refpipe.storage.fetch import chunk_keys
+from refpipe.storage.ledger import Ledger
+from test_inspect import invoke, snapshot
 
 
 def rewrite_step_file(store, step: int, edit_header=None, edit_member=None) -> None:

@@ -15,10 +15,10 @@ from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "pipeline"))
 from audit_helpers import chunks, keep, make_keeper, publish  # noqa: E402
-from cli.main import app  # noqa: E402
-from storage.errors import DoubleDeleteError  # noqa: E402
-from storage.ledger import Ledger, tombstone_key  # noqa: E402
-from storage.store import open_store  # noqa: E402
+from refpipe.cli.main import app  # noqa: E402
+from refpipe.storage.errors import DoubleDeleteError  # noqa: E402
+from refpipe.storage.ledger import Ledger, tombstone_key  # noqa: E402
+from refpipe.storage.store import open_store  # noqa: E402
 
 runner = CliRunner()
 
@@ -116,9 +116,9 @@ def test_audit_and_sweep_of_an_empty_run_prefix_fail_and_write_nothing(storage_c
 
 OPEN_A_SESSION = """
 import sys, time
-from storage.config import StorageConfig
-from storage.ledger import Ledger
-from storage.store import open_store
+from refpipe.storage.config import StorageConfig
+from refpipe.storage.ledger import Ledger
+from refpipe.storage.store import open_store
 Ledger(open_store(StorageConfig.model_validate_json(sys.argv[1])), sys.argv[2])  # never closed
 print("open", flush=True)
 time.sleep(float(sys.argv[3]))

@@ -12,20 +12,19 @@ import pytest
 pytest.importorskip("verifiers", minversion="0.4", reason="the verifiers extra is not installed "
                     "(pip install 'refpipe[verifiers]'): skipping the verifiers integration tests")
 
+from refpipe.integrations.verifiers_branches import INFO_KEY, num_prompt_tokens, read_refs, trainable_branches  # noqa: E402
+from refpipe.integrations.verifiers_client import episode_refs, orchestrator_episode  # noqa: E402
+from refpipe.integrations.verifiers_server import RefpipeServeConfig  # noqa: E402
+from refpipe.pipeline.audit import audit  # noqa: E402
+from refpipe.pipeline.fields import FieldsConfig  # noqa: E402
+from refpipe.pipeline.orchestrator import Orchestrator, OrchestratorConfig  # noqa: E402
+from refpipe.pipeline.step_file import StepFile  # noqa: E402
+from refpipe.storage.errors import EpisodeError  # noqa: E402
+from refpipe.storage.ledger import Ledger  # noqa: E402
+from refpipe.storage.store import open_store  # noqa: E402
+from refpipe.trainer.fetch import fetch_own  # noqa: E402
 from verifiers.v1.serve.delta import pack  # noqa: E402
 from vf_serving import TEMPERATURE, byte_leaves, payload_nodes, run, same_bytes, serving, tombstones  # noqa: E402
-
-from integrations.verifiers_branches import INFO_KEY, num_prompt_tokens, read_refs, trainable_branches  # noqa: E402
-from integrations.verifiers_client import episode_refs, orchestrator_episode  # noqa: E402
-from integrations.verifiers_server import RefpipeServeConfig  # noqa: E402
-from pipeline.audit import audit  # noqa: E402
-from pipeline.fields import FieldsConfig  # noqa: E402
-from pipeline.orchestrator import Orchestrator, OrchestratorConfig  # noqa: E402
-from pipeline.step_file import StepFile  # noqa: E402
-from storage.errors import EpisodeError  # noqa: E402
-from storage.ledger import Ledger  # noqa: E402
-from storage.store import open_store  # noqa: E402
-from trainer.fetch import fetch_own  # noqa: E402
 
 FIELDS = FieldsConfig(num_layers=3, top_k=2, num_experts=16, sampling_mask=True)
 

@@ -130,6 +130,6 @@ def multi_turn(trace: Trace, engine: Engine) -> None:
 
 def inline_arrays(trace: Trace) -> dict[int, tuple[int, np.ndarray | None, SamplingMask | None]]:
     """leaf -> (P, routed_experts, sampling_mask) a trainer builds from the inline stream."""
-    from integrations.verifiers_branches import num_prompt_tokens, trainable_branches
+    from refpipe.integrations.verifiers_branches import num_prompt_tokens, trainable_branches
 
     return {leaf: (num_prompt_tokens(b), b.routed_experts, b.sampling_mask) for leaf, b in trainable_branches(trace)}

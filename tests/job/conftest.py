@@ -8,9 +8,8 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 import torch
-
-from job.model import ModelConfig, MoELM
-from job.rollout import SampledBranch
+from refpipe.job.model import ModelConfig, MoELM
+from refpipe.job.rollout import SampledBranch
 
 
 class Packed(NamedTuple):

@@ -7,10 +7,9 @@ import math
 import numpy as np
 import pytest
 import torch
-
-from job.loss import policy_loss
-from job.rollout import SamplingConfig, sample_branches
-from job.task import TaskConfig, make_problems, reward, warm_start
+from refpipe.job.loss import policy_loss
+from refpipe.job.rollout import SamplingConfig, sample_branches
+from refpipe.job.task import TaskConfig, make_problems, reward, warm_start
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0], [1.0, 3.0, 0.0, 0.0]])
 TOKENS = torch.tensor([0, 3, 1])
@@ -77,7 +76,8 @@ def test_rl_steps_through_replay_are_aligned_and_move_the_policy(model, pack):
         rewards = np.array([reward(b.completion_ids, problems[i // 4].target_ids) for i, b in enumerate(branches)])
         advantages = (rewards.reshape(4, 4) - rewards.reshape(4, 4).mean(1, keepdims=True)).reshape(-1)
         batch = pack(branches)
-        token_adv = torch.as_tensor(np.repeat(advantages, [len(b.completion_ids) for b in branches]), dtype=torch.float32)
+        token_adv = torch.as_tensor(np.repeat(advantages, [len(b.completion_ids) for b in branches]),
+                                    dtype=torch.float32)
         logits, _ = model(batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.routed_experts)
         terms = policy_loss(logits[batch.completion_rows], batch.completion_ids, batch.logprobs, token_adv,
                             torch.ones_like(token_adv, dtype=torch.bool), batch.topk_ids, batch.topk_logprobs,

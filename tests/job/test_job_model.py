@@ -5,9 +5,8 @@ from __future__ import annotations
 import pydantic
 import pytest
 import torch
-
-from job.model import BOS_ID, VOCAB_SIZE, ModelConfig, MoELM, token_logprobs
-from storage.errors import FieldError
+from refpipe.job.model import BOS_ID, VOCAB_SIZE, ModelConfig, MoELM, token_logprobs
+from refpipe.storage.errors import FieldError
 
 
 def _packed(lengths, seed=0):
@@ -36,7 +35,9 @@ def test_attention_does_not_cross_sequences(model):
     changed = ids.clone()
     changed[:6] = (changed[:6] + 1) % 256  # rewrite the first sequence only
     logits, _ = model(changed, pos, cu)
-    assert torch.equal(logits[6:], packed_logits[6:])
+    # Not bitwise: rewriting the first sequence changes how many tokens each expert's matmul
+    # gets, so the kernels (AVX2 vs AVX-512 blockings) round differently; the property holds to ~1e-6.
+    torch.testing.assert_close(logits[6:], packed_logits[6:], rtol=0, atol=1e-5)
     assert not torch.allclose(logits[:6], packed_logits[:6])
 
 
@@ -48,7 +49,8 @@ def test_sequences_of_every_length_bucket_match_their_forward_alone(model):
         packed_logits, packed_routing = model(ids, pos, cu)
         for start, end in zip(cu.tolist(), cu.tolist()[1:]):
             if end > start:
-                logits, routing = model(ids[start:end], pos[start:end], torch.tensor([0, end - start], dtype=torch.int32))
+                logits, routing = model(ids[start:end], pos[start:end],
+                                        torch.tensor([0, end - start], dtype=torch.int32))
                 torch.testing.assert_close(packed_logits[start:end], logits, rtol=0, atol=1e-5)
                 assert torch.equal(packed_routing[start:end], routing)
 
@@ -92,7 +94,8 @@ def test_token_logprobs_is_temperature_scaled_log_softmax():
     [
         (lambda b: (b[0], b[1], torch.tensor([0, 5], dtype=torch.int32), None), r"cu_seqlens \[0, 5\]"),
         (lambda b: (b[0], b[1], b[2], torch.full((6, 2, 2), 8, dtype=torch.uint8)), "id 8: expected < num_experts=8"),
-        (lambda b: (b[0], b[1], b[2], torch.zeros(6, 2, 1, dtype=torch.uint8)), r"shape \[6, 2, 1\]: expected \[6, 2, 2\]"),
+        (lambda b: (b[0], b[1], b[2], torch.zeros(6, 2, 1, dtype=torch.uint8)),
+         r"shape \[6, 2, 1\]: expected \[6, 2, 2\]"),
         (lambda b: (b[0], b[1] + 60, b[2], None), "position_ids max 65: expected < max_positions=64"),
         (lambda b: (b[0] + BOS_ID, b[1], b[2], None), "input_ids outside"),
     ],

@@ -5,12 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from job.model import EOS_ID, token_logprobs
-from job.rollout import SamplingConfig, sample_branches
-from job.task import TaskConfig, make_problems
-from pipeline.fields import FieldsConfig, validate_branch
-from storage.errors import ConfigError
+from refpipe.job.model import EOS_ID, token_logprobs
+from refpipe.job.rollout import SamplingConfig, sample_branches
+from refpipe.job.task import TaskConfig, make_problems
+from refpipe.pipeline.fields import FieldsConfig, validate_branch
+from refpipe.storage.errors import ConfigError
 
 CFG = SamplingConfig(temperature=0.8, top_p=0.9, max_completion_tokens=12, logprobs_k=8, support_width=16)
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pydantic
 import pytest
-
-from job.model import BOS_ID, EOS_ID, MoELM
-from job.rollout import SamplingConfig, sample_branches
-from job.task import TaskConfig, make_problems, reward, warm_start
+from refpipe.job.model import BOS_ID, EOS_ID, MoELM
+from refpipe.job.rollout import SamplingConfig, sample_branches
+from refpipe.job.task import TaskConfig, make_problems, reward, warm_start
 
 
 def _ids(text: str, eos: bool = False) -> np.ndarray:
@@ -19,7 +18,8 @@ def test_problems_are_deterministic_and_well_formed():
     cfg = TaskConfig(seed=5)
     problems = make_problems(cfg, 40, index=7)
     assert all(np.array_equal(a.prompt_ids, b.prompt_ids) for a, b in zip(problems, make_problems(cfg, 40, index=7)))
-    assert any(not np.array_equal(a.prompt_ids, b.prompt_ids) for a, b in zip(problems, make_problems(cfg, 40, index=8)))
+    assert any(not np.array_equal(a.prompt_ids, b.prompt_ids)
+               for a, b in zip(problems, make_problems(cfg, 40, index=8)))
     for p in problems:
         assert p.prompt_ids.dtype == p.target_ids.dtype == np.int32 and p.prompt_ids[0] == BOS_ID
         text = bytes(p.prompt_ids[1:].astype(np.uint8)).decode()

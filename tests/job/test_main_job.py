@@ -8,22 +8,21 @@ from __future__ import annotations
 
 import io
 import json
+import multiprocessing
 import os
 import signal
 import threading
 import time
-import multiprocessing
 
 import pytest
+from refpipe.job.config import JobConfig, RunConfig
+from refpipe.job.launcher import SUMMARY_KEY, Launcher
+from refpipe.pipeline.orchestrator import OrchestratorConfig
+from refpipe.pipeline.step_file import step_key
+from refpipe.storage.config import StorageConfig
+from refpipe.storage.store import open_store
+from refpipe.trainer.config import TrainerConfig
 from rich.console import Console
-
-from job.config import JobConfig, RunConfig
-from job.launcher import SUMMARY_KEY, Launcher
-from pipeline.orchestrator import OrchestratorConfig
-from pipeline.step_file import step_key
-from storage.config import StorageConfig
-from storage.store import open_store
-from trainer.config import TrainerConfig
 
 
 def small_config(storage: StorageConfig, **job) -> RunConfig:
@@ -109,9 +108,8 @@ def write_config(tmp_path, root, run_id: str, num_steps: int = 3, **orchestrator
 
 
 def test_an_existing_run_id_is_refused_and_the_run_is_untouched(tmp_path):
+    from refpipe.cli.main import app
     from typer.testing import CliRunner
-
-    from cli.main import app
 
     store = open_store(StorageConfig(root=str(tmp_path / "root"), run_id="fixed"))
     store.put("config.json", b"{}")
@@ -122,9 +120,8 @@ def test_an_existing_run_id_is_refused_and_the_run_is_untouched(tmp_path):
 
 
 def test_config_that_cannot_train_is_refused_before_anything_starts(tmp_path):
+    from refpipe.cli.main import app
     from typer.testing import CliRunner
-
-    from cli.main import app
 
     for override, expected in (({"seq_len": 8}, "orchestrator.seq_len=8"), ({"group_size": 1}, "group_size=1")):
         result = CliRunner().invoke(app, ["run", "--config", write_config(tmp_path, tmp_path / "root", "bad",

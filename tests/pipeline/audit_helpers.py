@@ -16,16 +16,22 @@ import sys
 import time
 
 import numpy as np
-
-from pipeline.fields import FieldsConfig
-from pipeline.keep import Branch, Keeper
-from pipeline.step_file import (SCHEMA_VERSION, STREAMS, MicroBatchRecord, SequenceRecord, StepFile, StepHeader,
-                                publish_step_file)
-from storage.chunk import PayloadRef
-from storage.config import StorageConfig
-from storage.fetch import fetch_arrays
-from storage.ledger import Ledger
-from storage.store import Store, open_store
+from refpipe.pipeline.fields import FieldsConfig
+from refpipe.pipeline.keep import Branch, Keeper
+from refpipe.pipeline.step_file import (
+    SCHEMA_VERSION,
+    STREAMS,
+    MicroBatchRecord,
+    SequenceRecord,
+    StepFile,
+    StepHeader,
+    publish_step_file,
+)
+from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.config import StorageConfig
+from refpipe.storage.fetch import fetch_arrays
+from refpipe.storage.ledger import Ledger
+from refpipe.storage.store import Store, open_store
 
 FIELDS = FieldsConfig(logprobs_k=2)
 NUM_PROMPT, NUM_COMPLETION = 2, 3

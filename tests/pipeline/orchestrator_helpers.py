@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import numpy as np
-
-from pipeline.fields import FieldsConfig, spread_expert_rows
-from pipeline.keep import Branch, Keeper
-from pipeline.samples import BranchResult, Episode
-from storage.config import StorageConfig
-from storage.ledger import Ledger
-from storage.s3_store import S3Store
-from storage.store import LocalStore, Store
-from storage.uri import RunPrefix
+from refpipe.pipeline.fields import FieldsConfig, spread_expert_rows
+from refpipe.pipeline.keep import Branch, Keeper
+from refpipe.pipeline.samples import BranchResult, Episode
+from refpipe.storage.config import StorageConfig
+from refpipe.storage.ledger import Ledger
+from refpipe.storage.s3_store import S3Store
+from refpipe.storage.store import LocalStore, Store
+from refpipe.storage.uri import RunPrefix
 
 FIELDS = FieldsConfig(num_layers=2, top_k=2, num_experts=8, logprobs_k=3)
 

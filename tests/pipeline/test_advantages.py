@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-
-from pipeline.advantages import group_advantages, reward_in_range, stale, zero_advantage
+from refpipe.pipeline.advantages import group_advantages, reward_in_range, stale, zero_advantage
 
 
 def test_mean_baseline_with_and_without_std_normalisation():

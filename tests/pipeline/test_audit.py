@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from audit_helpers import chunks, fetch_step, keep, make_keeper, publish, release_step, snapshot, train
-from pipeline.audit import audit, sweep
-from storage.chunk import node_key
-from storage.errors import DoubleDeleteError, StepFileError, UnknownRefError
-from storage.ledger import Ledger, tombstone_key
-from storage.store import LocalStore, open_store
+from refpipe.pipeline.audit import audit, sweep
+from refpipe.storage.chunk import node_key
+from refpipe.storage.errors import DoubleDeleteError, StepFileError, UnknownRefError
+from refpipe.storage.ledger import Ledger, tombstone_key
+from refpipe.storage.store import LocalStore, open_store
 
 LEAKED = "{} leaked chunks (present, no live holder; `refpipe sweep` deletes them)"
 LEAKED_STOPPED = "{} leaked chunks (present, no live holder; `refpipe sweep --stopped` deletes them)"

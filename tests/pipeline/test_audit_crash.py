@@ -12,13 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from audit_helpers import chunks, snapshot, train
-from pipeline.audit import audit, sweep
-from storage.chunk import PayloadRef
-from storage.config import StorageConfig
-from storage.ledger import Ledger
-from storage.store import Store, open_store
+from refpipe.pipeline.audit import audit, sweep
+from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.config import StorageConfig
+from refpipe.storage.ledger import Ledger
+from refpipe.storage.store import Store, open_store
 
 SCRIPT = Path(__file__).with_name("audit_helpers.py")
 HOLDERS_AFTER_CRASH = {

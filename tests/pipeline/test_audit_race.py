@@ -12,12 +12,11 @@ import multiprocessing
 from collections import Counter
 
 import pytest
-
-from storage.chunk import PayloadRef
-from storage.config import StorageConfig
-from storage.errors import DoubleDeleteError
-from storage.ledger import Ledger, tombstone_key
-from storage.store import open_store
+from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.config import StorageConfig
+from refpipe.storage.errors import DoubleDeleteError
+from refpipe.storage.ledger import Ledger, tombstone_key
+from refpipe.storage.store import open_store
 
 NUM_PROCESSES, NUM_CHUNKS = 8, 100
 
@@ -40,7 +39,7 @@ def _deleter(config: StorageConfig, index: int, refs_json: list[str], barrier, r
 @pytest.mark.timeout(300)
 def test_eight_processes_delete_each_chunk_exactly_once(storage_config):
     from audit_helpers import chunks, keep, make_keeper
-    from pipeline.audit import audit
+    from refpipe.pipeline.audit import audit
 
     store = open_store(storage_config)
     keeper = make_keeper(store, storage_config)

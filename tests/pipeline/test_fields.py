@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from pipeline.fields import FIELDS, FieldsConfig, Ragged, spread_expert_rows, trailing_shape, validate_branch
-from storage.errors import FieldError
+from refpipe.pipeline.fields import FIELDS, FieldsConfig, Ragged, spread_expert_rows, trailing_shape, validate_branch
+from refpipe.storage.errors import FieldError
 
 CFG = FieldsConfig(num_layers=3, top_k=2, num_experts=8, logprobs_k=4, support_width=5, sampling_mask=True)
 
@@ -63,8 +62,10 @@ def test_validate_branch_flattens_ragged_fields_and_stores_little_endian():
     ({"topk_ids": [[0] * 4] * 3}, r"field 'topk_ids' is list: expected a numpy array"),
     ({"sampling_mask": np.zeros(3, np.int32)}, r"'sampling_mask' is ndarray: expected Ragged\(ids, counts\)"),
     ({"sampling_mask": Ragged(np.zeros(2, np.int32), np.ones(4, np.int32))}, r"'sampling_mask.counts' has shape \[4\]"),
-    ({"sampling_mask": Ragged(np.zeros(2, np.int32), np.ones(3, np.int32))}, r"'sampling_mask.ids' has shape \[2\]: expected \[3\]"),
-    ({"sampling_mask": Ragged(np.zeros(0, np.int32), np.array([1, -1, 0], np.int32))}, r"'sampling_mask.counts': value -1"),
+    ({"sampling_mask": Ragged(np.zeros(2, np.int32), np.ones(3, np.int32))},
+     r"'sampling_mask.ids' has shape \[2\]: expected \[3\]"),
+    ({"sampling_mask": Ragged(np.zeros(0, np.int32), np.array([1, -1, 0], np.int32))},
+     r"'sampling_mask.counts': value -1"),
 ])
 def test_bad_fields_name_the_branch_the_field_and_the_expectation(fields, message):
     with pytest.raises(FieldError, match=message) as info:

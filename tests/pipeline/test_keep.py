@@ -10,14 +10,13 @@ import boto3
 import numpy as np
 import psutil
 import pytest
-
-from pipeline.fields import FieldsConfig, Ragged
-from pipeline.keep import Branch, Keeper
-from storage.chunk import DATA_KEY, META_KEY, node_key
-from storage.errors import ConfigError, DoubleDeleteError, FieldError, KeyExistsError
-from storage.fetch import fetch_arrays
-from storage.ledger import Ledger
-from storage.store import open_store
+from refpipe.pipeline.fields import FieldsConfig, Ragged
+from refpipe.pipeline.keep import Branch, Keeper
+from refpipe.storage.chunk import DATA_KEY, META_KEY, node_key
+from refpipe.storage.errors import ConfigError, DoubleDeleteError, FieldError, KeyExistsError
+from refpipe.storage.fetch import fetch_arrays
+from refpipe.storage.ledger import Ledger
+from refpipe.storage.store import open_store
 
 CFG = FieldsConfig(num_layers=3, top_k=2, num_experts=8, logprobs_k=4, support_width=5, sampling_mask=True)
 P, C = 4, 6

@@ -7,12 +7,11 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-
 from orchestrator_helpers import FIELDS, chunks, counting_store, episode, make_keeper, tombstones
-from pipeline.orchestrator import Orchestrator, OrchestratorConfig
-from pipeline.step_file import StepFile, step_key
-from storage.ledger import Ledger, tombstone_key
-from storage.store import open_store
+from refpipe.pipeline.orchestrator import Orchestrator, OrchestratorConfig
+from refpipe.pipeline.step_file import StepFile, step_key
+from refpipe.storage.ledger import Ledger, tombstone_key
+from refpipe.storage.store import open_store
 
 CFG = OrchestratorConfig(seq_len=32, dp_world_size=2, groups_per_step=2, group_size=2, max_async_level=1)
 

@@ -7,14 +7,19 @@ from collections import Counter
 
 import numpy as np
 import pytest
-
-from pipeline.packing import (PADDING_ENV_NAME, assign_to_ranks, first_fit_decreasing, make_dummy, pack_step,
-                              step_contents)
-from pipeline.fields import FieldsConfig
-from pipeline.samples import BranchResult, Episode, build_sample
-from pipeline.step_file import STREAMS
-from storage.chunk import ArraySpec, PayloadRef
-from storage.errors import PackingError
+from refpipe.pipeline.fields import FieldsConfig
+from refpipe.pipeline.packing import (
+    PADDING_ENV_NAME,
+    assign_to_ranks,
+    first_fit_decreasing,
+    make_dummy,
+    pack_step,
+    step_contents,
+)
+from refpipe.pipeline.samples import BranchResult, Episode, build_sample
+from refpipe.pipeline.step_file import STREAMS
+from refpipe.storage.chunk import ArraySpec, PayloadRef
+from refpipe.storage.errors import PackingError
 
 RUN_URI = "file:///runs/run_1"
 FIELDS = FieldsConfig(num_layers=2, top_k=2, num_experts=8, logprobs_k=3)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from pipeline.samples import BranchResult, Episode, PayloadSlice, Sample, build_sample, kept_completion_tokens
-from storage.chunk import ArraySpec, PayloadRef
-from storage.errors import PackingError
+from refpipe.pipeline.samples import BranchResult, Episode, PayloadSlice, Sample, build_sample, kept_completion_tokens
+from refpipe.storage.chunk import ArraySpec, PayloadRef
+from refpipe.storage.errors import PackingError
 
 REF = PayloadRef(uri="file:///runs/run_1/payloads/00/b0", branch_id="b0", num_prompt_tokens=2,
                  num_completion_tokens=3, arrays={"routed_experts": ArraySpec("|u1", (5, 2, 2), "tokens")},
@@ -38,7 +37,8 @@ def test_truncation_keeps_the_first_tokens_and_shrinks_the_slice():
     assert s.advantages.tolist() == [0, 0, -1] and s.inference_logprobs.tolist() == [0, 0, -0.5]
     assert s.payload == PayloadSlice(REF, 3) and s.payload.ref.num_tokens == 5
     assert [kept_completion_tokens(BRANCH, n) for n in (1, 2, 3, 5, 9)] == [0, 0, 1, 3, 3]
-    with pytest.raises(PackingError, match="episode e0: prompt of 2 tokens leaves no completion token within seq_len=2"):
+    with pytest.raises(PackingError,
+                       match="episode e0: prompt of 2 tokens leaves no completion token within seq_len=2"):
         build_sample(EPISODE, BRANCH, reward=0.0, advantage=1.0, seq_len=2)
 
 

@@ -8,13 +8,12 @@ import zipfile
 
 import numpy as np
 import pytest
-
 from orchestrator_helpers import FIELDS, chunks, episode, make_keeper, tombstones
-from pipeline.packing import pack_step, step_contents
-from pipeline.samples import build_sample
-from pipeline.step_file import HEADER_MEMBER, STREAMS, StepFile, publish_step_file, step_key
-from storage.errors import ChunkNotFoundError, StepFileError
-from storage.store import open_store
+from refpipe.pipeline.packing import pack_step, step_contents
+from refpipe.pipeline.samples import build_sample
+from refpipe.pipeline.step_file import HEADER_MEMBER, STREAMS, StepFile, publish_step_file, step_key
+from refpipe.storage.errors import ChunkNotFoundError, StepFileError
+from refpipe.storage.store import open_store
 
 SEQ_LEN, DP = 24, 3
 

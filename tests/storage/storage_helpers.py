@@ -11,11 +11,10 @@ from dataclasses import dataclass
 
 import boto3
 import numpy as np
-
-from pipeline.fields import FieldsConfig, Ragged
-from storage.config import StorageConfig
-from storage.store import Store, open_store
-from storage.uri import RunPrefix
+from refpipe.pipeline.fields import FieldsConfig, Ragged
+from refpipe.storage.config import StorageConfig
+from refpipe.storage.store import Store, open_store
+from refpipe.storage.uri import RunPrefix
 
 
 class RawLocal:
@@ -146,7 +145,8 @@ class FsOps:
     """Filesystem calls this process makes under a directory while the context is active (CPython audit events).
 
     Records ``open`` (builtins and ``os.open``), ``os.mkdir``, ``os.link``, ``os.rename``/``os.replace``,
-    ``os.remove``, ``os.rmdir``, ``os.listdir`` and ``os.scandir``, in order, as ``(event, path)`` (the destination for links and renames).
+    ``os.remove``, ``os.rmdir``, ``os.listdir`` and ``os.scandir``, in order, as ``(event, path)`` (the destination
+    for links and renames).
     """
 
     def __init__(self, under: str):

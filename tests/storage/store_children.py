@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from storage.errors import KeyExistsError
+from refpipe.storage.errors import KeyExistsError
 
 
 def race_payload(i: int) -> bytes:

@@ -6,14 +6,13 @@ import google_crc32c
 import numpy as np
 import pytest
 import zarr
-
-from pipeline.keep import Branch, Keeper
-from storage.chunk import DATA_KEY, META_KEY, PayloadRef, node_key
-from storage.config import StorageConfig
-from storage.errors import ChunkCorruptError, ChunkNotFoundError, OutsideRunError
-from storage.fetch import fetch_arrays, fetch_many
-from storage.ledger import Ledger
-from storage.store import open_store
+from refpipe.pipeline.keep import Branch, Keeper
+from refpipe.storage.chunk import DATA_KEY, META_KEY, PayloadRef, node_key
+from refpipe.storage.config import StorageConfig
+from refpipe.storage.errors import ChunkCorruptError, ChunkNotFoundError, OutsideRunError
+from refpipe.storage.fetch import fetch_arrays, fetch_many
+from refpipe.storage.ledger import Ledger
+from refpipe.storage.store import open_store
 from storage_helpers import FIELDS_CFG, Backend, FsOps, S3Requests, make_backend, make_fields
 
 P, C = 4, 6

@@ -10,18 +10,25 @@ import json
 import numpy as np
 import pytest
 import zarr
+from refpipe.pipeline.fields import FieldsConfig
+from refpipe.pipeline.keep import Branch, Keeper
+from refpipe.storage.chunk import DATA_KEY, META_KEY, PayloadRef, layout_arrays, node_key, read_attributes
+from refpipe.storage.fetch import fetch_arrays
+from refpipe.storage.ledger import Ledger
+from storage_helpers import (
+    FIELDS_CFG,
+    Backend,
+    FsOps,
+    S3Requests,
+    assert_same_bytes,
+    make_backend,
+    make_fields,
+    stored_cut,
+)
 from zarr.codecs import BytesCodec, Crc32cCodec, ZstdCodec
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.dtype import parse_dtype
 from zarr.core.metadata.v3 import ArrayV3Metadata
-
-from pipeline.fields import FieldsConfig
-from pipeline.keep import Branch, Keeper
-from storage.chunk import DATA_KEY, META_KEY, PayloadRef, layout_arrays, node_key, read_attributes
-from storage.fetch import fetch_arrays
-from storage.ledger import Ledger
-from storage_helpers import (FIELDS_CFG, Backend, FsOps, S3Requests, assert_same_bytes, make_backend, make_fields,
-                             stored_cut)
 
 P, C = 5, 7
 WIDE_CFG = FieldsConfig(num_layers=2, top_k=3, num_experts=300, logprobs_k=3, support_width=4, sampling_mask=True)

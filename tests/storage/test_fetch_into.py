@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from pipeline.keep import Branch, Keeper
-from storage.chunk import DATA_KEY, PayloadRef, node_key
-from storage.errors import ChunkCorruptError, ChunkNotFoundError
-from storage.fetch import fetch_arrays
-from storage.ledger import Ledger
+from refpipe.pipeline.keep import Branch, Keeper
+from refpipe.storage.chunk import DATA_KEY, PayloadRef, node_key
+from refpipe.storage.errors import ChunkCorruptError, ChunkNotFoundError
+from refpipe.storage.fetch import fetch_arrays
+from refpipe.storage.ledger import Ledger
 from storage_helpers import FIELDS_CFG, Backend, assert_same_bytes, make_backend, make_fields, stored_cut
 
 P, C = 3, 7

@@ -6,13 +6,12 @@ import socket
 import threading
 
 import pytest
-
-from pipeline.keep import Branch, Keeper
-from storage.chunk import DATA_KEY, PayloadRef, node_key
-from storage.errors import ChunkCorruptError, ChunkNotFoundError, OutsideRunError, TransientStorageError
-from storage.fetch import FetchStats, fetch_many
-from storage.ledger import Ledger
-from storage.store import LocalStore, open_store
+from refpipe.pipeline.keep import Branch, Keeper
+from refpipe.storage.chunk import DATA_KEY, PayloadRef, node_key
+from refpipe.storage.errors import ChunkCorruptError, ChunkNotFoundError, OutsideRunError, TransientStorageError
+from refpipe.storage.fetch import FetchStats, fetch_many
+from refpipe.storage.ledger import Ledger
+from refpipe.storage.store import LocalStore, open_store
 from storage_helpers import FIELDS_CFG, Backend, assert_same_bytes, make_backend, make_fields, stored_cut
 
 

@@ -6,15 +6,20 @@ import json
 
 import numpy as np
 import pytest
-
-from storage.chunk import ArraySpec, PayloadRef, encode_chunk
-from storage.errors import (ChunkNotFoundError, ConfigError, DoubleDeleteError, OutsideRunError, StorageError,
-                            UnknownRefError)
-from storage.fetch import fetch_arrays, put_chunk
-from storage.ledger import SEGMENT_MAX_EVENTS, Ledger, parse_segment_key, tombstone_key
-from storage.s3_store import S3Store
-from storage.store import LocalStore, Store
-from storage.uri import RunPrefix
+from refpipe.storage.chunk import ArraySpec, PayloadRef, encode_chunk
+from refpipe.storage.errors import (
+    ChunkNotFoundError,
+    ConfigError,
+    DoubleDeleteError,
+    OutsideRunError,
+    StorageError,
+    UnknownRefError,
+)
+from refpipe.storage.fetch import fetch_arrays, put_chunk
+from refpipe.storage.ledger import SEGMENT_MAX_EVENTS, Ledger, parse_segment_key, tombstone_key
+from refpipe.storage.s3_store import S3Store
+from refpipe.storage.store import LocalStore, Store
+from refpipe.storage.uri import RunPrefix
 
 
 def kept(store: Store, branch_id: str, num_tokens: int = 4) -> PayloadRef:
@@ -54,7 +59,7 @@ def test_open_is_written_at_once_and_events_are_buffered_into_segments(store):
 
 
 def test_a_segment_is_written_every_512_events(store, monkeypatch):
-    monkeypatch.setattr("storage.ledger.SEGMENT_MAX_AGE_S", 3600.0)  # only the count may flush here
+    monkeypatch.setattr("refpipe.storage.ledger.SEGMENT_MAX_AGE_S", 3600.0)  # only the count may flush here
     ledger = Ledger(store, "a")
     for i in range(SEGMENT_MAX_EVENTS + 1):
         ledger.record("x", i=i)

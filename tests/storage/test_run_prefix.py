@@ -5,9 +5,8 @@ from __future__ import annotations
 import os
 
 import pytest
-
-from storage.errors import ConfigError, OutsideRunError
-from storage.uri import RunPrefix
+from refpipe.storage.errors import ConfigError, OutsideRunError
+from refpipe.storage.uri import RunPrefix
 
 
 @pytest.mark.parametrize("root,run_id,scheme,path", [

@@ -15,15 +15,19 @@ import threading
 
 import numpy as np
 import pytest
-
-from storage.errors import (ChunkNotFoundError, KeyExistsError, OutsideRunError, StorageError,
-                            TransientStorageError)
-from storage import store as store_module
-from storage.config import StorageConfig
-from storage.s3_store import S3Store
-from storage.store import LocalStore, open_store
-from store_children import race_in_child, race_payload, use_in_child
+from refpipe.storage import store as store_module
+from refpipe.storage.config import StorageConfig
+from refpipe.storage.errors import (
+    ChunkNotFoundError,
+    KeyExistsError,
+    OutsideRunError,
+    StorageError,
+    TransientStorageError,
+)
+from refpipe.storage.s3_store import S3Store
+from refpipe.storage.store import LocalStore, open_store
 from storage_helpers import Backend, FsOps, S3Requests, make_backend
+from store_children import race_in_child, race_payload, use_in_child
 
 DATA = bytes(range(256)) * 3
 BAD_KEYS = ["../run_2/x", "a/../../x", "/etc/passwd", "a//b", "./a", "a/.", "a\\b", "", "a/\x00b"]

@@ -17,13 +17,12 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-from pipeline.fields import FieldsConfig
-from storage.config import StorageConfig
-from storage.store import open_store
-from trainer.config import TrainerConfig
-from trainer.dist import init_process_group
-from trainer.step import TrainerRank
+from refpipe.pipeline.fields import FieldsConfig
+from refpipe.storage.config import StorageConfig
+from refpipe.storage.store import open_store
+from refpipe.trainer.config import TrainerConfig
+from refpipe.trainer.dist import init_process_group
+from refpipe.trainer.step import TrainerRank
 
 sys.path.insert(0, str(Path(__file__).parent))
 from trainer_helpers import flatten  # noqa: E402
@@ -46,7 +45,8 @@ def main(spec_path: str, rank: int) -> None:
         def train(batches):
             for mb in batches:
                 result["dropped"].append(mb.dropped)
-                got.update({f"mb{mb.record.index}.{k}": v for k, v in flatten(mb.streams, mb.cu_seqlens, mb.fields).items()})
+                got.update({f"mb{mb.record.index}.{k}": v
+                            for k, v in flatten(mb.streams, mb.cu_seqlens, mb.fields).items()})
 
         started = time.monotonic()
         try:

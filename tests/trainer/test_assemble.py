@@ -9,15 +9,14 @@ import threading
 import numpy as np
 import pytest
 import torch
-
-from pipeline.fields import spread_expert_rows
-from pipeline.step_file import StepFile, publish_step_file
-from storage.errors import FieldError, PackingError, StepFileError
-from storage.fetch import chunk_keys, fetch_arrays
-from storage.store import open_store
-from trainer.assemble import assemble_dropped_micro_batch, assemble_micro_batch
-from trainer.fetch import fetch_own, own_requests, wait_for_step
-from trainer.tensors import to_torch
+from refpipe.pipeline.fields import spread_expert_rows
+from refpipe.pipeline.step_file import StepFile, publish_step_file
+from refpipe.storage.errors import FieldError, PackingError, StepFileError
+from refpipe.storage.fetch import chunk_keys, fetch_arrays
+from refpipe.storage.store import open_store
+from refpipe.trainer.assemble import assemble_dropped_micro_batch, assemble_micro_batch
+from refpipe.trainer.fetch import fetch_own, own_requests, wait_for_step
+from refpipe.trainer.tensors import to_torch
 from trainer_helpers import FIELDS, Seq, assert_same, build_step, expected_micro_batch, flatten, keep_all, make_branch
 
 SEQ_LEN = 24

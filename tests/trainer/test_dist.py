@@ -15,12 +15,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
-
-from pipeline.fields import spread_expert_rows
-from storage.config import StorageConfig
-from storage.fetch import chunk_keys
-from storage.ledger import tombstone_key
-from storage.store import open_store
+from refpipe.pipeline.fields import spread_expert_rows
+from refpipe.storage.config import StorageConfig
+from refpipe.storage.fetch import chunk_keys
+from refpipe.storage.ledger import tombstone_key
+from refpipe.storage.store import open_store
 from slowdown_proxy import SlowDownProxy
 from trainer_helpers import FIELDS, Seq, assert_same, build_step, expected_micro_batch, keep_all, make_branch
 

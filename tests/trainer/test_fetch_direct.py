@@ -6,11 +6,10 @@ import threading
 
 import numpy as np
 import pytest
-
-from pipeline.step_file import StepFile
-from storage.fetch import chunk_keys
-from storage.store import LocalStore, open_store
-from trainer.fetch import fetch_own
+from refpipe.pipeline.step_file import StepFile
+from refpipe.storage.fetch import chunk_keys
+from refpipe.storage.store import LocalStore, open_store
+from refpipe.trainer.fetch import fetch_own
 from trainer_helpers import FIELDS, Seq, assert_same, build_step, expected_micro_batch, flatten, keep_all, make_branch
 
 SEQ_LEN = 30

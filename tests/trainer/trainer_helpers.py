@@ -9,14 +9,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-from pipeline.fields import FieldsConfig, Ragged, spread_expert_rows
-from pipeline.keep import Branch, Keeper
-from pipeline.step_file import SCHEMA_VERSION, STREAMS, MicroBatchRecord, SequenceRecord, StepHeader, publish_step_file
-from storage.chunk import PayloadRef
-from storage.config import StorageConfig
-from storage.ledger import Ledger
-from storage.store import Store
+from refpipe.pipeline.fields import FieldsConfig, Ragged, spread_expert_rows
+from refpipe.pipeline.keep import Branch, Keeper
+from refpipe.pipeline.step_file import (
+    SCHEMA_VERSION,
+    STREAMS,
+    MicroBatchRecord,
+    SequenceRecord,
+    StepHeader,
+    publish_step_file,
+)
+from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.config import StorageConfig
+from refpipe.storage.ledger import Ledger
+from refpipe.storage.store import Store
 
 FIELDS = FieldsConfig(num_layers=2, top_k=2, num_experts=8, logprobs_k=3, support_width=2, sampling_mask=True)
 

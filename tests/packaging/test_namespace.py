@@ -1,0 +1,62 @@
+"""refpipe installs as one import namespace: nothing of ours under a bare generic name."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SUBPACKAGES = ("storage", "pipeline", "trainer", "cli", "job", "integrations")
+
+
+def _our_python_files() -> list[Path]:
+    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True, check=True)
+    return [REPO / name for name in tracked.stdout.split()]
+
+
+def _bare_imports(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        found += [f"{path.relative_to(REPO)}:{node.lineno} {n}" for n in names if n.split(".")[0] in SUBPACKAGES]
+    return found
+
+
+def test_no_module_imports_a_bare_top_level_name():
+    files = _our_python_files()
+    assert len(files) > 100  # the scan really saw the tree
+    assert [hit for path in files for hit in _bare_imports(path)] == []
+
+
+def test_only_the_refpipe_namespace_is_importable_outside_the_checkout(tmp_path):
+    probe = (
+        "import importlib.util, json, refpipe.storage, refpipe.job.train_rank\n"
+        f"print(json.dumps({{n: importlib.util.find_spec(n) is not None for n in {list(SUBPACKAGES)!r}}}))\n"
+        "print(refpipe.__version__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True)
+    found, version = out.stdout.splitlines()
+    assert found == '{"storage": false, "pipeline": false, "trainer": false, "cli": false, "job": false, ' \
+                    '"integrations": false}'
+    assert version == "0.1.0"
+
+
+@pytest.mark.timeout(300)
+def test_wheel_holds_only_the_refpipe_package(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(REPO)],
+                   cwd=tmp_path, check=True, capture_output=True)
+    (wheel,) = tmp_path.glob("refpipe-*.whl")
+    tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+    assert tops == {"refpipe", "refpipe-0.1.0.dist-info"}
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {f"refpipe/{p}/__init__.py" for p in SUBPACKAGES} <= names
