@@ -53,12 +53,18 @@ class RawLocal:
 
 
 class RawS3:
-    """Direct object access under an S3 run root (a boto3 client of its own), bypassing the store."""
+    """Direct object access under an S3 run root (a boto3 client of its own), bypassing the store.
+
+    ``scope``: the test's part of the bucket: the whole bucket (moto: a bucket per test) or the
+    prefix above the run root (SeaweedFS: ``<test prefix>/`` in the session's bucket).
+    """
 
     def __init__(self, config: StorageConfig):
         self.prefix = RunPrefix.from_root(config.root, config.run_id)
         self.bucket, _, run_path = self.prefix.path.partition("/")
         self.root = run_path.rpartition("/")[0]
+        scope = self.root.rpartition("/")[0]
+        self.scope = scope + "/" if scope else ""
         self.client = boto3.client("s3", endpoint_url=config.s3_endpoint_url, region_name="us-east-1")
 
     def _key(self, key: str) -> str:
@@ -74,9 +80,9 @@ class RawS3:
         self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
 
     def objects(self) -> list[str]:
-        """Every object in the *bucket* (all runs, all prefixes), as full object keys."""
+        """Every object in the test's scope of the bucket (all runs, all prefixes), as full object keys."""
         out = []
-        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket):
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.scope):
             out += [o["Key"] for o in page.get("Contents", [])]
         return sorted(out)
 

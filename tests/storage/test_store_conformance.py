@@ -332,9 +332,11 @@ class TestLocalStoreWithoutTmpfile(TestLocalStore):
 
 
 class TestS3Store(StoreConformance):
+    """On each S3 server: moto, then SeaweedFS (a real S3-compatible server)."""
+
     @pytest.fixture
-    def backend(self, s3_config) -> Backend:
-        backend = make_backend("s3", s3_config)
+    def backend(self, s3_server_config) -> Backend:
+        backend = make_backend("s3", s3_server_config)
         assert isinstance(backend.store, S3Store)
         return backend
 
@@ -354,8 +356,9 @@ class TestS3Store(StoreConformance):
         store.delete(["k", "x", "never"])
         assert requests.kinds() == ["DELETE"]
 
-    def test_put_into_a_missing_bucket_names_the_bucket(self, s3_endpoint):
-        store = open_store(StorageConfig(root="s3://no-such-bucket-here/p", run_id="r", s3_endpoint_url=s3_endpoint))
+    def test_put_into_a_missing_bucket_names_the_bucket(self, backend: Backend):
+        store = open_store(StorageConfig(root="s3://no-such-bucket-here/p", run_id="r",
+                                         s3_endpoint_url=backend.config.s3_endpoint_url))
         with pytest.raises(StorageError, match="bucket 'no-such-bucket-here' does not exist"):
             store.put("config.json", b"{}")
 
@@ -379,11 +382,11 @@ class TestS3Store(StoreConformance):
                 backend.store.delete(["ok/key", key])
         assert requests.log == []
 
-    def test_unreachable_endpoint_is_a_transient_error_after_retries(self, s3_config):
+    def test_unreachable_endpoint_is_a_transient_error_after_retries(self, backend: Backend):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]  # closed once the block ends: nothing listens there
-        config = s3_config.model_copy(update={"s3_endpoint_url": f"http://127.0.0.1:{port}", "max_retries": 1,
+        config = backend.config.model_copy(update={"s3_endpoint_url": f"http://127.0.0.1:{port}", "max_retries": 1,
                                               "retry_backoff_s": 0.001})
         store = open_store(config)
         for verb in (lambda: store.get("k"), lambda: store.put("k", b"x", exclusive=True), lambda: store.delete(["k"])):
