@@ -15,12 +15,12 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from fault_proxy import Fault, FaultProxy
 from refpipe.pipeline.fields import spread_expert_rows
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.fetch import chunk_keys
 from refpipe.storage.ledger import tombstone_key
 from refpipe.storage.store import open_store
-from slowdown_proxy import SlowDownProxy
 from trainer_helpers import FIELDS, Seq, assert_same, build_step, expected_micro_batch, keep_all, make_branch
 
 SEQ_LEN = 24
@@ -199,13 +199,13 @@ def test_two_ranks_on_s3_retry_throttled_reads(tmp_path, s3_endpoint, s3_bucket)
     rng = np.random.default_rng(5)
     branches = _branches(0, rng)
     built = build_step(store, 0, SEQ_LEN, _layout(0), branches, keep_all(store, writer_cfg, branches), rng)
-    with SlowDownProxy(s3_endpoint) as proxy:
+    with FaultProxy(s3_endpoint, Fault("slowdown", "GET", r"/c\.0$")) as proxy:
         trainer_cfg = writer_cfg.model_copy(update={"s3_endpoint_url": proxy.url, "retry_backoff_s": 0.01})
         results = run_world(tmp_path, trainer_cfg, 2, 1, [0])
     metrics = _check_trained(built, results, 0, 2, 1, set(), {})
     # one 503 per chunk read: DP 0 and DP 1 both read a (only the first read is throttled); e is kept to
     # 3 of its 6 prompt tokens and carries no routing, so it has no rows to read and gets no GET
-    assert proxy.failures == 10
+    assert proxy.hits == {"slowdown": 10}
     assert (metrics["retries"], metrics["dropped_micro_batches"], metrics["fetched_chunks"]) == (10, 0, 12)
     assert (metrics["deletes"], metrics["delete_problems"]) == (11, 0)
     assert store.list_prefix("payloads") == []
