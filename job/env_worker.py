@@ -6,6 +6,11 @@ samples ``group_size`` branches of one task problem, keeps each branch's arrays
 through refpipe and sends back ``Episode``s that carry only ``PayloadRef``s.
 A group finished after the launcher asked the workers to stop never reaches the
 orchestrator: the worker discards its chunks itself.
+
+A group whose keep fails with a store error (after the store's retries) does not end the
+worker: it discards the branches of the group it kept and answers ``failed``; the launcher
+re-sends the group as a new attempt, whose branch ids (``<group>-a<attempt>-<i>``) never
+collide with an earlier attempt's.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from refpipe.job.task import Problem, make_problems, reward
 from refpipe.job.weights import latest_version, load_weights
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.pipeline.samples import BranchResult, Episode
+from refpipe.storage.errors import StorageError
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.store import open_store
 
@@ -40,6 +46,8 @@ class GroupRequest:
     group_id: str
     problem_index: int
     is_eval: bool = False
+    attempt: int = 0
+    """0 for the first send; +1 per re-send (a worker died or the group failed): part of every branch id."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +61,9 @@ class GroupResult:
     kept_chunks: int
     kept_bytes: int
     discarded: int = 0
-    """Chunks the worker discarded itself (stopping: the group never reaches the orchestrator)."""
+    """Chunks the worker discarded itself (stopping, or the group failed: it never reaches the orchestrator)."""
+    failed: str | None = None
+    """Why the group failed (a store error while keeping it; nothing of it is kept), else None."""
 
 
 def env_worker_main(config_json: str, worker: int, requests: mp.Queue, results: mp.Queue, stop: mp.Event) -> None:
@@ -106,8 +116,15 @@ def run_group(model: MoELM, keeper: Keeper, cfg: RunConfig, request: GroupReques
     branches = sample_branches(model, [problem.prompt_ids] * n, cfg.sampling, seed=seed)
     episodes, nbytes = [], 0
     for i, sampled in enumerate(branches):
-        ref = keeper.keep(Branch(len(sampled.prompt_ids), len(sampled.completion_ids), sampled.fields(),
-                                 branch_id=f"{request.group_id}-{i}"))
+        try:
+            ref = keeper.keep(Branch(len(sampled.prompt_ids), len(sampled.completion_ids), sampled.fields(),
+                                     branch_id=f"{request.group_id}-a{request.attempt}-{i}"))
+        except StorageError as e:
+            log.warning("group %s attempt %d: keep of branch %d failed: %s", request.group_id, request.attempt, i, e)
+            keeper.discard([episode.branches[0].ref for episode in episodes],
+                           reason=f"env server: group {request.group_id} attempt {request.attempt} failed: {e}")
+            return GroupResult(worker, request.request_id, [], version, len(episodes), nbytes,
+                               discarded=len(episodes), failed=f"{type(e).__name__}: {e}")
         nbytes += ref.nbytes
         episodes.append(_episode(request, i, problem, sampled, ref, cfg, version))
     return GroupResult(worker, request.request_id, episodes, version, len(episodes), nbytes)

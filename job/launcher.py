@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from refpipe.job.config import RunConfig
@@ -46,6 +46,10 @@ from rich.console import Console
 
 SUMMARY_KEY = "summary.json"
 """``<run>/summary.json``: the run's outcome (audit, deletes by actor and path, alignment, rewards)."""
+
+
+MAX_GROUP_ATTEMPTS = 3
+"""Sends of one group (the first and its re-sends after a failed keep or a dead worker) before the run fails."""
 
 
 class RunError(RefpipeError, RuntimeError):
@@ -168,10 +172,21 @@ class Launcher:
         fleet.requests[worker].put(request)
 
     def redispatch(self, fleet: Fleet, worker: int) -> None:
-        """A worker died: send its in-flight groups to the others (its kept chunks are swept at the end)."""
+        """A worker died: send its in-flight groups to the others as new attempts (fresh branch ids: the dead
+        attempt's chunks are swept, exactly once, at the end)."""
         for request in fleet.in_flight[worker].values():
-            self.send(fleet, request)
+            self.resend(fleet, request, f"env worker {worker} died")
         fleet.in_flight[worker].clear()
+
+    def resend(self, fleet: Fleet, request: GroupRequest, why: str) -> None:
+        """Send ``request`` again as its next attempt, at most ``MAX_GROUP_ATTEMPTS`` in all.
+
+        Raises:
+            RunError: the group failed ``MAX_GROUP_ATTEMPTS`` times.
+        """
+        if request.attempt + 1 >= MAX_GROUP_ATTEMPTS:
+            raise RunError(f"group {request.group_id} failed {MAX_GROUP_ATTEMPTS} times; last: {why}")
+        self.send(fleet, replace(request, attempt=request.attempt + 1))
 
     def collect(self, fleet: Fleet, timeout_s: float) -> None:
         """Submit every group result that arrived to the orchestrator."""
@@ -180,10 +195,14 @@ class Launcher:
         except queue.Empty:
             return
         while True:
-            fleet.in_flight[result.worker].pop(result.request_id, None)
+            request = fleet.in_flight[result.worker].pop(result.request_id, None)
             self.kept_chunks += result.kept_chunks
             self.kept_bytes += result.kept_bytes
             self.deletes["env worker discard"] += result.discarded
+            if result.failed and request is not None and not fleet.stop.is_set():
+                self.console.log(f"[yellow]group {request.group_id} attempt {request.attempt} failed on env worker "
+                                 f"{result.worker} ({result.failed}); sending it again")
+                self.resend(fleet, request, result.failed)
             for episode in result.episodes:
                 self.orchestrator.submit(episode)
             try:
