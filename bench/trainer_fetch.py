@@ -45,7 +45,14 @@ import numpy as np
 from _args import positive_int  # noqa: E402  (bench/ is sys.path[0] when run as a script)
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.keep import Branch, Keeper
-from refpipe.pipeline.step_file import SCHEMA_VERSION, MicroBatchRecord, SequenceRecord, StepHeader, publish_step_file
+from refpipe.pipeline.step_file import (
+    SCHEMA_VERSION,
+    MicroBatchRecord,
+    SequenceRecord,
+    StepFile,
+    StepHeader,
+    publish_step_file,
+)
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.fetch import chunk_keys
 from refpipe.storage.ledger import Ledger
@@ -131,7 +138,7 @@ def rank_main(spec: dict, rank: int) -> None:
     init_process_group(config, rank=rank, world_size=WORLD_SIZE, init_method=spec["init_method"])
     store = open_store(storage)
     trainer = TrainerRank(store, FIELDS, storage, config)
-    step_file = trainer.load_step(0)
+    step_file = StepFile.read(store, 0)
     header, dp = step_file.header, trainer.topology.dp_rank
     paths = [store.path(chunk_keys(store, header.refs[i])[0]) for i in sorted(own_requests(header, dp))]
     not_dropped = np.zeros(len(header.micro_batches_of(dp)), bool)
@@ -147,11 +154,12 @@ def rank_main(spec: dict, rank: int) -> None:
         nbytes = fetched.nbytes
         del fetched, batches
     dist.barrier()
-    metrics = trainer.run_step(0, lambda batches: None)
+    metrics = trainer.run_step(0, lambda batches: None).model_dump()
+    metrics["deletes"] = trainer.finish().deletes
     trainer.close()
     result = {"rank": rank, "raw_s": raw_s, "fetch_assemble_s": ours_s, "raw_cpu_s": raw_cpu_s,
               "fetch_assemble_cpu_s": ours_cpu_s, "nbytes": nbytes,
-              "raw_nbytes": raw_nbytes, "metrics": metrics.model_dump()}
+              "raw_nbytes": raw_nbytes, "metrics": metrics}
     Path(spec["out"], f"rank{rank}.json").write_text(json.dumps(result))
     os._exit(0)
 

@@ -35,7 +35,7 @@ from refpipe.job.env_worker import GroupRequest, GroupResult, env_worker_main
 from refpipe.job.model import MoELM
 from refpipe.job.progress import ProgressView, StepRow
 from refpipe.job.task import warm_start
-from refpipe.job.train_rank import metrics_key
+from refpipe.job.train_rank import FINISH_METRICS_KEY, metrics_key
 from refpipe.job.weights import publish_weights
 from refpipe.pipeline.audit import AuditReport, audit, sweep
 from refpipe.pipeline.orchestrator import Orchestrator
@@ -252,6 +252,7 @@ class Launcher:
         for a restart, and ``refpipe sweep`` is left to the user.
         """
         self.poll_trainer()  # steps the trainer finished while the fleet was stopping
+        self.deletes["trainer"] += self._finish_deletes()
         failed = failure is not None
         if fleet.dead and not failed:
             self.deletes["sweep"] += len(sweep(self.store, stopped=True).deleted)
@@ -265,6 +266,14 @@ class Launcher:
                    "alignment_ok": alignment_ok, "dead_env_workers": sorted(fleet.dead), "audit": report.model_dump()}
         self.store.put(SUMMARY_KEY, json.dumps(summary, indent=2).encode())
         return 0 if report.clean and alignment_ok and not failed else 1
+
+
+    def _finish_deletes(self) -> int:
+        """Chunks the trainer deleted after its last step's metrics (0 if it did not finish)."""
+        try:
+            return json.loads(self.store.get(FINISH_METRICS_KEY))["deletes"]
+        except ChunkNotFoundError:
+            return 0
 
 
 def start_fleet(cfg: RunConfig, config_path: str) -> Fleet:

@@ -9,7 +9,9 @@ its micro batches' chunks, all-reduce failures, assemble) calls ``train``: forwa
 with the fetched routing replayed, the alignment check, the loss, a gradient
 all-reduce (SUM over the world, divided by the global loss tokens and the
 model-parallel size), one optimizer step; then rank 0 publishes weights version
-``s + 1`` and the step's metrics (``metrics/trainer_step_<s>.json``).
+``s + 1`` and the step's metrics (``metrics/trainer_step_<s>.json``). After the last step every rank
+calls ``TrainerRank.finish`` (the last step's chunks are deleted in the background) and rank 0 writes
+its counts (``metrics/trainer_finish.json``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ log = logging.getLogger(__name__)
 def metrics_key(step: int) -> str:
     """Key of trainer step ``step``'s metrics (written by rank 0)."""
     return f"metrics/trainer_step_{step:08d}.json"
+
+
+FINISH_METRICS_KEY = "metrics/trainer_finish.json"
+"""Key of the counts of the trainer's last release (``TrainerRank.finish``; written by rank 0 after the last step)."""
 
 
 @dataclass
@@ -172,6 +178,9 @@ def main(config_path: str) -> None:
         if dist.get_rank() == 0:
             publish_weights(store, model, step + 1)
             publish_step_metrics(store, step, {**metrics.model_dump(), **asdict(policy.stats)})
+    finished = rank.finish()
+    if dist.get_rank() == 0:
+        store.put(FINISH_METRICS_KEY, finished.model_dump_json().encode())
     rank.close()
     dist.destroy_process_group()
 

@@ -136,6 +136,7 @@ class Ledger:
         self._seq = 0
         self._flushed_at = time.monotonic()
         self._lock = threading.Lock()
+        self._claims: dict[str, str] = {}  # branch id -> this session's claim whose chunk objects may remain
         self.session = self._open()
 
     def _open(self) -> str:
@@ -217,6 +218,9 @@ class Ledger:
             DoubleDeleteError: some chunks were already deleted; every other chunk was
                 deleted. ``.result`` holds the full ``DeleteResult``.
             UnknownRefError: some refs were never kept (and none double-deleted); ``.result`` as above.
+            StorageError: a claim or a delete failed (after the store's retries). The claims this
+                session wrote stay its own: ``delete`` of the same refs again finishes them (the
+                retry of a failed physical delete) instead of reporting a double delete.
         """
         targets = []
         for ref in refs:
@@ -259,9 +263,16 @@ class Ledger:
     def _delete_targets(self, targets: list[_Target], reason: str, max_concurrency: int) -> DeleteResult:
         result = DeleteResult()
         started = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=max(1, min(max_concurrency, len(targets)))) as pool:
-            claims = list(pool.map(lambda t: self._claim(t, reason), targets))
-        self._add_seconds(time.perf_counter() - started)
+        made: dict[str, str] = {}  # branch id -> claim of this call; kept by the session if the call fails
+        try:
+            with ThreadPoolExecutor(max_workers=max(1, min(max_concurrency, len(targets)))) as pool:
+                claims = list(pool.map(lambda t: self._claim(t, reason, made), targets))
+        except Exception:
+            with self._lock:
+                self._claims.update(made)
+            raise
+        finally:
+            self._add_seconds(time.perf_counter() - started)
         doomed: list[str] = []
         for target, problem in zip(targets, claims):
             if problem is None:
@@ -276,19 +287,31 @@ class Ledger:
                 self.record("unknown_delete", branch_id=target.branch_id, uri=target.uri, reason=reason)
         if result.double_deletes or result.unknown:
             self.flush()  # on record before anything else can fail
-        self.store.delete(doomed)
+        try:
+            self.store.delete(doomed)
+        except Exception:
+            with self._lock:
+                self._claims.update(made)
+            raise
+        with self._lock:
+            for target in targets:
+                self._claims.pop(target.branch_id, None)
         if result.double_deletes or result.unknown:
             self._raise_problems(result)
         return result
 
-    def _claim(self, target: _Target, reason: str) -> DoubleDeleteError | UnknownRefError | None:
-        """Claim one chunk: None when this call won, else the problem (nothing deleted)."""
+    def _claim(self, target: _Target, reason: str, made: dict[str, str]) -> DoubleDeleteError | UnknownRefError | None:
+        """Claim one chunk: None when this call won (or finishes this session's claim of it from an earlier
+        call that failed), else the problem (nothing deleted). ``made``: this call's claims so far."""
         tomb = tombstone_key(target.branch_id)
+        with self._lock:  # the same ref twice in one call: only its first target may take the earlier claim
+            earlier = None if target.branch_id in made else self._claims.get(target.branch_id)
+            claim = earlier or uuid.uuid4().hex
+            made.setdefault(target.branch_id, claim)
         if not self.store.exists(target.meta_key):
-            return self._already_deleted(target, tomb, reason, None) or UnknownRefError(
+            return self._already_deleted(target, tomb, reason, earlier) or (None if earlier else UnknownRefError(
                 f"chunk {target.uri}: delete by {self.actor} ({reason}) refused: it was never kept "
-                f"(no commit marker, no delete record)")
-        claim = uuid.uuid4().hex
+                f"(no commit marker, no delete record)"))
         record = {"branch_id": target.branch_id, "uri": target.uri, "holder": self.actor, "reason": reason,
                   "t": round(time.time(), 3), "session": self.session, "claim": claim}
         try:

@@ -1,8 +1,10 @@
-"""One trainer rank's per-step data path: load, fetch + assemble, agree, stand in, train, release, metrics."""
+"""One trainer rank's per-step data path: load, fetch + assemble, agree, prefetch, stand in, train, release,
+metrics."""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -10,10 +12,11 @@ from pydantic import BaseModel, ConfigDict
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.step_file import StepFile, StepHeader
 from refpipe.storage.config import StorageConfig
-from refpipe.storage.errors import ConfigError, DoubleDeleteError, FetchError, UnknownRefError
+from refpipe.storage.errors import ConfigError, FetchError
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.store import Store
 from refpipe.trainer.assemble import AssembledMicroBatch, assemble_dropped_micro_batch
+from refpipe.trainer.background import BackgroundRelease, Prefetch, Prepared, ReleaseCounts
 from refpipe.trainer.config import TrainerConfig
 from refpipe.trainer.dist import Topology, agree_failures, gather_rank_values
 from refpipe.trainer.fetch import FetchedStep, fetch_own, wait_for_step
@@ -41,18 +44,32 @@ class StepMetrics(BaseModel):
     fetched_bytes: int
     """Bytes of kept rows fetched, summed over every rank."""
     fetch_seconds_mean: float
-    """Wall seconds of a rank's fetch (with the assembly pipelined into it), mean over ranks."""
+    """Wall seconds of a rank's fetch (with the assembly pipelined into it), mean over ranks; a prefetched
+    step's fetch ran while the previous step trained."""
     fetch_seconds_max: float
     """Wall seconds of a rank's fetch (with the assembly pipelined into it), max over ranks."""
+    exposed_data_seconds_mean: float
+    """Wall seconds of ``run_step`` outside ``train`` and before the metrics all-gather (waiting for the step
+    file and the fetch, the failure all-reduce, stand-ins, tensors, waiting for the previous release), mean
+    over ranks: the data path's time on the critical path."""
+    exposed_data_seconds_max: float
+    """As ``exposed_data_seconds_mean``, max over ranks."""
+    prefetched_ranks: int
+    """Ranks whose data of this step was fetched in the background while the previous step trained."""
     failed_fetches: int
     """Fetches that ended in an error after retries (and micro batches whose rows disagreed with the step
     file), summed over ranks."""
     retries: int
-    """Store retries of transient errors during fetch and release, summed over ranks."""
+    """Store retries of transient errors since the previous step's metrics (fetch, prefetch, release), summed
+    over ranks."""
     deletes: int
-    """Chunks deleted after the step (once each, by the ``mp_rank == 0`` rank of their owner DP rank)."""
+    """Chunks deleted by background releases that finished since the previous step's metrics (normally the
+    previous step's: a step's release runs while the next one trains; ``TrainerRank.finish`` counts the last),
+    by the ``mp_rank == 0`` rank of their owner DP rank."""
     delete_problems: int
-    """Double deletes and deletes of never-kept chunks the ledger reported (recorded there too)."""
+    """Double deletes and deletes of never-kept chunks the ledger reported (recorded there too), same window."""
+    delete_failures: int
+    """Chunks whose physical delete failed in the same window (recorded as ``delete_failed``; retried)."""
 
 
 class TrainerRank:
@@ -65,18 +82,24 @@ class TrainerRank:
        the ledger ``trainer_dp<dp_rank>``.
     2. every rank, for every step in the same order: ``run_step(step, train)``, which runs
 
-       a. load step: wait for and validate the step file (every rank reads it);
-       b. fetch own: this DP rank's micro batches' chunks, in parallel, each micro batch
-          assembled into its padded numpy layout as soon as its chunks are in
-          (``trainer.fetch``); errors become failure flags;
+       a. load step: take the prefetched step, or wait for and validate the step file
+          (every rank reads it);
+       b. fetch own (unless prefetched): this DP rank's micro batches' chunks, in parallel,
+          each micro batch assembled into its padded numpy layout as soon as its chunks are
+          in (``trainer.fetch``); errors become failure flags;
        c. agree failures: world all-reduce of the flags (collective);
           if no micro batch was fetched anywhere, every rank raises ``FetchError`` here;
-       d. stand in for dropped micro batches (shape-only, no loss), then tensors;
-       e. train: the caller's callback (its collectives are its own);
-       f. release: the ``mp_rank == 0`` rank deletes the chunks its DP rank owns through the
-          ledger and records ``release`` (after (c), so every rank has finished fetching);
-       g. metrics: world all-gather of per-rank counters (collective).
-    3. every rank: ``close()`` at a clean shutdown.
+       d. prefetch: start fetching step + 1 in the background (``trainer.background.Prefetch``;
+          at most one step ahead, so a rank holds at most two steps of arrays: this one and
+          the next; its failures are agreed in step + 1's (c), like any fetch's);
+       e. stand in for dropped micro batches (shape-only, no loss), then tensors;
+       f. train: the caller's callback (its collectives are its own);
+       g. release: the ``mp_rank == 0`` rank waits for the previous step's release, then
+          starts deleting the chunks its DP rank owns in the background, recording
+          ``release`` once done (after (c), so every rank has finished fetching);
+       h. metrics: world all-gather of per-rank counters (collective).
+    3. every rank after its last step: ``finish()`` (collective: waits for the last release and
+       returns its counts), then ``close()``; after an error only ``close()``.
 
     Args:
         store: the run's store, created in this process.
@@ -90,9 +113,13 @@ class TrainerRank:
         self.topology = Topology.current(config)
         dp_rank = self.topology.dp_rank
         self.ledger = Ledger(store, f"trainer_dp{dp_rank}") if self.topology.mp_rank == 0 else None
+        self.release = (BackgroundRelease(self.ledger, dp_rank, storage.max_concurrent_fetches)
+                        if self.ledger is not None else None)
+        self.prefetch = Prefetch(self._read_step, self.fetch, config.step_poll_s)
+        self._retries_seen = store.retries
 
     def run_step(self, step: int, train: Train) -> StepMetrics:
-        """Run steps (a)-(g) of the class docstring for ``step``.
+        """Run steps (a)-(h) of the class docstring for ``step``.
 
         Raises:
             StepFileError: the step file did not appear within ``step_timeout_s`` or is invalid.
@@ -100,21 +127,46 @@ class TrainerRank:
             FetchError: no micro batch of the step could be fetched on any rank (nothing deleted).
             torch.distributed.DistBackendError: a peer died or exceeded ``collective_timeout_s``.
         """
-        retries_before = self.store.retries
-        step_file = self.load_step(step)
-        header, dp_rank = step_file.header, self.topology.dp_rank
-        fetched = fetch_own(self.store, step_file, dp_rank, self.fields,
-                            max_concurrency=self.storage.max_concurrent_fetches)
-        dropped = self.agree_failures(header, fetched)
-        batches = self.stand_in_dropped(step_file, fetched, dropped[dp_rank])
-        train([to_torch(mb) for mb in batches])
-        deletes, problems = self.release(header)
-        return self.metrics(header, fetched, dropped, deletes, problems, self.store.retries - retries_before)
+        started = time.monotonic()
+        prepared = self.prefetch.take(step) or self.load_and_fetch(step)
+        header, dp_rank = prepared.step_file.header, self.topology.dp_rank
+        dropped = self.agree_failures(header, prepared.fetched)
+        self.prefetch.start(step + 1)
+        batches = [to_torch(mb) for mb in self.stand_in_dropped(prepared.step_file, prepared.fetched,
+                                                                 dropped[dp_rank])]
+        exposed_s = time.monotonic() - started
+        train(batches)
+        del batches
+        resumed = time.monotonic()
+        if self.release is not None:
+            self.release.submit(step, header.owned_refs(dp_rank))
+        exposed_s += time.monotonic() - resumed
+        return self.metrics(header, prepared, dropped, exposed_s)
 
-    def load_step(self, step: int) -> StepFile:
-        """(a) Wait for step ``step``'s file and check it was made for this world's DP size and fields."""
+    def load_and_fetch(self, step: int) -> Prepared:
+        """(a)+(b) on the main thread: wait for step ``step``'s file, then fetch this rank's micro batches."""
         step_file = wait_for_step(self.store, step, timeout_s=self.config.step_timeout_s,
                                   poll_s=self.config.step_poll_s)
+        self.check_step(step_file)
+        return Prepared(step_file, self.fetch(step_file), prefetched=False)
+
+    def _read_step(self, step: int) -> StepFile:
+        """The prefetch's load: read step ``step``'s file once (``ChunkNotFoundError`` if not there yet)."""
+        step_file = StepFile.read(self.store, step)
+        self.check_step(step_file)
+        return step_file
+
+    def fetch(self, step_file: StepFile) -> FetchedStep:
+        """(b) Fetch and assemble this DP rank's micro batches (never raises; failures become flags)."""
+        return fetch_own(self.store, step_file, self.topology.dp_rank, self.fields,
+                         max_concurrency=self.storage.max_concurrent_fetches)
+
+    def check_step(self, step_file: StepFile) -> None:
+        """Check a step file was made for this world's DP size and fields.
+
+        Raises:
+            ConfigError: it names another ``dp_world_size`` or other fields.
+        """
         if step_file.header.dp_world_size != self.topology.dp_world_size:
             raise ConfigError(f"step file {step_file.uri}: dp_world_size={step_file.header.dp_world_size}, but this "
                               f"world has {self.topology.dp_world_size} DP ranks (world_size="
@@ -122,7 +174,6 @@ class TrainerRank:
         if step_file.header.fields != self.fields:
             raise ConfigError(f"step file {step_file.uri}: fields {step_file.header.fields.model_dump()}, but this "
                               f"trainer was configured with {self.fields.model_dump()}")
-        return step_file
 
     def agree_failures(self, header: StepHeader, fetched: FetchedStep) -> np.ndarray:
         """(c) bool [dp_world_size, micro batches per DP rank]: dropped micro batches, the same on every rank.
@@ -140,7 +191,7 @@ class TrainerRank:
 
     def stand_in_dropped(self, step_file: StepFile, fetched: FetchedStep,
                          dropped: np.ndarray) -> list[AssembledMicroBatch]:
-        """(d) This DP rank's micro batches in order, each dropped one replaced by its shape-only stand-in.
+        """(e) This DP rank's micro batches in order, each dropped one replaced by its shape-only stand-in.
 
         A stand-in repeats the routing rows of the first micro batch that was not dropped, so every
         model-parallel peer builds the same one (peers agree on ``dropped``, not on what they fetched).
@@ -153,42 +204,59 @@ class TrainerRank:
                                              fields=self.fields, routing_rows=routing_rows)
                 if dropped[mb.index] else fetched.assembled[mb.index] for mb in mbs]
 
-    def release(self, header: StepHeader) -> tuple[int, int]:
-        """(f) ``mp_rank == 0`` only: delete this DP rank's owned chunks, record ``release``, flush.
+    def _local_release_counts(self) -> list[float]:
+        """This rank's store retries and release counts since the last metrics."""
+        retries, self._retries_seen = self.store.retries - self._retries_seen, self.store.retries
+        counts = self.release.take_counts() if self.release is not None else ReleaseCounts()
+        return [retries, counts.deletes, counts.problems, counts.failures]
 
-        Returns:
-            ``(deleted, problems)``: chunks deleted, and double/unknown deletes the ledger reported
-            (logged and recorded; the remaining chunks are still deleted).
-        """
-        if self.ledger is None:
-            return 0, 0
-        dp_rank = self.topology.dp_rank
-        try:
-            result = self.ledger.delete(header.owned_refs(dp_rank), reason=f"trained step {header.step}",
-                                        max_concurrency=self.storage.max_concurrent_fetches)
-        except (DoubleDeleteError, UnknownRefError) as e:
-            log.error("step %d dp_rank=%d release: %s", header.step, dp_rank, e)
-            result = e.result
-        self.ledger.record("release", step=header.step, dp_rank=dp_rank)
-        self.ledger.flush()
-        return len(result.deleted), len(result.double_deletes) + len(result.unknown)
-
-    def metrics(self, header: StepHeader, fetched: FetchedStep, dropped: np.ndarray, deletes: int, problems: int,
-                retries: int) -> StepMetrics:
-        """(g) Gather every rank's counters (world all-gather) into the step's metrics."""
-        local = np.array([fetched.seconds, fetched.chunks, fetched.nbytes, len(fetched.errors), retries, deletes,
-                          problems], np.float64)
-        seconds, chunks, nbytes, errors, retries_all, deletes_all, problems_all = gather_rank_values(local).T
+    def metrics(self, header: StepHeader, prepared: Prepared, dropped: np.ndarray, exposed_s: float) -> StepMetrics:
+        """(h) Gather every rank's counters (world all-gather) into the step's metrics."""
+        fetched = prepared.fetched
+        local = np.array([fetched.seconds, exposed_s, prepared.prefetched, fetched.chunks, fetched.nbytes,
+                          len(fetched.errors), *self._local_release_counts()], np.float64)
+        seconds, exposed, prefetched, chunks, nbytes, errors, *release = gather_rank_values(local).T
         metrics = StepMetrics(
             step=header.step, micro_batches=len(header.micro_batches), dropped_micro_batches=int(dropped.sum()),
             fetched_chunks=int(chunks.sum()), fetched_bytes=int(nbytes.sum()),
             fetch_seconds_mean=float(seconds.mean()), fetch_seconds_max=float(seconds.max()),
-            failed_fetches=int(errors.sum()), retries=int(retries_all.sum()), deletes=int(deletes_all.sum()),
-            delete_problems=int(problems_all.sum()))
+            exposed_data_seconds_mean=float(exposed.mean()), exposed_data_seconds_max=float(exposed.max()),
+            prefetched_ranks=int(prefetched.sum()), failed_fetches=int(errors.sum()),
+            **_release_metrics(release))
         log.info("step %d trainer metrics: %s", header.step, metrics.model_dump())
         return metrics
 
+    def finish(self) -> ReleaseMetrics:
+        """Every rank, after its last step (collective): wait for the last release (retrying failed deletes
+        once) and gather what was released since the last step's metrics."""
+        self.prefetch.take(-1)
+        if self.release is not None:
+            self.release.wait(retry=True)
+        metrics = ReleaseMetrics(**_release_metrics(gather_rank_values(np.array(self._local_release_counts())).T))
+        log.info("trainer release after the last step: %s", metrics.model_dump())
+        return metrics
+
     def close(self) -> None:
-        """Clean shutdown: close this rank's ledger (``mp_rank == 0`` ranks)."""
-        if self.ledger is not None:
+        """Clean shutdown of this rank alone (no collective): stop the prefetch, finish the background release
+        (``mp_rank == 0``: retry failed deletes once; still failing: logged, the sweep finishes them), close the
+        ledger."""
+        self.prefetch.take(-1)
+        if self.release is not None:
+            self.release.shutdown()
             self.ledger.close()
+
+
+class ReleaseMetrics(BaseModel):
+    """Counts of ``StepMetrics`` for the releases that finished after the last step's metrics (``finish``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    retries: int
+    deletes: int
+    delete_problems: int
+    delete_failures: int
+
+
+def _release_metrics(columns) -> dict[str, int]:
+    """[retries, deletes, problems, failures] per rank (columns) -> their world sums by field name."""
+    return dict(zip(("retries", "deletes", "delete_problems", "delete_failures"), (int(c.sum()) for c in columns)))

@@ -3,8 +3,9 @@
 Joins a gloo world at the spec's ``init_method``, runs ``TrainerRank.run_step`` for each step of
 the spec, and writes per step ``step<N>_rank<r>.npz`` (every tensor the train callback got, as
 numpy, keyed ``mb<i>.<name>``) and ``step<N>_rank<r>.json`` (metrics or the error, dropped flags,
-how long the step took). A rank listed in ``exit_before`` leaves the world with ``os._exit`` at
-that step, as a crashed rank would.
+how long the step took); after the last step, if no step broke the world, ``finish_rank<r>.json``
+(``TrainerRank.finish``: the last release's counts). A rank listed in ``exit_before`` leaves the
+world with ``os._exit`` at that step, as a crashed rank would.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ def main(spec_path: str, rank: int) -> None:
         (out / f"step{step}_rank{rank}.json").write_text(json.dumps(result))
         if "error" in result and result["error"] != "FetchError":
             break  # the world is broken (a peer left); the remaining steps cannot run
+    else:
+        (out / f"finish_rank{rank}.json").write_text(rank_obj.finish().model_dump_json())
     rank_obj.close()
     os._exit(0)  # skip process-group teardown, which can wait on peers that already left
 

@@ -81,6 +81,8 @@ def run_world(tmp_path: Path, storage: StorageConfig, world_size: int, model_par
         step, rank = (int(x) for x in path.stem.removeprefix("step").split("_rank"))
         with np.load(path.with_suffix(".npz")) as z:
             results[(step, rank)] = (json.loads(path.read_text()), dict(z))
+    for path in out.glob("finish_rank*.json"):
+        results[("finish", int(path.stem.removeprefix("finish_rank")))] = json.loads(path.read_text())
     return results
 
 
@@ -159,30 +161,37 @@ def test_two_dp_ranks_of_two_peers_train_identical_bytes_and_survive_faults(tmp_
 
     results = run_world(tmp_path, local_config, 4, 2, list(range(6)), exit_before={"3": [5]})
 
+    # Every step file is there before the world starts, so steps 1-4 are fetched in the background while the
+    # step before trains (prefetched_ranks == 4) and their faults are dropped exactly as step 0's would be.
+    # A step's release runs while the next one trains: step s's metrics count step s-1's deletes.
     n_refs = len(built[0].header.refs)  # 11; DP 0 uses 8 (a b f g h c d e), DP 1 uses 4 (a i j k)
     m0 = _check_trained(built[0], results, 0, 4, 2, set(), {})
     assert m0 == {"step": 0, "micro_batches": 6, "dropped_micro_batches": 0, "fetched_chunks": 2 * (8 + 4),
                   "fetched_bytes": m0["fetched_bytes"], "fetch_seconds_mean": m0["fetch_seconds_mean"],
-                  "fetch_seconds_max": m0["fetch_seconds_max"], "failed_fetches": 0, "retries": 0,
-                  "deletes": n_refs, "delete_problems": 0}
+                  "fetch_seconds_max": m0["fetch_seconds_max"], "prefetched_ranks": 0,
+                  "exposed_data_seconds_mean": m0["exposed_data_seconds_mean"],
+                  "exposed_data_seconds_max": m0["exposed_data_seconds_max"], "failed_fetches": 0, "retries": 0,
+                  "deletes": 0, "delete_problems": 0, "delete_failures": 0}
     assert m0["fetch_seconds_max"] >= m0["fetch_seconds_mean"] > 0
+    assert m0["exposed_data_seconds_max"] >= m0["exposed_data_seconds_mean"] > 0
     mb0_rows = np.concatenate([_routing(built[1], f"s1_{x}", n) for x, n in (("a", 11), ("b", 9), ("f", 4))])
     m1 = _check_trained(built[1], results, 1, 4, 2, {(0, 1)}, {(0, 1): mb0_rows})
     assert (m1["dropped_micro_batches"], m1["failed_fetches"], m1["fetched_chunks"]) == (1, 2, 2 * (7 + 4))
-    assert (m1["deletes"], m1["delete_problems"]) == (n_refs - 1, 1)  # g was never there to delete
+    assert (m1["prefetched_ranks"], m1["deletes"], m1["delete_problems"]) == (4, n_refs, 0)
     dp1_rows = np.concatenate([_routing(built[2], "s2_a", 14), _routing(built[2], "s2_i", 6)])
     m2 = _check_trained(built[2], results, 2, 4, 2, {(1, 1), (1, 2)}, {(1, 1): dp1_rows})
-    assert (m2["dropped_micro_batches"], m2["failed_fetches"], m2["deletes"]) == (2, 4, n_refs)
+    assert (m2["dropped_micro_batches"], m2["failed_fetches"], m2["prefetched_ranks"]) == (2, 4, 4)
+    assert (m2["deletes"], m2["delete_problems"]) == (n_refs - 1, 1)  # step 1's g was never there to delete
     m3 = _check_trained(built[3], results, 3, 4, 2, {(1, 0), (1, 1), (1, 2)}, {(1, 0): None, (1, 1): None})
     # DP 1's other 3 chunks were read before its fetch raised; the raise still fails all of DP 1's micro batches
     assert (m3["dropped_micro_batches"], m3["failed_fetches"], m3["fetched_chunks"]) == (3, 2, 22)
-    assert m3["deletes"] == n_refs
+    assert (m3["prefetched_ranks"], m3["deletes"], m3["delete_failures"]) == (4, n_refs, 0)
     for rank in range(4):
         result = results[(4, rank)][0]
         assert result["error"] == "FetchError" and "step 4: none of its 6 micro batches" in result["message"]
     for rank in range(3):
         assert results[(5, rank)][0]["error"] in ("DistBackendError", "RuntimeError"), results[(5, rank)][0]
-    assert (5, 3) not in results
+    assert (5, 3) not in results and not any(key[0] == "finish" for key in results)
 
     assert set(store.list_prefix("payloads")) == {chunk_keys(store, r)[1] for r in built[4].header.refs} | {
         k for r in built[5].header.refs for k in chunk_keys(store, r)}
@@ -192,22 +201,42 @@ def test_two_dp_ranks_of_two_peers_train_identical_bytes_and_survive_faults(tmp_
     assert _release_events(store) == [(s, dp, f"trainer_dp{dp}") for s in range(4) for dp in range(2)]
 
 
-def test_two_ranks_on_s3_retry_throttled_reads(tmp_path, s3_endpoint, s3_bucket):
-    """2 ranks (2 DP x 1) on S3 behind a proxy that answers 503 SlowDown to every chunk's first GET."""
+def test_two_ranks_on_s3_retry_throttled_reads_and_failed_background_deletes(tmp_path, s3_endpoint, s3_bucket):
+    """2 ranks (2 DP x 1), 2 steps on S3 behind a proxy that answers 503 SlowDown to every chunk's first GET and
+    reports a per-key InternalError for chunk s0_b's c.0 in the first DeleteObjects naming it (DP 0 owns s0_b; the
+    batch's other keys are deleted): DP 0's background release of step 0 fails, is recorded, and is retried with its
+    own claims (no double delete) before step 1's release."""
     writer_cfg = StorageConfig(root=f"s3://{s3_bucket}/prefix", run_id="run_1", s3_endpoint_url=s3_endpoint)
     store = open_store(writer_cfg)
     rng = np.random.default_rng(5)
-    branches = _branches(0, rng)
-    built = build_step(store, 0, SEQ_LEN, _layout(0), branches, keep_all(store, writer_cfg, branches), rng)
-    with FaultProxy(s3_endpoint, Fault("slowdown", "GET", r"/c\.0$")) as proxy:
+    built = {}
+    for s in range(2):
+        branches = _branches(s, rng)
+        built[s] = build_step(store, s, SEQ_LEN, _layout(s), branches, keep_all(store, writer_cfg, branches), rng)
+    with FaultProxy(s3_endpoint, Fault("slowdown", "GET", r"/c\.0$"),
+                    Fault("key_error", "POST", r"/s0_b/c\.0$")) as proxy:
         trainer_cfg = writer_cfg.model_copy(update={"s3_endpoint_url": proxy.url, "retry_backoff_s": 0.01})
-        results = run_world(tmp_path, trainer_cfg, 2, 1, [0])
-    metrics = _check_trained(built, results, 0, 2, 1, set(), {})
+        results = run_world(tmp_path, trainer_cfg, 2, 1, [0, 1])
+    m0 = _check_trained(built[0], results, 0, 2, 1, set(), {})
+    m1 = _check_trained(built[1], results, 1, 2, 1, set(), {})
+    final = results[("finish", 0)]
+    assert results[("finish", 1)] == final
     # one 503 per chunk read: DP 0 and DP 1 both read a (only the first read is throttled); e is kept to
     # 3 of its 6 prompt tokens and carries no routing, so it has no rows to read and gets no GET
-    assert proxy.hits == {"slowdown": 10}
-    assert (metrics["retries"], metrics["dropped_micro_batches"], metrics["fetched_chunks"]) == (10, 0, 12)
-    assert (metrics["deletes"], metrics["delete_problems"]) == (11, 0)
+    assert proxy.hits == {"slowdown": 20, "key_error": 1}
+    assert all((m["dropped_micro_batches"], m["fetched_chunks"]) == (0, 12) for m in (m0, m1))
+    assert m1["prefetched_ranks"] == 2
+    # the 503s were retried by the store, in whichever step's window they fell: step 1's reads are prefetched
+    # while step 0 trains; a per-key DeleteObjects error is not retried by the store but by the release
+    assert m0["retries"] + m1["retries"] + final["retries"] == 20
+    dp0_owned = len(built[0].header.owned_refs(0))
+    assert (m0["deletes"], m0["delete_failures"]) == (0, 0)
+    assert (m1["deletes"], m1["delete_failures"], m1["delete_problems"]) == (11 - dp0_owned, dp0_owned, 0)
+    assert (final["deletes"], final["delete_failures"], final["delete_problems"]) == (dp0_owned + 11, 0, 0)
     assert store.list_prefix("payloads") == []
-    assert all(store.exists(tombstone_key(r.branch_id)) for r in built.header.refs)
-    assert _release_events(store) == [(0, 0, "trainer_dp0"), (0, 1, "trainer_dp1")]
+    assert all(store.exists(tombstone_key(r.branch_id)) for s in range(2) for r in built[s].header.refs)
+    assert _release_events(store) == [(0, 0, "trainer_dp0"), (0, 1, "trainer_dp1"), (1, 0, "trainer_dp0"),
+                                      (1, 1, "trainer_dp1")]
+    failed = [json.loads(line) for key in store.list_prefix("ledger/events/trainer_dp0")
+              for line in store.get(key).decode().splitlines() if '"delete_failed"' in line]
+    assert [(e["step"], e["chunks"]) for e in failed] == [(0, dp0_owned)]

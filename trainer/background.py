@@ -1,0 +1,184 @@
+"""A trainer rank's data path off the critical path: prefetch of the next step, release in the background.
+
+``Prefetch`` fetches and assembles step N+1 on one background thread while step N trains;
+``BackgroundRelease`` deletes a trained step's chunks on another while the next step trains.
+Neither joins a collective: failure agreement, stand-ins and metrics stay on the rank's main
+thread (``trainer.step``), so every rank joins every collective in the same order whether or
+not its prefetch found the step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from refpipe.pipeline.step_file import StepFile
+from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.errors import ChunkNotFoundError, DoubleDeleteError, StorageError, UnknownRefError
+from refpipe.storage.ledger import Ledger
+from refpipe.trainer.fetch import FetchedStep
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Prepared:
+    """One step's data as the rank's main thread gets it: the step file and what this rank fetched."""
+
+    step_file: StepFile
+    fetched: FetchedStep
+    prefetched: bool
+    """Whether the fetch ran in the background while the previous step trained."""
+
+
+class Prefetch:
+    """Fetch + assemble of the next step on one background thread (at most one step ahead).
+
+    ``start(s)`` looks for step ``s``'s file every ``poll_s`` seconds and, once it is there,
+    loads it and fetches this rank's micro batches; ``take(s)`` stops the looking and waits
+    for a fetch already under way. A step file that is not there when ``take`` comes ends
+    the prefetch early: the caller then loads and fetches as usual. So is any error while
+    loading (an invalid step file): the caller's own load raises it where it always did.
+
+    Memory bound: one ``Prefetch`` holds at most one step's assembled arrays, and the
+    caller starts it only after the current step's fetch is done, so a rank holds at most
+    two steps of its arrays (the one training and the one prefetched).
+
+    Args:
+        load: loads and validates a step file that exists (raises ``ChunkNotFoundError`` if it
+            does not yet).
+        fetch: fetches and assembles this rank's micro batches of a step file (never raises).
+        poll_s: seconds between looks for the step file.
+    """
+
+    def __init__(self, load: Callable[[int], StepFile], fetch: Callable[[StepFile], FetchedStep], poll_s: float):
+        self._load, self._fetch, self._poll_s = load, fetch, poll_s
+        self._step: int | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._result: Prepared | None = None
+
+    def start(self, step: int) -> None:
+        """Begin looking for and fetching step ``step`` (after ``take`` of the previous one)."""
+        self._step, self._result, self._stop = step, None, threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(step, self._stop), daemon=True,
+                                        name=f"prefetch-step{step}")
+        self._thread.start()
+
+    def _run(self, step: int, stop: threading.Event) -> None:
+        while True:
+            try:
+                step_file = self._load(step)
+            except ChunkNotFoundError:
+                if stop.wait(self._poll_s):
+                    return
+                continue
+            except Exception as e:  # noqa: BLE001 -- the caller's own load raises it on its main thread
+                log.info("prefetch of step %d ended: %s: %s", step, type(e).__name__, e)
+                return
+            self._result = Prepared(step_file, self._fetch(step_file), prefetched=True)
+            return
+
+    def take(self, step: int) -> Prepared | None:
+        """Stop looking; wait for a fetch under way. Returns step ``step``'s prefetched data, or None."""
+        if self._thread is None:
+            return None
+        self._stop.set()
+        self._thread.join()
+        result = self._result if self._step == step else None
+        self._thread, self._step, self._result = None, None, None
+        return result
+
+
+@dataclass
+class ReleaseCounts:
+    """What background releases did since the counts were last taken (one rank)."""
+
+    deletes: int = 0
+    """Chunks deleted."""
+    problems: int = 0
+    """Double deletes and deletes of never-kept chunks the ledger reported."""
+    failures: int = 0
+    """Chunks whose delete failed (claimed or not; recorded as ``delete_failed``, retried at the next release)."""
+
+
+class BackgroundRelease:
+    """The ``mp_rank == 0`` rank's deletes of trained steps, on one background thread, in step order.
+
+    ``submit`` first waits for the previous release (at most one runs at a time, so a slow
+    store shows up as exposed time instead of a growing queue), then starts this one: the
+    deletes of step N run while step N+1 trains. A delete that fails (``StorageError``: the
+    store refused or kept failing after its retries) is recorded in the ledger as
+    ``delete_failed`` and retried before the next step's deletes, and once more at ``wait``;
+    the ledger keeps this session's claims, so a retry finishes its own claim instead of
+    reporting a double delete. A release that still fails at the end leaves its delete
+    records, and ``refpipe sweep`` finishes the deletes.
+
+    Args:
+        ledger: the DP rank's ledger (``trainer_dp<dp_rank>``).
+        dp_rank: recorded in the ``release`` events.
+        max_concurrency: threads claiming deletes at once.
+    """
+
+    def __init__(self, ledger: Ledger, dp_rank: int, max_concurrency: int):
+        self.ledger, self.dp_rank, self.max_concurrency = ledger, dp_rank, max_concurrency
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="release")
+        self._running: Future | None = None
+        self._failed: list[tuple[int, list[PayloadRef]]] = []
+        self._counts = ReleaseCounts()
+        self._lock = threading.Lock()
+
+    def submit(self, step: int, refs: list[PayloadRef]) -> None:
+        """Wait for the previous release, then delete ``refs`` (step ``step``'s owned chunks) in the background."""
+        self.wait()
+        self._running = self._pool.submit(self._release_all, [*self._failed, (step, refs)])
+        self._failed = []
+
+    def wait(self, *, retry: bool = False) -> None:
+        """Wait for the release under way (re-raising a bug in it); ``retry``: then retry failed deletes once."""
+        running, self._running = self._running, None
+        if running is not None:
+            running.result()
+        if retry and self._failed:
+            failed, self._failed = self._failed, []
+            self._release_all(failed)
+
+    def take_counts(self) -> ReleaseCounts:
+        """The counts since the last call (releases finished so far), and reset them."""
+        with self._lock:
+            counts, self._counts = self._counts, ReleaseCounts()
+        return counts
+
+    def _release_all(self, batches: list[tuple[int, list[PayloadRef]]]) -> None:
+        for step, refs in batches:
+            self._release(step, refs)
+
+    def _release(self, step: int, refs: list[PayloadRef]) -> None:
+        try:
+            result = self.ledger.delete(refs, reason=f"trained step {step}", max_concurrency=self.max_concurrency)
+        except (DoubleDeleteError, UnknownRefError) as e:
+            log.error("step %d dp_rank=%d release: %s", step, self.dp_rank, e)
+            result = e.result
+        except StorageError as e:
+            log.error("step %d dp_rank=%d release failed (retried later): %s", step, self.dp_rank, e)
+            self.ledger.record("delete_failed", step=step, dp_rank=self.dp_rank, chunks=len(refs), error=str(e))
+            self.ledger.flush()
+            self._failed.append((step, refs))
+            with self._lock:
+                self._counts.failures += len(refs)
+            return
+        self.ledger.record("release", step=step, dp_rank=self.dp_rank)
+        self.ledger.flush()
+        with self._lock:
+            self._counts.deletes += len(result.deleted)
+            self._counts.problems += len(result.double_deletes) + len(result.unknown)
+
+    def shutdown(self) -> None:
+        """Wait for the release under way, retry failed deletes once, stop the thread."""
+        try:
+            self.wait(retry=True)
+        finally:
+            self._pool.shutdown(wait=True)
