@@ -11,7 +11,7 @@ with ``--s3-endpoint URL`` / ``--s3-moto``, the same S3 bucket:
   On S3: one object per field through the same client (``S3Store.put``/``get``, one
   request each), removed with batched ``DeleteObjects``.
 
-Branch shape (issue 2): 4,096 tokens = 1,024 prompt + 3,072 completion; ``routed_experts``
+Branch shape: 4,096 tokens = 1,024 prompt + 3,072 completion; ``routed_experts``
 [4096, 48, 8] uint8, ``topk_ids``/``topk_logprobs`` [3072, 128] int32/float32,
 ``sample_support`` [3072, 20] int32: 4.73 MiB per branch. The arrays are generated once
 and reused; each branch changes a few bytes. The branches are split into rounds, and the
@@ -50,10 +50,11 @@ import numpy as np  # noqa: E402
 from _args import positive_int  # noqa: E402  (bench/ is sys.path[0] when run as a script)
 from refpipe.pipeline.fields import FieldsConfig  # noqa: E402
 from refpipe.pipeline.keep import Branch, Keeper  # noqa: E402
+from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig  # noqa: E402
 from refpipe.storage.fetch import fetch_many  # noqa: E402
 from refpipe.storage.ledger import Ledger  # noqa: E402
-from refpipe.storage.store import Store, open_store  # noqa: E402
+from refpipe.storage.store import Store  # noqa: E402
 
 PROMPT_TOKENS, COMPLETION_TOKENS = 1024, 3072
 FIELDS = FieldsConfig(num_layers=48, top_k=8, num_experts=128, logprobs_k=128, support_width=20)
@@ -183,7 +184,7 @@ class RawObjects:
             return list(pool.map(one, batch))
 
     def delete(self, batch: list[int], names) -> None:
-        self.store.delete([f"b{i:06d}.{name}" for i in batch for name in names])
+        self.store.delete_keys([f"b{i:06d}.{name}" for i in batch for name in names])
 
 
 class Refpipe:

@@ -15,7 +15,7 @@ is clean:
   streams plus every side-channel array, concatenated per micro batch, written
   streaming to disk (so the file is never held in memory).
 
-Default shape (issue 3): 1,024 branches of 4,096 tokens (512 prompt), routing
+Default shape: 1,024 branches of 4,096 tokens (512 prompt), routing
 [tokens, 48, 8] uint8, a top-128 head (``topk_ids`` int32 + ``topk_logprobs`` float32 on
 completion tokens): about 5.2 MB of side channels per branch, 5.4 GB in all.
 Last line: a JSON object with ``orchestrator_peak_rss_ratio`` and ``step_file_bytes_ratio``
@@ -103,8 +103,8 @@ def storage_config(args):
 def run_env(args) -> dict:
     """Env-server process: keep every branch, write the episodes (refs only) to a pickle."""
     from refpipe.pipeline.keep import Branch, Keeper
+    from refpipe.storage.backends import open_store
     from refpipe.storage.ledger import Ledger
-    from refpipe.storage.store import open_store
 
     store = open_store(storage_config(args))
     keeper = Keeper(store, Ledger(store, "env_worker_0"), fields_config(args), storage_config(args))
@@ -123,8 +123,8 @@ def run_env(args) -> dict:
 def run_refpipe(args) -> dict:
     """Orchestrator process with refs: submit every episode, build and publish one step."""
     from refpipe.pipeline.orchestrator import Orchestrator
-    from refpipe.pipeline.step_file import step_key
-    from refpipe.storage.store import open_store
+    from refpipe.storage.backends import open_store
+    from refpipe.storage.layout import step_key
 
     with open(os.path.join(args.workdir, "episodes.pkl"), "rb") as f:
         episodes = pickle.load(f)

@@ -53,10 +53,10 @@ from refpipe.pipeline.step_file import (
     StepHeader,
     publish_step_file,
 )
+from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.fetch import chunk_keys
 from refpipe.storage.ledger import Ledger
-from refpipe.storage.store import open_store
 
 PROMPT, COMPLETION, LAYERS, TOP_K, EXPERTS, HEAD, SUPPORT = 1024, 3072, 48, 8, 128, 128, 20
 SEQ_LEN = 2 * (PROMPT + COMPLETION) + 512

@@ -12,20 +12,20 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
 import typer
-from refpipe.pipeline.step_file import StepFile, step_key
+from refpipe.pipeline.step_file import StepFile
+from refpipe.storage.backends import open_store
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.config import StorageConfig
-from refpipe.storage.errors import ChunkNotFoundError, ConfigError, RefpipeError
+from refpipe.storage.errors import ConfigError, KeyNotFoundError, RefpipeError
 from refpipe.storage.fetch import chunk_keys
-from refpipe.storage.ledger import tombstone_key
-from refpipe.storage.store import Store, open_store
+from refpipe.storage.layout import STEPS_PREFIX, parse_step_key, step_key, tombstone_key
+from refpipe.storage.store import Store
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -35,7 +35,6 @@ EXIT_PROBLEMS = 1
 """Exit code when the command ran but found problems (``verify``)."""
 EXIT_ERROR = 2
 """Exit code when the command could not run (missing, unreadable or foreign input)."""
-_STEP_NAME = re.compile(r"^step_(\d+)\.npz$")
 S3_ENDPOINT_HELP = "S3 endpoint URL (MinIO, Ceph RGW, moto); default: AWS_ENDPOINT_URL or AWS."
 
 err_console = Console(stderr=True)
@@ -104,19 +103,19 @@ def open_step(step_uri: str, s3_endpoint_url: str | None) -> StepTarget:
     Raises:
         ConfigError: the URI does not name a step file under a run's ``steps/``.
     """
-    directory, _, name = _absolute(step_uri).rpartition("/")
-    match = _STEP_NAME.match(name)
-    if not match or not directory.endswith("/steps") or f"steps/{name}" != step_key(int(match.group(1))):
+    run_uri, _, key = _absolute(step_uri).rpartition(f"/{STEPS_PREFIX}/")
+    step = parse_step_key(f"{STEPS_PREFIX}/{key}") if run_uri else None
+    if step is None or step_key(step) != f"{STEPS_PREFIX}/{key}":
         raise ConfigError(f"step URI {step_uri!r}: expected <root>/<run_id>/steps/step_<N:08d>.npz")
-    store = open_run(directory.removesuffix("/steps"), s3_endpoint_url)
-    return StepTarget(store, f"steps/{name}", int(match.group(1)))
+    store = open_run(run_uri, s3_endpoint_url)
+    return StepTarget(store, step_key(step), step)
 
 
 def load_step(target: StepTarget) -> StepFile:
     """Read and validate the step file.
 
     Raises:
-        ChunkNotFoundError: no such file.
+        KeyNotFoundError: no such file.
         StepFileError: truncated, foreign, another run, a ref outside the run, or a header whose step
             is not the one in the file name.
         PermissionError: the file cannot be read.
@@ -171,7 +170,7 @@ def deleted_by(store: Store, ref: PayloadRef) -> str | None:
     """``deleted by <holder> (<reason>)`` from the chunk's delete record, or None without one."""
     try:
         record = json.loads(store.get(tombstone_key(ref.branch_id)))
-    except ChunkNotFoundError:
+    except KeyNotFoundError:
         return None
     except ValueError:
         return "deleted (unreadable delete record)"

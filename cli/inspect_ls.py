@@ -12,42 +12,46 @@ segment of each session to see whether it ended with a clean ``close``.
 from __future__ import annotations
 
 import json
-import re
 from collections import Counter, defaultdict
 from typing import Annotated, Optional
 
 import typer
-from refpipe.cli.inspect_common import S3_ENDPOINT_HELP, clean_errors, fail, open_run, parallel_map
-from refpipe.storage.chunk import DATA_KEY, META_KEY, read_attributes
-from refpipe.storage.ledger import DELETES_PREFIX, EVENTS_PREFIX, parse_segment_key, session_opened_ms
+from refpipe.cli.inspect_common import S3_ENDPOINT_HELP, clean_errors, fail, open_run, parallel_map, progress
+from refpipe.storage.chunk import read_attributes
+from refpipe.storage.layout import (
+    DATA_NAME,
+    DELETES_PREFIX,
+    EVENTS_PREFIX,
+    META_NAME,
+    PAYLOADS_PREFIX,
+    STEPS_PREFIX,
+    branch_id_of,
+    drawn_writer,
+    meta_key,
+    parse_payload_key,
+    parse_segment_key,
+    parse_step_key,
+    session_opened_ms,
+)
 from refpipe.storage.store import Store
 from rich.console import Console
 from rich.filesize import decimal
 from rich.table import Table
 
-_STEP_KEY = re.compile(r"^steps/step_(\d+)\.npz$")
-_DRAWN_ID = re.compile(r"^(?P<writer>.+)-[0-9a-f]{32}$")
 _TEMP_MARK = ".tmp-"
 CORRUPT_WRITER = "(corrupt zarr.json)"
 """Writer shown for a chunk whose ``zarr.json`` had to be read and is not valid JSON attributes."""
 
 
-def sized_listing(store: Store, key_prefix: str, description: str) -> dict[str, int]:
-    """Every key under ``key_prefix`` with its size in bytes; sub-directories are listed in parallel."""
-    fs, root = store.fs, store.prefix.path.rstrip("/") + "/"
-    try:
-        entries = fs.ls(store.path(key_prefix), detail=True)
-    except FileNotFoundError:
-        return {}
-    sizes = {e["name"]: e["size"] for e in entries if e["type"] == "file"}
-    directories = [e["name"] for e in entries if e["type"] == "directory"]
-    for found in parallel_map(store, lambda d: fs.find(d, detail=True), directories, description):
-        sizes.update((name, info["size"]) for name, info in found.items())
-    return {name.removeprefix(root): size for name, size in sizes.items() if name.startswith(root)}
+def _sized_listing(store: Store, key_prefix: str, description: str) -> dict[str, int]:
+    """``store.list_sizes(key_prefix)`` under a progress indicator."""
+    with progress(description) as bar:
+        bar.add_task(description, total=None)
+        return store.list_sizes(key_prefix)
 
 
 def _steps(listing: dict[str, int]) -> dict:
-    steps = sorted(int(m.group(1)) for key in listing if (m := _STEP_KEY.match(key)))
+    steps = sorted(step for key in listing if (step := parse_step_key(key)) is not None)
     return {"num_steps": len(steps), "first": steps[0] if steps else None, "latest": steps[-1] if steps else None,
             "nbytes": sum(listing.values())}
 
@@ -55,7 +59,7 @@ def _steps(listing: dict[str, int]) -> dict:
 def _writer_of(store: Store, node: str) -> str:
     """The ``writer`` attribute of the node's ``zarr.json``; ``CORRUPT_WRITER`` if that is unreadable."""
     try:
-        return read_attributes(store.get(f"{node}/{META_KEY}")).get("writer") or "(unnamed)"
+        return read_attributes(store.get(meta_key(node))).get("writer") or "(unnamed)"
     except (ValueError, KeyError, TypeError, AttributeError):
         return CORRUPT_WRITER
 
@@ -68,10 +72,10 @@ def _chunks(store: Store, listing: dict[str, int]) -> dict:
         if _TEMP_MARK in key.rpartition("/")[2]:
             temp_files += 1
         else:
-            node, _, name = key.rpartition("/")
+            node, name = parsed[::2] if (parsed := parse_payload_key(key)) else key.rpartition("/")[::2]
             nodes[node][name] = size
-    committed = sorted(n for n, objects in nodes.items() if {DATA_KEY, META_KEY} <= objects.keys())
-    writers = {n: m.group("writer") for n in committed if (m := _DRAWN_ID.match(n.rpartition("/")[2]))}
+    committed = sorted(n for n, objects in nodes.items() if {DATA_NAME, META_NAME} <= objects.keys())
+    writers = {n: w for n in committed if (w := drawn_writer(branch_id_of(n)))}
     unnamed = [n for n in committed if n not in writers]
     writers.update(zip(unnamed, parallel_map(store, lambda n: _writer_of(store, n), unnamed, "reading writers")))
     per_writer: dict[str, list[int]] = defaultdict(lambda: [0, 0])
@@ -80,7 +84,7 @@ def _chunks(store: Store, listing: dict[str, int]) -> dict:
         per_writer[writers[node]][1] += sum(nodes[node].values())
     return {"num_chunks": len(committed), "nbytes": sum(listing.values()),
             "num_incomplete": len(nodes) - len(committed), "num_temp_files": temp_files,
-            "corrupt": [store.uri(f"{n}/{META_KEY}") for n in unnamed if writers[n] == CORRUPT_WRITER],
+            "corrupt": [store.uri(meta_key(n)) for n in unnamed if writers[n] == CORRUPT_WRITER],
             "writers": {w: {"num_chunks": c, "nbytes": b} for w, (c, b) in sorted(per_writer.items())}}
 
 
@@ -109,10 +113,10 @@ def _ledger(store: Store, deletes: dict[str, int], events: dict[str, int]) -> di
 
 def run_summary(store: Store) -> dict:
     """Everything ``refpipe ls`` shows, as a dict (``--json``)."""
-    steps = sized_listing(store, "steps", "listing steps")
-    payloads = sized_listing(store, "payloads", "listing chunks")
-    deletes = sized_listing(store, DELETES_PREFIX.rstrip("/"), "listing delete records")
-    events = sized_listing(store, EVENTS_PREFIX.rstrip("/"), "listing ledger events")
+    steps = _sized_listing(store, STEPS_PREFIX, "listing steps")
+    payloads = _sized_listing(store, PAYLOADS_PREFIX, "listing chunks")
+    deletes = _sized_listing(store, DELETES_PREFIX, "listing delete records")
+    events = _sized_listing(store, EVENTS_PREFIX, "listing ledger events")
     return {"run_uri": store.prefix.uri, "steps": _steps(steps), "chunks": _chunks(store, payloads),
             "ledger": _ledger(store, deletes, events), "empty": not (steps or payloads or deletes or events)}
 

@@ -27,7 +27,7 @@ from refpipe.cli.inspect_common import (
 )
 from refpipe.pipeline.step_file import HEADER_MEMBER, StepFile, StepHeader, check_step
 from refpipe.storage.chunk import PayloadRef, read_attributes
-from refpipe.storage.errors import ChunkCorruptError, ChunkNotFoundError, OutsideRunError, StepFileError
+from refpipe.storage.errors import ChunkCorruptError, KeyNotFoundError, OutsideRunError, StepFileError
 from refpipe.storage.fetch import chunk_keys, fetch_arrays
 from refpipe.storage.store import Store
 
@@ -86,7 +86,7 @@ def verify_chunk(store: Store, ref: PayloadRef) -> list[str]:
         problems = _metadata_problems(store, ref, meta_key)
     except OutsideRunError as e:
         return [f"outside the run: {e}"]
-    except ChunkNotFoundError:
+    except KeyNotFoundError:
         return [f"missing {ref.uri}: {deleted_by(store, ref) or 'no delete record'}"]
     except (ChunkCorruptError, ValueError, KeyError) as e:
         return [f"corrupt {ref.uri}: {e}"]

@@ -20,17 +20,17 @@ def version() -> None:
     typer.echo(v("refpipe"))
 
 
-from refpipe.cli.inspect import inspect_step, ls_run, show_arrays, verify_step  # noqa: E402  (offline inspection, issue 7)
+from refpipe.cli.inspect import inspect_step, ls_run, show_arrays, verify_step  # noqa: E402  (offline inspection)
 
 app.command("inspect")(inspect_step)
 app.command("show")(show_arrays)
 app.command("ls")(ls_run)
 app.command("verify")(verify_step)
-from refpipe.cli.ledger import audit_run, sweep_run  # noqa: E402  (ledger audit and sweep, issue 5)
+from refpipe.cli.ledger import audit_run, sweep_run  # noqa: E402  (ledger audit and sweep)
 
 app.command("audit")(audit_run)
 app.command("sweep")(sweep_run)
-from refpipe.cli.run import run_job, train_rank  # noqa: E402  (the main job, issue 6)
+from refpipe.cli.run import run_job, train_rank  # noqa: E402  (the main job)
 
 app.command("run")(run_job)
 app.command("train")(train_rank)

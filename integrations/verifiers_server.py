@@ -40,10 +40,11 @@ from refpipe.integrations.verifiers_branches import (
 )
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.keep import Branch, Keeper
+from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import RefpipeError
+from refpipe.storage.layout import env_worker_actor
 from refpipe.storage.ledger import Ledger
-from refpipe.storage.store import open_store
 from verifiers.v1.configs.env import EnvConfig
 from verifiers.v1.serve.delta import DeltaStreamer, TraceSummary, dump, pack
 from verifiers.v1.serve.server import EnvServer
@@ -65,7 +66,7 @@ class RefpipeServeConfig(BaseModel):
     """The run's storage (where branches are kept)."""
     fields: FieldsConfig
     """The run's field shapes: ``num_layers``, ``top_k``, ``num_experts`` and/or ``sampling_mask``."""
-    actor: str = "env_worker_0"
+    actor: str = env_worker_actor(0)
     """Ledger actor name; unique per worker process."""
     max_concurrent_keeps: int = Field(default=4, ge=1, le=64)
     """Threads this worker uses to keep and delete branches (each run uses one at a time)."""

@@ -30,9 +30,10 @@ from refpipe.job.task import Problem, make_problems, reward
 from refpipe.job.weights import latest_version, load_weights
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.pipeline.samples import BranchResult, Episode
+from refpipe.storage.backends import open_store
 from refpipe.storage.errors import StorageError
+from refpipe.storage.layout import env_worker_actor
 from refpipe.storage.ledger import Ledger
-from refpipe.storage.store import open_store
 
 ENV_NAME = "reverse"
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ def env_worker_main(config_json: str, worker: int, requests: mp.Queue, results: 
     logging.basicConfig(level=logging.WARNING)
     cfg = RunConfig.model_validate_json(config_json)
     store = open_store(cfg.storage)
-    ledger = Ledger(store, f"env_worker_{worker}")
+    ledger = Ledger(store, env_worker_actor(worker))
     keeper = Keeper(store, ledger, cfg.fields, cfg.storage)
     model, version = MoELM(cfg.model).eval(), -1
     while not stop.is_set() and os.getppid() == launcher:

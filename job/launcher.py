@@ -35,18 +35,22 @@ from refpipe.job.env_worker import GroupRequest, GroupResult, env_worker_main
 from refpipe.job.model import MoELM
 from refpipe.job.progress import ProgressView, StepRow
 from refpipe.job.task import warm_start
-from refpipe.job.train_rank import FINISH_METRICS_KEY, metrics_key
 from refpipe.job.weights import publish_weights
 from refpipe.pipeline.audit import AuditReport, audit, sweep
 from refpipe.pipeline.orchestrator import Orchestrator
-from refpipe.pipeline.step_file import step_key
-from refpipe.storage.errors import ChunkNotFoundError, ConfigError, KeyExistsError, RefpipeError
-from refpipe.storage.store import Store, open_store
+from refpipe.storage.backends import open_store
+from refpipe.storage.errors import ConfigError, KeyExistsError, KeyNotFoundError, RefpipeError
+from refpipe.storage.layout import (
+    CONFIG_KEY,
+    FINISH_METRICS_KEY,
+    STEPS_PREFIX,
+    SUMMARY_KEY,
+    env_worker_actor,
+    metrics_key,
+    step_key,
+)
+from refpipe.storage.store import Store
 from rich.console import Console
-
-SUMMARY_KEY = "summary.json"
-"""``<run>/summary.json``: the run's outcome (audit, deletes by actor and path, alignment, rewards)."""
-
 
 MAX_GROUP_ATTEMPTS = 3
 """Sends of one group (the first and its re-sends after a failed keep or a dead worker) before the run fails."""
@@ -117,7 +121,7 @@ class Launcher:
         """Write the resolved config next to the data and publish the warm-started weights (version 0)."""
         text = self.cfg.model_dump_json(indent=2)
         try:
-            self.store.put("config.json", text.encode(), exclusive=True)
+            self.store.put(CONFIG_KEY, text.encode(), exclusive=True)
         except KeyExistsError as e:
             raise ConfigError(f"run {self.store.prefix.uri} already exists: choose another storage.run_id "
                               f'(or "auto")') from e
@@ -222,7 +226,7 @@ class Launcher:
         header = self.orchestrator.build_step(self.next_step)
         if header is None:
             return False
-        nbytes = self.store.fs.size(self.store.path(step_key(self.next_step)))
+        nbytes = self.store.list_sizes(STEPS_PREFIX)[step_key(self.next_step)]
         self.rows[self.next_step] = StepRow.from_header(header, nbytes, self.kept_chunks, self.kept_bytes)
         self.rewards.append(header.metrics["reward_mean"])
         self.next_step += 1
@@ -234,7 +238,7 @@ class Launcher:
         while self.trained < self.next_step:
             try:
                 metrics = json.loads(self.store.get(metrics_key(self.trained)))
-            except ChunkNotFoundError:
+            except KeyNotFoundError:
                 return progressed
             self.deletes["trainer"] += metrics["deletes"]
             self.alignment_max = max(self.alignment_max, metrics["on_policy_max_abs_diff"])
@@ -272,7 +276,7 @@ class Launcher:
         """Chunks the trainer deleted after its last step's metrics (0 if it did not finish)."""
         try:
             return json.loads(self.store.get(FINISH_METRICS_KEY))["deletes"]
-        except ChunkNotFoundError:
+        except KeyNotFoundError:
             return 0
 
 
@@ -283,7 +287,7 @@ def start_fleet(cfg: RunConfig, config_path: str) -> Fleet:
     requests = [ctx.Queue() for _ in range(cfg.job.num_env_workers)]
     config_json = cfg.model_dump_json()
     workers = [ctx.Process(target=env_worker_main, args=(config_json, i, requests[i], results, stop), daemon=True,
-                           name=f"env_worker_{i}") for i in range(cfg.job.num_env_workers)]
+                           name=env_worker_actor(i)) for i in range(cfg.job.num_env_workers)]
     for w in workers:
         w.start()
     port = _free_port()

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 from refpipe.pipeline.audit import AuditReport
 from refpipe.pipeline.step_file import StepHeader
+from refpipe.storage.layout import env_worker_actor
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -89,7 +90,7 @@ class ProgressView:
             table.add_row(f"deletes: {actor}", str(n))
         table.add_row("alignment max |dlogp| (on-policy)", f"{alignment_max:.2e}")
         if dead_workers:
-            table.add_row("env workers that died", ", ".join(f"env_worker_{w}" for w in dead_workers))
+            table.add_row("env workers that died", ", ".join(env_worker_actor(w) for w in dead_workers))
         self.console.print(table)
         for line in report.violations:
             self.console.print(f"[red]audit: {line}")

@@ -30,21 +30,14 @@ from refpipe.job.config import RunConfig, load_config
 from refpipe.job.loss import policy_loss
 from refpipe.job.model import MoELM
 from refpipe.job.weights import load_weights, publish_weights
-from refpipe.storage.store import Store, open_store
+from refpipe.storage.backends import open_store
+from refpipe.storage.layout import FINISH_METRICS_KEY, metrics_key
+from refpipe.storage.store import Store
 from refpipe.trainer.dist import init_process_group
 from refpipe.trainer.step import TrainerRank
 from refpipe.trainer.tensors import TrainMicroBatch
 
 log = logging.getLogger(__name__)
-
-
-def metrics_key(step: int) -> str:
-    """Key of trainer step ``step``'s metrics (written by rank 0)."""
-    return f"metrics/trainer_step_{step:08d}.json"
-
-
-FINISH_METRICS_KEY = "metrics/trainer_finish.json"
-"""Key of the counts of the trainer's last release (``TrainerRank.finish``; written by rank 0 after the last step)."""
 
 
 @dataclass

@@ -12,15 +12,9 @@ import io
 import json
 
 import torch
-from refpipe.storage.errors import ChunkNotFoundError
+from refpipe.storage.errors import KeyNotFoundError
+from refpipe.storage.layout import LATEST_WEIGHTS_KEY, weights_key
 from refpipe.storage.store import Store
-
-LATEST_KEY = "weights/latest.json"
-
-
-def weights_key(version: int) -> str:
-    """Key of policy version ``version``."""
-    return f"weights/policy_{version:08d}.pt"
 
 
 def publish_weights(store: Store, model: torch.nn.Module, version: int) -> None:
@@ -28,14 +22,14 @@ def publish_weights(store: Store, model: torch.nn.Module, version: int) -> None:
     buf = io.BytesIO()
     torch.save(model.state_dict(), buf)
     store.put(weights_key(version), buf.getvalue(), exclusive=True)
-    store.put(LATEST_KEY, json.dumps({"version": version}).encode())
+    store.put(LATEST_WEIGHTS_KEY, json.dumps({"version": version}).encode())
 
 
 def latest_version(store: Store) -> int:
     """Newest published version, or -1 when none is."""
     try:
-        return int(json.loads(store.get(LATEST_KEY))["version"])
-    except ChunkNotFoundError:
+        return int(json.loads(store.get(LATEST_WEIGHTS_KEY))["version"])
+    except KeyNotFoundError:
         return -1
 
 
@@ -43,7 +37,7 @@ def load_weights(store: Store, model: torch.nn.Module, version: int) -> None:
     """Load version ``version`` into ``model``.
 
     Raises:
-        ChunkNotFoundError: that version was never published.
+        KeyNotFoundError: that version was never published.
     """
     state = torch.load(io.BytesIO(store.get(weights_key(version))), weights_only=True)
     model.load_state_dict(state)

@@ -48,12 +48,11 @@ from collections import Counter
 from pydantic import BaseModel, ConfigDict, computed_field
 from refpipe.pipeline.audit_scan import RunScan, committed, scan_run
 from refpipe.storage.errors import ConfigError, DoubleDeleteError, StepFileError, UnknownRefError
-from refpipe.storage.ledger import Ledger, session_opened_ms
+from refpipe.storage.layout import ORCHESTRATOR_ACTOR, SWEEP_ACTOR, session_opened_ms
+from refpipe.storage.ledger import Ledger
 from refpipe.storage.store import Store
 from rich.progress import Progress
 
-ORCHESTRATOR_ACTOR = "orchestrator"
-SWEEP_ACTOR = "sweep"
 SWEEP_REASON = "sweep: no live holder (left behind by a crash)"
 
 

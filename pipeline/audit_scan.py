@@ -17,23 +17,35 @@ Keys under ``ledger/deletes/`` that are not some branch's ``tombstone_key`` are 
 from __future__ import annotations
 
 import json
-import re
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from refpipe.pipeline.step_file import StepFile, StepHeader, step_key
-from refpipe.storage.chunk import META_KEY, node_key, read_attributes
-from refpipe.storage.errors import ChunkNotFoundError, ConfigError, RunNotFoundError, StepFileError
-from refpipe.storage.ledger import parse_segment_key, tombstone_key
+from refpipe.pipeline.step_file import StepFile, StepHeader
+from refpipe.storage.chunk import read_attributes
+from refpipe.storage.errors import ConfigError, KeyNotFoundError, RunNotFoundError, StepFileError
+from refpipe.storage.layout import (
+    DELETES_PREFIX,
+    EVENTS_PREFIX,
+    META_NAME,
+    PAYLOADS_PREFIX,
+    STEPS_PREFIX,
+    branch_id_of,
+    drawn_writer,
+    meta_key,
+    node_key,
+    parse_payload_key,
+    parse_segment_key,
+    parse_step_key,
+    parse_tombstone_key,
+    step_key,
+    tombstone_key,
+)
 from refpipe.storage.store import Store
 from rich.progress import Progress
 
-_STEP_KEY = re.compile(r"^steps/step_(\d+)\.npz$")
-_DRAWN_ID = re.compile(r"^(?P<writer>.+)-[0-9a-f]{32}$")
-"""Branch ids drawn by ``Keeper.keep``: ``<actor>-<uuid4 hex>``; they name their writer."""
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -65,7 +77,7 @@ class RunScan:
 
 def committed(keys: Sequence[str]) -> bool:
     """Whether a chunk node's keys include its commit marker."""
-    return any(k.endswith("/" + META_KEY) for k in keys)
+    return any(k.endswith("/" + META_NAME) for k in keys)
 
 
 def _parallel(store: Store, fn: Callable[[T], R], items: Sequence[T], progress: Progress | None,
@@ -100,15 +112,14 @@ def scan_run(store: Store, progress: Progress | None = None) -> RunScan:
     scan = RunScan()
     _scan_steps(store, scan, progress)
     _scan_events(store, scan, progress)
-    for key in _list(store, "ledger/deletes", progress):
-        if node := _tombstoned_node(key):
+    for key in _list(store, DELETES_PREFIX, progress):
+        if node := parse_tombstone_key(key):
             scan.tombstoned.add(node)
         else:
             scan.stray_keys.append(key)
-    for key in _list(store, "payloads", progress):
-        parts = key.split("/")
-        if len(parts) == 4:
-            scan.nodes["/".join(parts[:3])].append(key)
+    for key in _list(store, PAYLOADS_PREFIX, progress):
+        if parsed := parse_payload_key(key):
+            scan.nodes[parsed[0]].append(key)
         else:
             scan.stray_keys.append(key)
     _recheck_deletes(store, scan, progress)
@@ -118,35 +129,26 @@ def scan_run(store: Store, progress: Progress | None = None) -> RunScan:
     return scan
 
 
-def _tombstoned_node(key: str) -> str | None:
-    """The node key whose delete record ``key`` is (``tombstone_key`` inverted); None for any other key."""
-    branch_id = key.rpartition("/")[2].removesuffix(".json")
-    try:
-        return node_key(branch_id) if tombstone_key(branch_id) == key else None
-    except ConfigError:  # not a branch id
-        return None
-
-
 def _recheck_deletes(store: Store, scan: RunScan, progress: Progress | None) -> None:
     named = set(scan.keeps) | {store.prefix.key_of(ref.uri) for h in scan.steps.values() for ref in h.refs}
     gone = sorted(n for n in named if n not in scan.nodes and n not in scan.tombstoned)
-    found = _parallel(store, lambda n: store.exists(tombstone_key(n.rpartition("/")[2])), gone, progress,
+    found = _parallel(store, lambda n: store.exists(tombstone_key(branch_id_of(n))), gone, progress,
                       "checking delete records")
     scan.tombstoned.update(n for n, deleted in zip(gone, found) if deleted)
 
 
 def _scan_steps(store: Store, scan: RunScan, progress: Progress | None) -> None:
     keys = []
-    for key in _list(store, "steps", progress):
-        (keys if _STEP_KEY.match(key) else scan.stray_keys).append(key)
+    for key in _list(store, STEPS_PREFIX, progress):
+        (keys if parse_step_key(key) is not None else scan.stray_keys).append(key)
 
     def read(key: str) -> StepHeader | str:
-        step = int(_STEP_KEY.match(key).group(1))
+        step = parse_step_key(key)
         if step_key(step) != key:
             return f"{store.uri(key)}: not a step file name (expected {step_key(step)})"
         try:
             return StepFile.read(store, step).header
-        except (StepFileError, ChunkNotFoundError) as e:
+        except (StepFileError, KeyNotFoundError) as e:
             return f"{store.uri(key)}: {e}"
 
     for header in _parallel(store, read, keys, progress, "reading step files"):
@@ -158,7 +160,7 @@ def _scan_steps(store: Store, scan: RunScan, progress: Progress | None) -> None:
 
 def _scan_events(store: Store, scan: RunScan, progress: Progress | None) -> None:
     segments = []
-    for key in _list(store, "ledger/events", progress):
+    for key in _list(store, EVENTS_PREFIX, progress):
         if parse_segment_key(key):
             segments.append(key)
         else:
@@ -206,16 +208,16 @@ def _scan_writers(store: Store, scan: RunScan, progress: Progress | None) -> Non
     for node, keys in scan.nodes.items():
         if node in scan.keeps or node in shipped or node in scan.tombstoned:
             continue
-        drawn = _DRAWN_ID.match(node.rpartition("/")[2])
+        drawn = drawn_writer(branch_id_of(node))
         if drawn:
-            scan.writers[node] = drawn["writer"]
+            scan.writers[node] = drawn
         elif committed(keys):
             unnamed.append(node)
 
     def writer(node: str) -> str:
         try:
-            return read_attributes(store.get(f"{node}/{META_KEY}")).get("writer", "")
-        except (ChunkNotFoundError, ValueError, KeyError, TypeError):
+            return read_attributes(store.get(meta_key(node))).get("writer", "")
+        except (KeyNotFoundError, ValueError, KeyError, TypeError):
             return ""
 
     scan.writers.update(zip(unnamed, _parallel(store, writer, unnamed, progress, "reading chunk writers")))

@@ -28,10 +28,9 @@ from refpipe.pipeline.samples import BranchResult, Episode, Sample, build_sample
 from refpipe.pipeline.step_file import StepHeader, publish_step_file
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.errors import EpisodeError
+from refpipe.storage.layout import ORCHESTRATOR_ACTOR
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.store import Store
-
-LEDGER_ACTOR = "orchestrator"
 
 
 class OrchestratorConfig(BaseModel):
@@ -93,7 +92,7 @@ class Orchestrator:
 
     def __init__(self, config: OrchestratorConfig, store: Store, *, fields: FieldsConfig):
         self.config, self.store, self.fields = config, store, fields
-        self.ledger = Ledger(store, LEDGER_ACTOR)
+        self.ledger = Ledger(store, ORCHESTRATOR_ACTOR)
         self.deleted: Counter[str] = Counter()
         self.eval_rewards: list[tuple[str, float]] = []
         self._pending: dict[str, list[Episode]] = {}

@@ -28,7 +28,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from refpipe.pipeline.fields import FIELDS, FieldsConfig, trailing_shape
 from refpipe.storage.chunk import PayloadRef
-from refpipe.storage.errors import ChunkNotFoundError, OutsideRunError, StepFileError
+from refpipe.storage.errors import OutsideRunError, StepFileError
+from refpipe.storage.layout import step_key
 from refpipe.storage.store import Store
 
 SCHEMA_VERSION = 2
@@ -43,11 +44,6 @@ STREAMS: dict[str, str] = {
     "temperatures": "<f4",
 }
 """Token streams of a micro batch: name -> dtype (numpy ``dtype.str``); each is [T]."""
-
-
-def step_key(step: int) -> str:
-    """Key of step ``step``'s file: ``steps/step_<N:08d>.npz``."""
-    return f"steps/step_{step:08d}.npz"
 
 
 class SequenceRecord(BaseModel):
@@ -228,7 +224,7 @@ class StepFile:
         """Read and validate step ``step`` of the store's run.
 
         Raises:
-            ChunkNotFoundError: the step file does not exist (yet).
+            KeyNotFoundError: the step file does not exist (yet).
             StepFileError: truncated, foreign, unknown schema version, another run, a ref
                 outside the run prefix, a ref whose arrays disagree with ``header.fields``, or a
                 header whose ``step`` is not ``step``.
@@ -296,5 +292,5 @@ def _check_run(header: StepHeader, store: Store, uri: str) -> None:
             raise StepFileError(f"step file {uri}: references a chunk outside the run: {e}") from e
 
 
-__all__ = ["ChunkNotFoundError", "MicroBatchRecord", "SequenceRecord", "StepFile", "StepHeader", "STREAMS",
-           "publish_step_file", "step_key"]
+__all__ = ["MicroBatchRecord", "SequenceRecord", "StepFile", "StepHeader", "STREAMS",
+           "publish_step_file"]

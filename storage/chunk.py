@@ -8,21 +8,15 @@ plus those attributes recover every typed array offline. Codecs: ``bytes``, then
 optional ``zstd``, then ``crc32c`` (little-endian uint32 after the bytes; Zarr v3
 spec, crc32c codec).
 
-Keys under the run prefix (``.`` chunk key separator, so 3 entries per branch):
-
-    payloads/<shard>/<branch_id>/zarr.json   commit marker, written last
-    payloads/<shard>/<branch_id>/c.0         the chunk
-
-``shard`` is two hex digits of a hash of the branch id (256 directories).
+Keys under the run prefix: ``storage.layout`` (``payloads/<shard>/<branch_id>/c.0`` and its
+``zarr.json``, the commit marker, written last).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import math
-import re
 from collections.abc import Mapping
 from typing import Literal, NamedTuple
 
@@ -30,7 +24,8 @@ import crc32c  # CRC-32C like zarr's codec (google-crc32c); releases the GIL and
 import numcodecs
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
-from refpipe.storage.errors import ChunkCorruptError, ConfigError
+from refpipe.storage.errors import ChunkCorruptError
+from refpipe.storage.layout import META_NAME
 from zarr.codecs import BytesCodec, Crc32cCodec, ZstdCodec
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.dtype import parse_dtype
@@ -38,9 +33,6 @@ from zarr.core.metadata.v3 import ArrayV3Metadata
 
 FORMAT_VERSION = 1
 ALIGN_BYTES = 64
-DATA_KEY = "c.0"
-META_KEY = "zarr.json"
-_BRANCH_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _ZEROS = np.zeros(ALIGN_BYTES, np.uint8)
 _UINT8 = parse_dtype(np.dtype("uint8"), zarr_format=3)
 
@@ -112,18 +104,6 @@ def layout_arrays(arrays: Mapping[str, ArraySpec]) -> tuple[list[ArrayLayout], i
         out.append(ArrayLayout(name, dt, tuple(shape), domain, offset, nbytes))
         offset += -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
     return out, max(offset, ALIGN_BYTES)
-
-
-def node_key(branch_id: str) -> str:
-    """Key of a branch's array node: ``payloads/<shard>/<branch_id>``.
-
-    Raises:
-        ConfigError: the branch id is not 1-128 of ``[A-Za-z0-9._-]``.
-    """
-    if not _BRANCH_ID.match(branch_id):
-        raise ConfigError(f"branch_id {branch_id!r}: expected 1-128 of [A-Za-z0-9._-], not starting with . - or _")
-    shard = hashlib.blake2b(branch_id.encode(), digest_size=1).hexdigest()
-    return f"payloads/{shard}/{branch_id}"
 
 
 class EncodedChunk(NamedTuple):
@@ -214,7 +194,7 @@ def _metadata_template(compression: str, zstd_level: int) -> str:
         chunk_key_encoding={"name": "default", "configuration": {"separator": "."}},
         fill_value=0, codecs=codecs, attributes={}, dimension_names=None, storage_transformers=None,
     )
-    return meta.to_buffer_dict(default_buffer_prototype())[META_KEY].to_bytes().decode()
+    return meta.to_buffer_dict(default_buffer_prototype())[META_NAME].to_bytes().decode()
 
 
 def decode_payload(ref: PayloadRef, stored: bytes, what: str) -> np.ndarray | bytes:

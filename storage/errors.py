@@ -27,8 +27,12 @@ class TransientStorageError(StorageError):
     """A store operation failed in a way that may succeed on retry (throttling, 5xx, timeouts)."""
 
 
-class ChunkNotFoundError(StorageError, FileNotFoundError):
-    """A chunk (or another object) that a reference names does not exist."""
+class KeyNotFoundError(StorageError, FileNotFoundError):
+    """No object at a key of the run (a step file, a delete record, metrics, weights, ...)."""
+
+
+class ChunkNotFoundError(KeyNotFoundError):
+    """A chunk that a reference names does not exist."""
 
 
 class RunNotFoundError(StorageError, FileNotFoundError):
@@ -44,11 +48,32 @@ class KeyExistsError(StorageError, FileExistsError):
 
 
 class DoubleDeleteError(StorageError):
-    """A chunk was deleted a second time; names the first and the second holder."""
+    """A chunk was deleted a second time; names the first and the second holder.
+
+    Attributes:
+        first_holder: the actor whose delete record holds the chunk (``"?"`` when unreadable).
+        second_holder: the actor whose delete was refused.
+        result: set when ``Ledger.delete`` raises it for a whole call: that call's ``DeleteResult``.
+    """
+
+    def __init__(self, message: str, *, first_holder: str | None = None, second_holder: str | None = None,
+                 result=None):
+        super().__init__(message)
+        self.first_holder = first_holder
+        self.second_holder = second_holder
+        self.result = result
 
 
 class UnknownRefError(StorageError, LookupError):
-    """A delete named a chunk that was never kept (no commit marker, no delete record)."""
+    """A delete named a chunk that was never kept (no commit marker, no delete record).
+
+    Attributes:
+        result: set when ``Ledger.delete`` raises it for a whole call: that call's ``DeleteResult``.
+    """
+
+    def __init__(self, message: str, *, result=None):
+        super().__init__(message)
+        self.result = result
 
 
 class FieldError(RefpipeError, ValueError):

@@ -17,18 +17,17 @@ from concurrent.futures import ThreadPoolExecutor
 import crc32c
 import numpy as np
 from refpipe.storage.chunk import (
-    DATA_KEY,
-    META_KEY,
     ArrayLayout,
     EncodedChunk,
     PayloadRef,
     check_checksum,
     check_length,
     decode_payload,
-    node_key,
     view_array,
 )
-from refpipe.storage.errors import ChunkCorruptError, RefpipeError
+from refpipe.storage.errors import ChunkCorruptError, ChunkNotFoundError, KeyNotFoundError, RefpipeError
+from refpipe.storage.layout import chunk_keys as layout_chunk_keys
+from refpipe.storage.layout import node_key
 from refpipe.storage.store import Store
 
 
@@ -41,8 +40,9 @@ def put_chunk(store: Store, branch_id: str, chunk: EncodedChunk) -> str:
         KeyExistsError: a branch with this id was already kept in this run.
     """
     key = node_key(branch_id)
-    store.put(f"{key}/{DATA_KEY}", chunk.parts, exclusive=True)
-    store.put(f"{key}/{META_KEY}", chunk.metadata, exclusive=True)
+    data_key, meta_key = layout_chunk_keys(key)
+    store.put(data_key, chunk.parts, exclusive=True)
+    store.put(meta_key, chunk.metadata, exclusive=True)
     return store.uri(key)
 
 
@@ -52,8 +52,7 @@ def chunk_keys(store: Store, ref: PayloadRef) -> tuple[str, str]:
     Raises:
         OutsideRunError: the ref's URI is not under the run prefix.
     """
-    key = store.prefix.key_of(ref.uri)
-    return f"{key}/{DATA_KEY}", f"{key}/{META_KEY}"
+    return layout_chunk_keys(store.prefix.key_of(ref.uri))
 
 
 def rows_for(lay: ArrayLayout, ref: PayloadRef, num_tokens: int, counts: np.ndarray | None) -> int:
@@ -98,7 +97,15 @@ def fetch_arrays(store: Store, ref: PayloadRef, num_tokens: int | None = None,
     if not 0 <= n <= ref.num_tokens:
         raise ValueError(f"num_tokens={n} for chunk {ref.uri}: expected 0..{ref.num_tokens}")
     data_key, _ = chunk_keys(store, ref)
-    out = dict(out or {})
+    try:
+        return _fetch(store, data_key, ref, n, dict(out or {}))
+    except ChunkNotFoundError:
+        raise
+    except KeyNotFoundError as e:
+        raise ChunkNotFoundError(str(e)) from e
+
+
+def _fetch(store: Store, data_key: str, ref: PayloadRef, n: int, out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     if n == ref.num_tokens and ref.compression == "none":
         return _read_whole_into(store, data_key, ref, out)
     if ref.compression != "none":

@@ -1,6 +1,6 @@
 """The reference ledger: per-actor event logs and delete-exactly-once.
 
-Layout under the run prefix:
+Layout under the run prefix (keys built and parsed by ``storage.layout``):
 
     ledger/events/<actor>/<pid>-<ms>-<seq>.jsonl   one session's events, one JSON object per
                                                    line, written as whole segments (``<pid>-<ms>``
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
 import threading
 import time
@@ -41,40 +40,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from refpipe.storage.chunk import META_KEY, PayloadRef, node_key
-from refpipe.storage.errors import (
-    ChunkNotFoundError,
-    ConfigError,
-    DoubleDeleteError,
-    KeyExistsError,
-    StorageError,
-    UnknownRefError,
-)
+from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.errors import DoubleDeleteError, KeyExistsError, KeyNotFoundError, StorageError, UnknownRefError
 from refpipe.storage.fetch import chunk_keys
+from refpipe.storage.layout import branch_id_of, check_id, meta_key, segment_key, session_id, tombstone_key
 from refpipe.storage.store import Store
 
 SEGMENT_MAX_EVENTS = 512
 SEGMENT_MAX_AGE_S = 2.0
-EVENTS_PREFIX = "ledger/events/"
-DELETES_PREFIX = "ledger/deletes/"
-_ACTOR = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_SEGMENT = re.compile(r"^ledger/events/(?P<actor>[^/]+)/(?P<session>\d+-\d+)-(?P<seq>\d+)\.jsonl$")
-
-
-def tombstone_key(branch_id: str) -> str:
-    """Key of a chunk's delete record: ``ledger/deletes/<shard>/<branch_id>.json``."""
-    return DELETES_PREFIX + node_key(branch_id).removeprefix("payloads/") + ".json"
-
-
-def parse_segment_key(key: str) -> tuple[str, str, int] | None:
-    """``(actor, session, seq)`` of an event segment key, or None for any other key."""
-    m = _SEGMENT.match(key)
-    return (m["actor"], m["session"], int(m["seq"])) if m else None
-
-
-def session_opened_ms(session: str) -> int:
-    """Wall-clock milliseconds at which a session (``<pid>-<ms>``) opened; orders one actor's sessions."""
-    return int(session.rpartition("-")[2])
 
 
 @dataclass
@@ -127,8 +100,7 @@ class Ledger:
     """
 
     def __init__(self, store: Store, actor: str):
-        if not _ACTOR.match(actor):
-            raise ConfigError(f"ledger actor {actor!r}: expected 1-128 of [A-Za-z0-9._-], not starting with . - or _")
+        check_id(actor, "ledger actor")
         self.store = store
         self.actor = actor
         self.ledger_seconds = 0.0
@@ -146,7 +118,7 @@ class Ledger:
         event = {"event": "open", "actor": self.actor, "t": round(time.time(), 3), "pid": os.getpid(),
                  "host": socket.gethostname()}
         while True:
-            session = f"{os.getpid()}-{opened_ms}"
+            session = session_id(os.getpid(), opened_ms)
             try:
                 self._put_segment(session, 0, [event])
             except KeyExistsError:
@@ -183,7 +155,7 @@ class Ledger:
         body = "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in events).encode()
         started = time.perf_counter()
         try:
-            self.store.put(f"{EVENTS_PREFIX}{self.actor}/{session}-{seq:06d}.jsonl", body, exclusive=True)
+            self.store.put(segment_key(self.actor, session, seq), body, exclusive=True)
         finally:
             self._add_seconds(time.perf_counter() - started)
 
@@ -242,7 +214,7 @@ class Ledger:
         targets = []
         for node, keys in nodes.items():
             uri = self.store.uri(node)
-            targets.append(_Target(node.rpartition("/")[2], uri, f"{node}/{META_KEY}", list(keys)))
+            targets.append(_Target(branch_id_of(node), uri, meta_key(node), list(keys)))
         return self._delete_targets(targets, reason, max_concurrency)
 
     def remove_leftovers(self, nodes: Mapping[str, Sequence[str]], *, event: str, reason: str) -> None:
@@ -256,8 +228,8 @@ class Ledger:
             nodes: node key -> every key listed under it.
         """
         for node in nodes:
-            self.record(event, branch_id=node.rpartition("/")[2], uri=self.store.uri(node), reason=reason)
-        self.store.delete([key for keys in nodes.values() for key in keys])
+            self.record(event, branch_id=branch_id_of(node), uri=self.store.uri(node), reason=reason)
+        self.store.delete_keys([key for keys in nodes.values() for key in keys])
         self.flush()
 
     def _delete_targets(self, targets: list[_Target], reason: str, max_concurrency: int) -> DeleteResult:
@@ -288,7 +260,7 @@ class Ledger:
         if result.double_deletes or result.unknown:
             self.flush()  # on record before anything else can fail
         try:
-            self.store.delete(doomed)
+            self.store.delete_keys(doomed)
         except Exception:
             with self._lock:
                 self._claims.update(made)
@@ -325,7 +297,7 @@ class Ledger:
         this very claim (a conditional PUT retried after its first attempt had succeeded)."""
         try:
             first = json.loads(self.store.get(tomb))
-        except ChunkNotFoundError:
+        except KeyNotFoundError:
             if claim is None:
                 return None
             first = {"holder": "?", "reason": "delete record vanished"}
@@ -333,21 +305,19 @@ class Ledger:
             first = {"holder": "?", "reason": "unreadable delete record"}
         if claim is not None and first.get("claim") == claim:
             return None
-        err = DoubleDeleteError(
+        return DoubleDeleteError(
             f"chunk {target.uri} was already deleted by {first.get('holder')} ({first.get('reason')}); "
-            f"second delete from {self.actor} ({reason})")
-        err.first_holder, err.second_holder = first.get("holder"), self.actor
-        return err
+            f"second delete from {self.actor} ({reason})", first_holder=first.get("holder"), second_holder=self.actor)
 
     @staticmethod
     def _raise_problems(result: DeleteResult) -> None:
         problems = result.double_deletes or result.unknown
-        err = type(problems[0])(
+        first = problems[0]
+        holders = ({"first_holder": first.first_holder, "second_holder": first.second_holder}
+                   if isinstance(first, DoubleDeleteError) else {})
+        raise type(first)(
             f"{len(result.double_deletes)} double deletes, {len(result.unknown)} deletes of unknown refs "
-            f"({len(result.deleted)} other chunks deleted); first: {problems[0]}")
-        err.result = result
-        raise err
+            f"({len(result.deleted)} other chunks deleted); first: {first}", result=result, **holders)
 
 
-__all__ = ["DELETES_PREFIX", "EVENTS_PREFIX", "DeleteResult", "Ledger", "parse_segment_key",
-           "session_opened_ms", "tombstone_key"]
+__all__ = ["DeleteResult", "Ledger"]

@@ -1,24 +1,33 @@
 """The store on S3 (or an S3-compatible endpoint: MinIO, Ceph RGW, moto) through s3fs.
 
 Errors are typed here: s3fs's translated ``OSError``s and the botocore/aiohttp errors it
-re-raises become ``StorageError`` / ``TransientStorageError`` (``Store.retrying`` is the
-one retry layer), ``FileNotFoundError`` becomes ``ChunkNotFoundError`` and a failed
+re-raises become ``StorageError`` / ``TransientStorageError`` (``S3Store.retrying`` is the
+one retry layer), ``FileNotFoundError`` becomes ``KeyNotFoundError`` and a failed
 ``If-None-Match`` becomes ``KeyExistsError``.
+
+The s3fs filesystem is created per process (s3fs is not fork-safe): a store that crosses
+a fork rebuilds it on first use in the child, and pickling drops it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import random
+import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import aiohttp
 import botocore.exceptions
 import fsspec
-from refpipe.storage.errors import ChunkNotFoundError, KeyExistsError, StorageError, TransientStorageError
-from refpipe.storage.store import Store, _buffers
+from refpipe.storage.errors import KeyExistsError, KeyNotFoundError, StorageError, TransientStorageError
+from refpipe.storage.store import Store, buffers_of
 
 T = TypeVar("T")
+_RETRIES_LOCK = threading.Lock()
 _S3_DELETE_BATCH = 1000  # DeleteObjects takes at most 1,000 keys (AWS S3 API reference)
 
 
@@ -31,13 +40,47 @@ class S3Store(Store):
     result, since s3fs's bulk ``rm`` drops per-key errors.
     """
 
+    def __init__(self, prefix, config):
+        super().__init__(prefix, config)
+        self._fs = None
+        self._pid = -1
+
+    @property
+    def fs(self):
+        """This process's s3fs filesystem (rebuilt after a fork)."""
+        if self._fs is None or self._pid != os.getpid():
+            self._fs = self._new_fs()
+            self._pid = os.getpid()
+        return self._fs
+
+    def __getstate__(self):
+        return {"prefix": self.prefix, "config": self.config, "_fs": None, "_pid": -1, "retries": 0}
+
+    def retrying(self, what: str, op: Callable[[], T]) -> T:
+        """Run ``op``, retrying ``TransientStorageError`` with exponential backoff and jitter.
+
+        Raises:
+            TransientStorageError: still failing after ``config.max_retries`` retries.
+        """
+        for attempt in range(self.config.max_retries + 1):
+            try:
+                return op()
+            except TransientStorageError as e:
+                if attempt == self.config.max_retries:
+                    raise TransientStorageError(f"{what}: gave up after {attempt + 1} attempts: {e}") from e
+                with _RETRIES_LOCK:
+                    self.retries += 1
+                slow = 8 if "SlowDown" in str(e) else 1
+                time.sleep(self.config.retry_backoff_s * slow * 2**attempt * (0.5 + random.random()))
+        raise AssertionError("unreachable")
+
     def _new_fs(self):
         client_kwargs = {}
         if self.config.s3_endpoint_url:
             client_kwargs["endpoint_url"] = self.config.s3_endpoint_url
         if self.config.s3_region:
             client_kwargs["region_name"] = self.config.s3_region
-        # One retry layer, ``Store.retrying`` (config.max_retries): s3fs and botocore each retry up to 5x
+        # One retry layer, ``retrying`` (config.max_retries): s3fs and botocore each retry up to 5x
         # by default, which multiplies into minutes against a dead endpoint.
         fs = fsspec.core.url_to_fs(self.prefix.uri, skip_instance_cache=True, use_listings_cache=False,
                                    client_kwargs=client_kwargs,
@@ -57,7 +100,7 @@ class S3Store(Store):
         path = self.path(key)
         if start is not None and end is not None and end <= start:
             if not self.exists(key):  # an empty range needs no GET, but a missing key is still an error
-                raise ChunkNotFoundError(f"{self.uri(key)} does not exist")
+                raise KeyNotFoundError(f"{self.uri(key)} does not exist")
             return b""
         what = f"GET {self.uri(key)}"
 
@@ -66,7 +109,7 @@ class S3Store(Store):
                 # max_concurrency=1: one GET; s3fs otherwise sends a HEAD first to split large objects
                 return _typed(what, lambda: self.fs.cat_file(path, start=start, end=end, max_concurrency=1))
             except FileNotFoundError as e:
-                raise ChunkNotFoundError(f"{self.uri(key)} does not exist") from e
+                raise KeyNotFoundError(f"{self.uri(key)} does not exist") from e
             except StorageError as e:
                 if _error_code(e.__cause__)[0] == "InvalidRange":
                     return b""  # the range starts at or past the end: no bytes, as a file read returns
@@ -89,7 +132,7 @@ class S3Store(Store):
         match = {"IfNoneMatch": "*"} if exclusive else {}
         try:
             self._call(f"PUT {self.uri(key)}", "put_object", Bucket=bucket, Key=object_key,
-                       Body=b"".join(_buffers(data)), **match)
+                       Body=b"".join(buffers_of(data)), **match)
         except FileExistsError as e:
             raise KeyExistsError(f"{self.uri(key)} already exists") from e
         except FileNotFoundError as e:  # a PUT only misses when the bucket does
@@ -99,8 +142,7 @@ class S3Store(Store):
                 raise KeyExistsError(f"{self.uri(key)} already exists") from e
             raise
 
-    def delete(self, keys):
-        keys = list(keys)
+    def _delete_keys(self, keys):
         for i in range(0, len(keys), _S3_DELETE_BATCH):
             batch = keys[i : i + _S3_DELETE_BATCH]
             bucket = self._split(batch[0])[0]
@@ -135,6 +177,28 @@ class S3Store(Store):
         except FileNotFoundError:
             return []
         return sorted(p[len(root):] for p in paths if p.startswith(base + "/"))
+
+    def list_sizes(self, key_prefix):
+        key_prefix = key_prefix.rstrip("/")
+        base = self.path(key_prefix) if key_prefix else self.prefix.path
+        what = f"LIST {self.uri(key_prefix) if key_prefix else self.prefix.uri}"
+        try:
+            entries = _typed(what, lambda: self.fs.ls(base, detail=True))
+        except FileNotFoundError:
+            return {}
+        sizes = {e["name"]: e["size"] for e in entries if e["type"] == "file"}
+        directories = [e["name"] for e in entries if e["type"] == "directory"]
+
+        def find(directory: str) -> dict:
+            return _typed(what, lambda: self.fs.find(directory, detail=True))
+
+        # one listing per sub-directory (a shard of payloads/), in parallel: a LIST page holds 1,000 keys
+        with ThreadPoolExecutor(max(1, min(self.config.max_concurrent_fetches, len(directories)))) as pool:
+            for found in pool.map(find, directories):
+                sizes.update((name, info["size"]) for name, info in found.items())
+        root = self.prefix.path + "/"
+        return dict(sorted((name[len(root):], size) for name, size in sizes.items()
+                           if name.startswith(base + "/")))
 
 
 _TRANSIENT_CODES = {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "Throttling",

@@ -11,13 +11,12 @@ before any I/O (DESIGN.md, invariant 4).
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from refpipe.storage.errors import ConfigError, OutsideRunError
+from refpipe.storage.layout import is_id
 
-_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 SCHEMES = ("file", "s3")
 
 
@@ -63,7 +62,7 @@ class RunPrefix:
         Raises:
             ConfigError: unknown scheme, malformed root, or an invalid ``run_id``.
         """
-        if not _RUN_ID.match(run_id) or ".." in run_id:
+        if not is_id(run_id) or ".." in run_id:
             raise ConfigError(f"run_id {run_id!r}: expected 1-128 of [A-Za-z0-9._-], not starting with a dot")
         scheme, root_path = _split_root(root)
         _check_segments(root_path, f"run root {root!r}")

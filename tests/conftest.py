@@ -13,8 +13,8 @@ import uuid
 
 import boto3
 import pytest
+from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
-from refpipe.storage.store import open_store
 from s3_servers import WeedServer, weed_binary
 
 os.environ.update(

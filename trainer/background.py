@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.chunk import PayloadRef
-from refpipe.storage.errors import ChunkNotFoundError, DoubleDeleteError, StorageError, UnknownRefError
+from refpipe.storage.errors import DoubleDeleteError, KeyNotFoundError, StorageError, UnknownRefError
 from refpipe.storage.ledger import Ledger
 from refpipe.trainer.fetch import FetchedStep
 
@@ -48,7 +48,7 @@ class Prefetch:
     two steps of its arrays (the one training and the one prefetched).
 
     Args:
-        load: loads and validates a step file that exists (raises ``ChunkNotFoundError`` if it
+        load: loads and validates a step file that exists (raises ``KeyNotFoundError`` if it
             does not yet).
         fetch: fetches and assembles this rank's micro batches of a step file (never raises).
         poll_s: seconds between looks for the step file.
@@ -72,7 +72,7 @@ class Prefetch:
         while True:
             try:
                 step_file = self._load(step)
-            except ChunkNotFoundError:
+            except KeyNotFoundError:
                 if stop.wait(self._poll_s):
                     return
                 continue

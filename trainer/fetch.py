@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from refpipe.pipeline.fields import FieldsConfig
-from refpipe.pipeline.step_file import StepFile, StepHeader, step_key
-from refpipe.storage.errors import ChunkNotFoundError, RefpipeError, StepFileError
+from refpipe.pipeline.step_file import StepFile, StepHeader
+from refpipe.storage.errors import KeyNotFoundError, RefpipeError, StepFileError
 from refpipe.storage.fetch import FetchStats, fetch_arrays
+from refpipe.storage.layout import step_key
 from refpipe.storage.store import Store
 from refpipe.trainer.assemble import AssembledMicroBatch, MicroBatchPlan, finish_micro_batch, plan_micro_batch
 
@@ -48,7 +49,7 @@ def wait_for_step(store: Store, step: int, *, timeout_s: float, poll_s: float) -
     while True:
         try:
             return StepFile.read(store, step)
-        except ChunkNotFoundError:
+        except KeyNotFoundError:
             waited_s = time.monotonic() - started
             if waited_s >= timeout_s:
                 raise StepFileError(f"step file {store.uri(step_key(step))} did not appear: waited {waited_s:.1f} s "

@@ -13,6 +13,7 @@ from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.step_file import StepFile, StepHeader
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import ConfigError, FetchError
+from refpipe.storage.layout import trainer_actor
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.store import Store
 from refpipe.trainer.assemble import AssembledMicroBatch, assemble_dropped_micro_batch
@@ -112,7 +113,7 @@ class TrainerRank:
         self.store, self.fields, self.storage, self.config = store, fields, storage, config
         self.topology = Topology.current(config)
         dp_rank = self.topology.dp_rank
-        self.ledger = Ledger(store, f"trainer_dp{dp_rank}") if self.topology.mp_rank == 0 else None
+        self.ledger = Ledger(store, trainer_actor(dp_rank)) if self.topology.mp_rank == 0 else None
         self.release = (BackgroundRelease(self.ledger, dp_rank, storage.max_concurrent_fetches)
                         if self.ledger is not None else None)
         self.prefetch = Prefetch(self._read_step, self.fetch, config.step_poll_s)
@@ -151,7 +152,7 @@ class TrainerRank:
         return Prepared(step_file, self.fetch(step_file), prefetched=False)
 
     def _read_step(self, step: int) -> StepFile:
-        """The prefetch's load: read step ``step``'s file once (``ChunkNotFoundError`` if not there yet)."""
+        """The prefetch's load: read step ``step``'s file once (``KeyNotFoundError`` if not there yet)."""
         step_file = StepFile.read(self.store, step)
         self.check_step(step_file)
         return step_file

@@ -15,6 +15,7 @@ import os
 import re
 from dataclasses import dataclass
 
+import fsspec
 import numpy as np
 import pytest
 from refpipe.cli.main import app
@@ -27,13 +28,15 @@ from refpipe.pipeline.step_file import (
     SequenceRecord,
     StepHeader,
     publish_step_file,
-    step_key,
 )
+from refpipe.storage.backends import open_store
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.fetch import chunk_keys
+from refpipe.storage.layout import step_key
 from refpipe.storage.ledger import Ledger
-from refpipe.storage.store import Store, open_store
+from refpipe.storage.s3_store import S3Store
+from refpipe.storage.store import Store
 from typer.testing import CliRunner
 
 FIELDS_CFG = FieldsConfig(num_layers=2, top_k=2, num_experts=8, logprobs_k=3, sampling_mask=True)
@@ -144,7 +147,8 @@ def invoke(args: list[str]):
 
 def snapshot(store: Store) -> dict[str, tuple]:
     """Every object under the run prefix: size and modification stamps (local mtime; S3 ETag and LastModified)."""
-    found = store.fs.find(store.prefix.path, detail=True)
+    fs = store.fs if isinstance(store, S3Store) else fsspec.filesystem("file")  # a raw view, past the Store verbs
+    found = fs.find(store.prefix.path, detail=True)
     return {name: (info["size"], info.get("mtime"), info.get("ETag"), str(info.get("LastModified")))
             for name, info in found.items()}
 
@@ -176,7 +180,7 @@ def test_inspect_json_counts_equal_what_was_packed(run):
 
 def test_inspect_table_shows_counts_and_missing_chunks(run):
     Ledger(run.store, "trainer_dp0").delete([run.refs["a"]], reason="step 0 trained")
-    run.store.delete(list(chunk_keys(run.store, run.refs["g"])))  # gone without a delete record
+    run.store.delete_keys(list(chunk_keys(run.store, run.refs["g"])))  # gone without a delete record
     before = snapshot(run.store)
     result = invoke(["inspect", run.step_uris[0], *run.cli_args()])
     assert result.exit_code == 0, result.output
@@ -196,7 +200,7 @@ def test_inspect_table_shows_counts_and_missing_chunks(run):
 
 
 def test_inspect_plot_writes_a_png(run, tmp_path):
-    run.store.delete(list(chunk_keys(run.store, run.refs["c"])))
+    run.store.delete_keys(list(chunk_keys(run.store, run.refs["c"])))
     before = snapshot(run.store)
     png = tmp_path / "out" / "step0.png"
     png.parent.mkdir()
@@ -319,7 +323,7 @@ def test_ls_flags_a_corrupt_zarr_json_and_goes_on(local_run):
 def test_inspect_counts_a_chunk_without_its_data_as_missing(local_run):
     """``zarr.json`` alone is not a chunk: ``inspect`` agrees with ``verify`` and ``show``."""
     data_key, _ = chunk_keys(local_run.store, local_run.refs["b"])
-    local_run.store.delete([data_key])
+    local_run.store.delete_keys([data_key])
     summary = json.loads(invoke(["inspect", local_run.step_uris[0], "--json"]).stdout)
     assert (summary["num_chunks_present"], summary["num_chunks_missing"]) == (6, 1)
     assert summary["missing"] == [{"uri": local_run.refs["b"].uri, "branch_id": local_run.refs["b"].branch_id,

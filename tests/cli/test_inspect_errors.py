@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import numpy as np
-from refpipe.pipeline.step_file import step_key
 from refpipe.storage.config import StorageConfig
+from refpipe.storage.layout import step_key
 from test_inspect import build_run, invoke, snapshot
 
 REFPIPE = os.path.join(os.path.dirname(sys.executable), "refpipe")
@@ -101,7 +101,7 @@ def test_permission_denied_is_one_line(local_run):
 def test_no_command_changes_the_run(run, tmp_path):
     from refpipe.storage.fetch import chunk_keys
 
-    run.store.delete(list(chunk_keys(run.store, run.refs["e"])))  # so failing paths run too
+    run.store.delete_keys(list(chunk_keys(run.store, run.refs["e"])))  # so failing paths run too
     before = snapshot(run.store)
     step, endpoint = run.step_uris[0], run.cli_args()
     commands = [["inspect", step, "--json"], ["inspect", step, "--plot", str(tmp_path / "p.png")],

@@ -6,8 +6,9 @@ import io
 import json
 import zipfile
 
-from refpipe.pipeline.step_file import HEADER_MEMBER, step_key
+from refpipe.pipeline.step_file import HEADER_MEMBER
 from refpipe.storage.fetch import chunk_keys
+from refpipe.storage.layout import step_key
 from refpipe.storage.ledger import Ledger
 from test_inspect import invoke, snapshot
 
@@ -54,7 +55,7 @@ def test_verify_flags_every_problem_once(run):
     meta = json.loads(store.get(meta_key))
     meta["attributes"]["refpipe"]["arrays"]["topk_ids"]["dtype"] = "<u4"
     store.put(meta_key, json.dumps(meta).encode())  # zarr.json disagrees with the reference
-    store.delete(list(chunk_keys(store, refs["g"])))  # gone without a delete record
+    store.delete_keys(list(chunk_keys(store, refs["g"])))  # gone without a delete record
     outside = refs["d"].uri.replace("/run_1/", "/run_10/")
 
     def point_d_outside(header):

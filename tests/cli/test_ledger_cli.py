@@ -16,9 +16,10 @@ from typer.testing import CliRunner
 sys.path.insert(0, str(Path(__file__).parents[1] / "pipeline"))
 from audit_helpers import chunks, keep, make_keeper, publish  # noqa: E402
 from refpipe.cli.main import app  # noqa: E402
+from refpipe.storage.backends import open_store  # noqa: E402
 from refpipe.storage.errors import DoubleDeleteError  # noqa: E402
-from refpipe.storage.ledger import Ledger, tombstone_key  # noqa: E402
-from refpipe.storage.store import open_store  # noqa: E402
+from refpipe.storage.layout import tombstone_key
+from refpipe.storage.ledger import Ledger  # noqa: E402
 
 runner = CliRunner()
 
@@ -118,7 +119,7 @@ OPEN_A_SESSION = """
 import sys, time
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.ledger import Ledger
-from refpipe.storage.store import open_store
+from refpipe.storage.backends import open_store
 Ledger(open_store(StorageConfig.model_validate_json(sys.argv[1])), sys.argv[2])  # never closed
 print("open", flush=True)
 time.sleep(float(sys.argv[3]))
@@ -189,7 +190,7 @@ def test_stray_and_misnamed_delete_records_are_shown_and_a_truncated_one_still_c
     keeper.ledger.close()
     truncated = tombstone_key(refs[1].branch_id)
     store.put(truncated, b'{"branch_id":"zz"')  # a claim with an unreadable body: still the claim
-    store.delete([f"{store.prefix.key_of(refs[1].uri)}/{name}" for name in ("zarr.json", "c.0")])
+    store.delete_keys([f"{store.prefix.key_of(refs[1].uri)}/{name}" for name in ("zarr.json", "c.0")])
     misnamed = tombstone_key(refs[0].branch_id).replace(refs[0].branch_id, "other-id")  # not other-id's shard
     store.put(misnamed, b"{}")
     store.put("ledger/deletes/zz-garbage", b"x")

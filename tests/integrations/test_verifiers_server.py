@@ -19,9 +19,9 @@ from refpipe.pipeline.audit import audit  # noqa: E402
 from refpipe.pipeline.fields import FieldsConfig  # noqa: E402
 from refpipe.pipeline.orchestrator import Orchestrator, OrchestratorConfig  # noqa: E402
 from refpipe.pipeline.step_file import StepFile  # noqa: E402
+from refpipe.storage.backends import open_store  # noqa: E402
 from refpipe.storage.errors import EpisodeError  # noqa: E402
 from refpipe.storage.ledger import Ledger  # noqa: E402
-from refpipe.storage.store import open_store  # noqa: E402
 from refpipe.trainer.fetch import fetch_own  # noqa: E402
 from verifiers.v1.serve.delta import pack  # noqa: E402
 from vf_serving import TEMPERATURE, byte_leaves, payload_nodes, run, same_bytes, serving, tombstones  # noqa: E402

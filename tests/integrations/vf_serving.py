@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import numpy as np
 from refpipe.integrations.verifiers_server import RefpipeEnvServer, RefpipeServeConfig
-from refpipe.storage.ledger import tombstone_key
+from refpipe.storage.layout import tombstone_key
 from refpipe.storage.store import Store
 from verifiers.v1.configs.client import EvalClientConfig
 from verifiers.v1.episode import EnvInfo, Episode, WireEpisode

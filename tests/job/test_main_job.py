@@ -1,4 +1,4 @@
-"""The main job end to end (issue 6): real env-worker processes, real trainer ranks (gloo), real stores.
+"""The main job end to end: real env-worker processes, real trainer ranks (gloo), real stores.
 
 Each run is small (3 steps, a short warm start) and ends with the ledger audit written to
 ``<run>/summary.json``, which the tests read back.
@@ -16,11 +16,11 @@ import time
 
 import pytest
 from refpipe.job.config import JobConfig, RunConfig
-from refpipe.job.launcher import SUMMARY_KEY, Launcher
+from refpipe.job.launcher import Launcher
 from refpipe.pipeline.orchestrator import OrchestratorConfig
-from refpipe.pipeline.step_file import step_key
+from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
-from refpipe.storage.store import open_store
+from refpipe.storage.layout import SUMMARY_KEY, step_key
 from refpipe.trainer.config import TrainerConfig
 from rich.console import Console
 

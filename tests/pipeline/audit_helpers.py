@@ -27,11 +27,12 @@ from refpipe.pipeline.step_file import (
     StepHeader,
     publish_step_file,
 )
+from refpipe.storage.backends import open_store
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.fetch import fetch_arrays
 from refpipe.storage.ledger import Ledger
-from refpipe.storage.store import Store, open_store
+from refpipe.storage.store import Store
 
 FIELDS = FieldsConfig(logprobs_k=2)
 NUM_PROMPT, NUM_COMPLETION = 2, 3

@@ -8,8 +8,9 @@ from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.pipeline.samples import BranchResult, Episode
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.ledger import Ledger
+from refpipe.storage.local_store import LocalStore
 from refpipe.storage.s3_store import S3Store
-from refpipe.storage.store import LocalStore, Store
+from refpipe.storage.store import Store
 from refpipe.storage.uri import RunPrefix
 
 FIELDS = FieldsConfig(num_layers=2, top_k=2, num_experts=8, logprobs_k=3)

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 from audit_helpers import chunks, snapshot, train
 from refpipe.pipeline.audit import audit, sweep
+from refpipe.storage.backends import open_store
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.ledger import Ledger
-from refpipe.storage.store import Store, open_store
+from refpipe.storage.store import Store
 
 SCRIPT = Path(__file__).with_name("audit_helpers.py")
 HOLDERS_AFTER_CRASH = {

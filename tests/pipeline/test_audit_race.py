@@ -12,11 +12,12 @@ import multiprocessing
 from collections import Counter
 
 import pytest
+from refpipe.storage.backends import open_store
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import DoubleDeleteError
-from refpipe.storage.ledger import Ledger, tombstone_key
-from refpipe.storage.store import open_store
+from refpipe.storage.layout import tombstone_key
+from refpipe.storage.ledger import Ledger
 
 NUM_PROCESSES, NUM_CHUNKS = 8, 100
 

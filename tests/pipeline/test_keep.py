@@ -12,11 +12,11 @@ import psutil
 import pytest
 from refpipe.pipeline.fields import FieldsConfig, Ragged
 from refpipe.pipeline.keep import Branch, Keeper
-from refpipe.storage.chunk import DATA_KEY, META_KEY, node_key
+from refpipe.storage.backends import open_store
 from refpipe.storage.errors import ConfigError, DoubleDeleteError, FieldError, KeyExistsError
 from refpipe.storage.fetch import fetch_arrays
+from refpipe.storage.layout import DATA_NAME, META_NAME, node_key
 from refpipe.storage.ledger import Ledger
-from refpipe.storage.store import open_store
 
 CFG = FieldsConfig(num_layers=3, top_k=2, num_experts=8, logprobs_k=4, support_width=5, sampling_mask=True)
 P, C = 4, 6
@@ -154,7 +154,7 @@ def test_duplicate_branch_id_raises_and_the_first_chunk_is_unchanged(keeper, sto
     ref = keeper.keep(Branch(P, C, first, "dup"))
     store = keeper.store
     node = node_key("dup")
-    before = {key: store.get(key) for key in (f"{node}/{DATA_KEY}", f"{node}/{META_KEY}")}
+    before = {key: store.get(key) for key in (f"{node}/{DATA_NAME}", f"{node}/{META_NAME}")}
     listed = listing(storage_config)
     with pytest.raises(KeyExistsError, match=f"{store.uri(node)}/c.0 already exists"):
         keeper.keep(Branch(P, C, fields_of(seed=2), "dup"))
@@ -174,7 +174,7 @@ def test_discard_deletes_exactly_once(keeper, storage_config):
     result = keeper.discard(refs[:2], reason="episode dropped")
     assert result.deleted == [refs[0].uri, refs[1].uri]
     payloads = [k for k in keeper.store.list_prefix("payloads")]
-    assert payloads == [f"{node_key('b2')}/{DATA_KEY}", f"{node_key('b2')}/{META_KEY}"]
+    assert payloads == [f"{node_key('b2')}/{DATA_NAME}", f"{node_key('b2')}/{META_NAME}"]
     with pytest.raises(DoubleDeleteError, match="already deleted by env_worker_0"):
         keeper.discard(refs[:1])
 

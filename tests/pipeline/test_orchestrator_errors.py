@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from orchestrator_helpers import FIELDS, chunks, counting_store, episode, make_keeper, tombstones
 from refpipe.pipeline.orchestrator import Orchestrator, OrchestratorConfig
-from refpipe.pipeline.step_file import step_key
+from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import EpisodeError, KeyExistsError, OutsideRunError, PackingError
-from refpipe.storage.store import open_store
+from refpipe.storage.layout import step_key
 
 CFG = OrchestratorConfig(seq_len=32, dp_world_size=2, groups_per_step=1, group_size=2)
 

@@ -11,9 +11,10 @@ import pytest
 from orchestrator_helpers import FIELDS, chunks, episode, make_keeper, tombstones
 from refpipe.pipeline.packing import pack_step, step_contents
 from refpipe.pipeline.samples import build_sample
-from refpipe.pipeline.step_file import HEADER_MEMBER, STREAMS, StepFile, publish_step_file, step_key
-from refpipe.storage.errors import ChunkNotFoundError, StepFileError
-from refpipe.storage.store import open_store
+from refpipe.pipeline.step_file import HEADER_MEMBER, STREAMS, StepFile, publish_step_file
+from refpipe.storage.backends import open_store
+from refpipe.storage.errors import KeyNotFoundError, StepFileError
+from refpipe.storage.layout import step_key
 
 SEQ_LEN, DP = 24, 3
 
@@ -111,7 +112,7 @@ def test_refs_disagreeing_with_the_header_fields_are_typed_errors(published, fie
 
 def test_missing_step_and_stream_mismatch(published):
     store, packed, header, streams = published
-    with pytest.raises(ChunkNotFoundError, match="step_00000009.npz does not exist"):
+    with pytest.raises(KeyNotFoundError, match="step_00000009.npz does not exist"):
         StepFile.read(store, 9)
     bad = {k: dict(v) for k, v in streams.items()}
     bad[(0, 0)]["advantages"] = bad[(0, 0)]["advantages"].astype(np.float64)

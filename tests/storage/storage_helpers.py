@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import boto3
 import numpy as np
 from refpipe.pipeline.fields import FieldsConfig, Ragged
+from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
-from refpipe.storage.store import Store, open_store
+from refpipe.storage.store import Store
 from refpipe.storage.uri import RunPrefix
 
 

@@ -23,8 +23,10 @@ def race_in_child(store, key: str, i: int, barrier) -> None:
 
 
 def use_in_child(store, queue) -> None:
-    """Read the parent's object, write ``child/obj``, report (bytes read, fs rebuilt, pid recorded)."""
-    inherited_fs = store._fs
+    """Read the parent's object, write ``child/obj``, report (bytes read, whether the filesystem was rebuilt
+    in this process; None for a store without one)."""
+    inherited_fs = getattr(store, "_fs", None)
     got = store.get("parent/obj")
     store.put("child/obj", b"from child " + str(os.getpid()).encode(), exclusive=True)
-    queue.put((got, store.fs is not inherited_fs, store._pid == os.getpid()))
+    rebuilt = store.fs is not inherited_fs and store._pid == os.getpid() if hasattr(store, "_fs") else None
+    queue.put((got, rebuilt))

@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 import zarr
 from refpipe.pipeline.keep import Branch, Keeper
-from refpipe.storage.chunk import DATA_KEY, META_KEY, PayloadRef, node_key
+from refpipe.storage.backends import open_store
+from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import ChunkCorruptError, ChunkNotFoundError, OutsideRunError
 from refpipe.storage.fetch import fetch_arrays, fetch_many
+from refpipe.storage.layout import DATA_NAME, META_NAME, node_key
 from refpipe.storage.ledger import Ledger
-from refpipe.storage.store import open_store
 from storage_helpers import FIELDS_CFG, Backend, FsOps, S3Requests, make_backend, make_fields
 
 P, C = 4, 6
@@ -30,7 +31,7 @@ def keep(backend: Backend, branch_id: str = "b1", compression: str = "none", see
 
 
 def data_key(ref: PayloadRef) -> str:
-    return f"{node_key(ref.branch_id)}/{DATA_KEY}"
+    return f"{node_key(ref.branch_id)}/{DATA_NAME}"
 
 
 @pytest.mark.parametrize("num_tokens", [None, P + 1, P - 1])
@@ -50,7 +51,7 @@ def test_missing_chunk_is_chunk_not_found_never_zeros(backend, num_tokens, compr
 def test_missing_node_is_chunk_not_found(backend):
     ref = keep(backend)
     backend.raw.remove(data_key(ref))
-    backend.raw.remove(f"{node_key(ref.branch_id)}/{META_KEY}")
+    backend.raw.remove(f"{node_key(ref.branch_id)}/{META_NAME}")
     with pytest.raises(ChunkNotFoundError):
         fetch_arrays(backend.store, ref)
 

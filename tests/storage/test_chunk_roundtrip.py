@@ -12,8 +12,9 @@ import pytest
 import zarr
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.keep import Branch, Keeper
-from refpipe.storage.chunk import DATA_KEY, META_KEY, PayloadRef, layout_arrays, node_key, read_attributes
+from refpipe.storage.chunk import PayloadRef, layout_arrays, read_attributes
 from refpipe.storage.fetch import fetch_arrays
+from refpipe.storage.layout import DATA_NAME, META_NAME, node_key
 from refpipe.storage.ledger import Ledger
 from storage_helpers import (
     FIELDS_CFG,
@@ -68,7 +69,7 @@ def test_every_field_round_trips_byte_identical(backend, compression, routing_dt
     assert np.isneginf(got["topk_logprobs"][:, -1]).all() and (got["sample_support"][:, -1] == -1).all()
     assert ref.arrays["routed_experts"].dtype == np.dtype(routing_dtype).str
     payload_keys = [k for k in backend.raw.keys() if k.startswith("payloads/")]
-    assert payload_keys == [f"{node_key('b1')}/{DATA_KEY}", f"{node_key('b1')}/{META_KEY}"]
+    assert payload_keys == [f"{node_key('b1')}/{DATA_NAME}", f"{node_key('b1')}/{META_NAME}"]
 
 
 @pytest.mark.parametrize("compression", ["none", "zstd"])
@@ -85,7 +86,7 @@ def test_fetch_reads_only_the_chunk_and_only_needed_ranges(backend):
     """Whole fetch: one read of c.0. First-n fetch of an uncompressed chunk: one ranged read per non-empty array."""
     fields = make_fields(3, P, C)
     ref = keep(backend, fields)
-    data_path = backend.store.path(f"{node_key('b1')}/{DATA_KEY}")
+    data_path = backend.store.path(f"{node_key('b1')}/{DATA_NAME}")
     cut = stored_cut(fields, P, P + 2)
     layouts = {lay.name: lay for lay in ref.layout()}
     ranges = [f"bytes={layouts[n].offset}-{layouts[n].offset + a.nbytes - 1}" for n, a in cut.items() if a.size]
@@ -110,11 +111,11 @@ def test_zarr_open_reads_the_branch_and_the_field_table_recovers_every_array(bac
     array = zarr.open(ref.uri, zarr_format=3, mode="r", storage_options=zarr_storage_options(backend))
     _, payload_nbytes = layout_arrays(ref.arrays)
     assert array.shape == (payload_nbytes,) and array.dtype == np.uint8 and array.chunks == (payload_nbytes,)
-    meta = json.loads(backend.raw.get(f"{node_key('b1')}/{META_KEY}"))
+    meta = json.loads(backend.raw.get(f"{node_key('b1')}/{META_NAME}"))
     codecs = [c["name"] for c in meta["codecs"]]
     assert codecs == (["bytes", "zstd", "crc32c"] if compression == "zstd" else ["bytes", "crc32c"])
     table = array.attrs["refpipe"]
-    assert table == read_attributes(backend.raw.get(f"{node_key('b1')}/{META_KEY}"))
+    assert table == read_attributes(backend.raw.get(f"{node_key('b1')}/{META_NAME}"))
     assert (table["branch_id"], table["num_prompt_tokens"], table["num_completion_tokens"]) == ("b1", P, C)
     payload = array[:]
     recovered = {
@@ -135,13 +136,13 @@ def test_payload_ref_is_small_and_round_trips_as_json(backend):
     assert len(text.encode()) < 1024
     assert PayloadRef.model_validate_json(text) == ref
     assert ref.uri == backend.store.uri(node_key(branch_id))
-    assert ref.nbytes == len(backend.raw.get(f"{node_key(branch_id)}/{DATA_KEY}"))
+    assert ref.nbytes == len(backend.raw.get(f"{node_key(branch_id)}/{DATA_NAME}"))
 
 
 @pytest.mark.parametrize("compression", ["none", "zstd"])
 def test_metadata_document_is_what_zarr_writes(backend, compression):
     ref = keep(backend, make_fields(6, P, C), compression=compression)
-    written = json.loads(backend.raw.get(f"{node_key('b1')}/{META_KEY}"))
+    written = json.loads(backend.raw.get(f"{node_key('b1')}/{META_NAME}"))
     _, payload_nbytes = layout_arrays(ref.arrays)
     codecs = [BytesCodec()] + ([ZstdCodec(level=1, checksum=False)] if compression == "zstd" else []) + [Crc32cCodec()]
     expected = ArrayV3Metadata(

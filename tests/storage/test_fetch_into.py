@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from refpipe.pipeline.keep import Branch, Keeper
-from refpipe.storage.chunk import DATA_KEY, PayloadRef, node_key
+from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.errors import ChunkCorruptError, ChunkNotFoundError
 from refpipe.storage.fetch import fetch_arrays
+from refpipe.storage.layout import DATA_NAME, node_key
 from refpipe.storage.ledger import Ledger
 from storage_helpers import FIELDS_CFG, Backend, assert_same_bytes, make_backend, make_fields, stored_cut
 
@@ -27,7 +28,7 @@ def keep(backend: Backend, compression: str = "none") -> tuple[PayloadRef, dict]
 
 
 def data_key(ref: PayloadRef) -> str:
-    return f"{node_key(ref.branch_id)}/{DATA_KEY}"
+    return f"{node_key(ref.branch_id)}/{DATA_NAME}"
 
 
 def destinations(ref: PayloadRef, num_tokens: int, names: list[str], fields: dict) -> dict[str, np.ndarray]:

@@ -7,11 +7,13 @@ import threading
 
 import pytest
 from refpipe.pipeline.keep import Branch, Keeper
-from refpipe.storage.chunk import DATA_KEY, PayloadRef, node_key
+from refpipe.storage.backends import open_store
+from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.errors import ChunkCorruptError, ChunkNotFoundError, OutsideRunError, TransientStorageError
 from refpipe.storage.fetch import FetchStats, fetch_many
+from refpipe.storage.layout import DATA_NAME, node_key
 from refpipe.storage.ledger import Ledger
-from refpipe.storage.store import LocalStore, open_store
+from refpipe.storage.local_store import LocalStore
 from storage_helpers import FIELDS_CFG, Backend, assert_same_bytes, make_backend, make_fields, stored_cut
 
 
@@ -47,10 +49,10 @@ def test_results_in_request_order(backend):
 
 def test_errors_are_typed_per_item_and_the_rest_succeed(backend):
     refs, fields, prompts = keep_many(backend, 5)
-    backend.raw.remove(f"{node_key('b1')}/{DATA_KEY}")
-    corrupted = bytearray(backend.raw.get(f"{node_key('b3')}/{DATA_KEY}"))
+    backend.raw.remove(f"{node_key('b1')}/{DATA_NAME}")
+    corrupted = bytearray(backend.raw.get(f"{node_key('b3')}/{DATA_NAME}"))
     corrupted[10] ^= 0xFF
-    backend.raw.put(f"{node_key('b3')}/{DATA_KEY}", bytes(corrupted))
+    backend.raw.put(f"{node_key('b3')}/{DATA_NAME}", bytes(corrupted))
     outside = refs[4].model_copy(update={"uri": refs[4].uri.replace("/run_1/", "/run_10/")})
     requests = [(refs[0], refs[0].num_tokens), (refs[1], refs[1].num_tokens), (refs[2], refs[2].num_tokens),
                 (refs[3], refs[3].num_tokens), (outside, 3), (refs[4], 3)]

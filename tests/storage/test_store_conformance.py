@@ -15,17 +15,18 @@ import threading
 
 import numpy as np
 import pytest
-from refpipe.storage import store as store_module
+from refpipe.storage import local_store as store_module
+from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import (
-    ChunkNotFoundError,
     KeyExistsError,
+    KeyNotFoundError,
     OutsideRunError,
     StorageError,
     TransientStorageError,
 )
+from refpipe.storage.local_store import LocalStore
 from refpipe.storage.s3_store import S3Store
-from refpipe.storage.store import LocalStore, open_store
 from storage_helpers import Backend, FsOps, S3Requests, make_backend
 from store_children import race_in_child, race_payload, use_in_child
 
@@ -90,10 +91,10 @@ class StoreConformance:
         assert backend.store.get_into("big", parts) == data.nbytes
         assert b"".join(p.tobytes() for p in parts) == data.tobytes()
 
-    def test_get_into_missing_raises_chunk_not_found(self, backend: Backend):
+    def test_get_into_missing_raises_key_not_found(self, backend: Backend):
         backend.store.put("present/x", b"x")
         for key in ("absent", "present/missing", "present/x/below_an_object"):
-            with pytest.raises(ChunkNotFoundError, match="does not exist"):
+            with pytest.raises(KeyNotFoundError, match="does not exist"):
                 backend.store.get_into(key, [bytearray(4)])
 
     def test_put_replaces(self, backend: Backend):
@@ -109,10 +110,10 @@ class StoreConformance:
         assert backend.store.get("ranged", start, end) == DATA[start:end]
 
     @pytest.mark.parametrize("start,end", [(None, None), (0, 4), (3, None), (2, 2)])
-    def test_get_missing_raises_chunk_not_found(self, backend: Backend, start, end):
+    def test_get_missing_raises_key_not_found(self, backend: Backend, start, end):
         backend.store.put("present/x", b"x")
         for key in ("absent", "present/missing", "present/x/below_an_object"):
-            with pytest.raises(ChunkNotFoundError, match="does not exist") as info:
+            with pytest.raises(KeyNotFoundError, match="does not exist") as info:
                 backend.store.get(key, start, end)
             assert backend.store.uri(key) in str(info.value)
             assert isinstance(info.value, FileNotFoundError)
@@ -152,9 +153,9 @@ class StoreConformance:
     def test_delete_known_keys_absent_keys_are_not_errors(self, backend: Backend):
         for key in ("a/1", "a/2", "b/3"):
             backend.store.put(key, key.encode())
-        backend.store.delete(["a/1", "b/3", "a/never", "zz/never/x"])
-        backend.store.delete([])
-        backend.store.delete(["a/1"])
+        backend.store.delete_keys(["a/1", "b/3", "a/never", "zz/never/x"])
+        backend.store.delete_keys([])
+        backend.store.delete_keys(["a/1"])
         assert backend.raw.keys() == ["a/2"]
         assert backend.store.get("a/2") == b"a/2"
 
@@ -163,7 +164,7 @@ class StoreConformance:
         present = [keys[0], keys[500], keys[999], keys[1000]]  # both sides of S3's 1,000-key batch limit
         for key in present + ["keep/me"]:
             backend.store.put(key, b".")
-        backend.store.delete(keys)
+        backend.store.delete_keys(keys)
         assert backend.raw.keys() == ["keep/me"]
 
     def test_exists(self, backend: Backend):
@@ -185,7 +186,7 @@ class StoreConformance:
     def test_keys_outside_the_run_are_refused_before_io(self, backend: Backend, key):
         store = backend.store
         for verb in (lambda: store.get(key), lambda: store.put(key, b"x"), lambda: store.put(key, b"x", exclusive=True),
-                     lambda: store.delete([key]), lambda: store.exists(key), lambda: store.uri(key),
+                     lambda: store.delete_keys([key]), lambda: store.exists(key), lambda: store.uri(key),
                      lambda: store.list_prefix(key) if key else store.path(key)):
             with pytest.raises(OutsideRunError):
                 verb()
@@ -194,29 +195,47 @@ class StoreConformance:
     def test_pickled_into_spawned_child(self, backend: Backend):
         self._run_child(backend, "spawn")
 
-    def test_forked_child_rebuilds_filesystem(self, backend: Backend):
-        assert backend.store.fs is not None  # the parent's filesystem exists before the fork
+    def test_forked_child(self, backend: Backend):
         self._run_child(backend, "fork")
 
     @staticmethod
-    def _run_child(backend: Backend, method: str) -> None:
+    def _run_child(backend: Backend, method: str) -> bool | None:
+        """Use the store in a child; return whether the child rebuilt its filesystem (None: the store has none)."""
         backend.store.put("parent/obj", b"from parent")
         ctx = multiprocessing.get_context(method)
         queue = ctx.Queue()
         child = ctx.Process(target=use_in_child, args=(backend.store, queue))
         child.start()
-        got, rebuilt, pid_matches = queue.get(timeout=120)
+        got, rebuilt = queue.get(timeout=120)
         child.join(60)
         assert child.exitcode == 0
         assert got == b"from parent"
-        assert rebuilt and pid_matches
         assert backend.raw.get("child/obj") == b"from child " + str(child.pid).encode()
+        return rebuilt
 
-    def test_pickle_drops_the_filesystem(self, backend: Backend):
+    def test_pickle_round_trip(self, backend: Backend):
         backend.store.put("p", b"1")
         clone = pickle.loads(pickle.dumps(backend.store))
-        assert clone._fs is None and clone.prefix == backend.store.prefix and clone.config == backend.store.config
+        assert type(clone) is type(backend.store)
+        assert clone.prefix == backend.store.prefix and clone.config == backend.store.config
         assert clone.get("p") == b"1"
+
+    def test_delete_keys_refuses_a_string(self, backend: Backend):
+        backend.store.put("steps/x", b"1")
+        backend.store.put("s", b"1")
+        with pytest.raises(TypeError, match=r"delete_keys\('steps/x'\): expected a sequence of keys, got a str"):
+            backend.store.delete_keys("steps/x")
+        assert backend.raw.keys() == ["s", "steps/x"]
+        backend.store.delete_key("steps/x")
+        assert backend.raw.keys() == ["s"]
+
+    def test_list_sizes(self, backend: Backend):
+        for key, size in (("x/b1/k", 3), ("x/b1/sub/k2", 0), ("x/b10/k", 7), ("y/k", 1)):
+            backend.store.put(key, bytes(size))
+        assert backend.store.list_sizes("x") == {"x/b1/k": 3, "x/b1/sub/k2": 0, "x/b10/k": 7}
+        assert backend.store.list_sizes("x/b1") == {"x/b1/k": 3, "x/b1/sub/k2": 0}
+        assert backend.store.list_sizes("") == {"x/b1/k": 3, "x/b1/sub/k2": 0, "x/b10/k": 7, "y/k": 1}
+        assert backend.store.list_sizes("nope") == {}
 
 
 class TestLocalStore(StoreConformance):
@@ -272,15 +291,15 @@ class TestLocalStore(StoreConformance):
         backend.store.put("d/x", b"1")
         with pytest.raises(StorageError, match="cannot read") as info:
             backend.store.get_into("d", [bytearray(4)])
-        assert not isinstance(info.value, ChunkNotFoundError)
+        assert not isinstance(info.value, KeyNotFoundError)
 
     def test_delete_removes_empty_branch_directory_keeps_shard(self, backend: Backend):
         backend.store.put("payloads/ab/b1/c.0", b"c")
         backend.store.put("payloads/ab/b1/zarr.json", b"{}")
         backend.store.put("payloads/ab/b2/c.0", b"c")
-        backend.store.delete(["payloads/ab/b1/c.0"])
+        backend.store.delete_keys(["payloads/ab/b1/c.0"])
         assert os.path.isdir(backend.store.path("payloads/ab/b1"))
-        backend.store.delete(["payloads/ab/b1/zarr.json"])
+        backend.store.delete_keys(["payloads/ab/b1/zarr.json"])
         assert not os.path.exists(backend.store.path("payloads/ab/b1"))
         assert os.listdir(backend.store.path("payloads/ab")) == ["b2"]
 
@@ -288,28 +307,7 @@ class TestLocalStore(StoreConformance):
         backend.store.put("d/x", b"1")
         with pytest.raises(StorageError, match="cannot read") as info:
             backend.store.get("d")  # a directory
-        assert not isinstance(info.value, ChunkNotFoundError)
-
-    def test_retrying_retries_transient_errors_only(self, backend: Backend):
-        store = open_store(backend.config.model_copy(update={"retry_backoff_s": 0.001, "max_retries": 3}))
-        calls = []
-
-        def flaky():
-            calls.append(1)
-            if len(calls) < 3:
-                raise TransientStorageError("busy")
-            return "ok"
-
-        assert store.retrying("flaky op", flaky) == "ok" and len(calls) == 3
-        calls.clear()
-        with pytest.raises(TransientStorageError, match="flaky op: gave up after 4 attempts"):
-            store.retrying("flaky op", lambda: calls.append(1) or (_ for _ in ()).throw(TransientStorageError("x")))
-        assert len(calls) == 4
-        calls.clear()
-        with pytest.raises(StorageError, match="broken"):
-            store.retrying("op", lambda: calls.append(1) or (_ for _ in ()).throw(StorageError("broken")))
-        assert len(calls) == 1
-
+        assert not isinstance(info.value, KeyNotFoundError)
 
 class TestLocalStoreWithoutTmpfile(TestLocalStore):
     """The same suite where the filesystem has no ``O_TMPFILE`` (NFS, some Lustre): exclusive puts use a named
@@ -353,7 +351,7 @@ class TestS3Store(StoreConformance):
         store.get_into("k", [bytearray(10)])
         assert requests.log == [("GET", None), ("GET", "bytes=2-4"), ("GET", "bytes=700-"), ("GET", None)]
         requests.clear()
-        store.delete(["k", "x", "never"])
+        store.delete_keys(["k", "x", "never"])
         assert requests.kinds() == ["DELETE"]
 
     def test_put_into_a_missing_bucket_names_the_bucket(self, backend: Backend):
@@ -369,7 +367,7 @@ class TestS3Store(StoreConformance):
         batches = []
         backend.store.fs.s3.meta.events.register(
             "request-created.s3.DeleteObjects", lambda request, **_: batches.append(request.body.count(b"<Key>")))
-        backend.store.delete(keys)
+        backend.store.delete_keys(keys)
         assert batches == [1000, 1000, 1]
         assert backend.raw.keys() == []
 
@@ -379,7 +377,7 @@ class TestS3Store(StoreConformance):
             with pytest.raises(OutsideRunError):
                 backend.store.get(key)
             with pytest.raises(OutsideRunError):
-                backend.store.delete(["ok/key", key])
+                backend.store.delete_keys(["ok/key", key])
         assert requests.log == []
 
     def test_unreachable_endpoint_is_a_transient_error_after_retries(self, backend: Backend):
@@ -389,6 +387,35 @@ class TestS3Store(StoreConformance):
         config = backend.config.model_copy(update={"s3_endpoint_url": f"http://127.0.0.1:{port}", "max_retries": 1,
                                               "retry_backoff_s": 0.001})
         store = open_store(config)
-        for verb in (lambda: store.get("k"), lambda: store.put("k", b"x", exclusive=True), lambda: store.delete(["k"])):
+        for verb in (lambda: store.get("k"), lambda: store.put("k", b"x", exclusive=True),
+                     lambda: store.delete_key("k")):
             with pytest.raises(TransientStorageError, match="gave up after 2 attempts.*EndpointConnectionError"):
                 verb()
+
+    def test_retrying_retries_transient_errors_only(self, backend: Backend):
+        store = open_store(backend.config.model_copy(update={"retry_backoff_s": 0.001, "max_retries": 3}))
+        calls = []
+
+        def flaky():
+            calls.append(1)
+            if len(calls) < 3:
+                raise TransientStorageError("busy")
+            return "ok"
+
+        assert store.retrying("flaky op", flaky) == "ok" and len(calls) == 3
+        calls.clear()
+        with pytest.raises(TransientStorageError, match="flaky op: gave up after 4 attempts"):
+            store.retrying("flaky op", lambda: calls.append(1) or (_ for _ in ()).throw(TransientStorageError("x")))
+        assert len(calls) == 4
+        calls.clear()
+        with pytest.raises(StorageError, match="broken"):
+            store.retrying("op", lambda: calls.append(1) or (_ for _ in ()).throw(StorageError("broken")))
+        assert len(calls) == 1
+
+    def test_forked_child_rebuilds_filesystem(self, backend: Backend):
+        assert backend.store.fs is not None  # the parent's filesystem exists before the fork
+        assert self._run_child(backend, "fork") is True
+
+    def test_pickle_drops_the_filesystem(self, backend: Backend):
+        assert backend.store.fs is not None
+        assert pickle.loads(pickle.dumps(backend.store))._fs is None

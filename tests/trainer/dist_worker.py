@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 from refpipe.pipeline.fields import FieldsConfig
+from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
-from refpipe.storage.store import open_store
 from refpipe.trainer.config import TrainerConfig
 from refpipe.trainer.dist import init_process_group
 from refpipe.trainer.step import TrainerRank

@@ -11,9 +11,9 @@ import pytest
 import torch
 from refpipe.pipeline.fields import spread_expert_rows
 from refpipe.pipeline.step_file import StepFile, publish_step_file
+from refpipe.storage.backends import open_store
 from refpipe.storage.errors import FieldError, PackingError, StepFileError
 from refpipe.storage.fetch import chunk_keys, fetch_arrays
-from refpipe.storage.store import open_store
 from refpipe.trainer.assemble import assemble_dropped_micro_batch, assemble_micro_batch
 from refpipe.trainer.fetch import fetch_own, own_requests, wait_for_step
 from refpipe.trainer.tensors import to_torch
@@ -130,7 +130,7 @@ def test_fetch_own_dedups_reads_kept_rows_assembles_and_flags_failed_micro_batch
     assert kept[1]["topk_ids"].shape == (0, 3)  # b kept to its 3 prompt tokens: no completion rows read
     for index, mb in fetched.assembled.items():
         assert_same(flatten(mb.streams, mb.cu_seqlens, mb.fields), expected_micro_batch(step, 1, index))
-    store.delete(list(chunk_keys(store, header.refs[4])))  # d: used by DP 1 index 1
+    store.delete_keys(list(chunk_keys(store, header.refs[4])))  # d: used by DP 1 index 1
     fetched = fetch_own(store, step_file, 1, FIELDS, max_concurrency=4)
     assert fetched.failed == {1} and len(fetched.errors) == 1 and "ChunkNotFoundError" in fetched.errors[0]
     assert sorted(fetched.assembled) == [0] and fetched.chunks == 3

@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 from fault_proxy import Fault, FaultProxy
 from refpipe.pipeline.fields import spread_expert_rows
+from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.fetch import chunk_keys
-from refpipe.storage.ledger import tombstone_key
-from refpipe.storage.store import open_store
+from refpipe.storage.layout import tombstone_key
 from trainer_helpers import FIELDS, Seq, assert_same, build_step, expected_micro_batch, keep_all, make_branch
 
 SEQ_LEN = 24
@@ -150,14 +150,14 @@ def test_two_dp_ranks_of_two_peers_train_identical_bytes_and_survive_faults(tmp_
             refs["s3_i"] = i.model_copy(update={"arrays": arrays})
         built[s] = build_step(store, s, SEQ_LEN, _layout(s), branches, refs, rng)
     ref_of = lambda s, x: built[s].refs[f"s{s}_{x}"]  # noqa: E731
-    store.delete(list(chunk_keys(store, ref_of(1, "g"))))                       # step 1: g gone (DP 0 mb 1)
+    store.delete_keys(list(chunk_keys(store, ref_of(1, "g"))))                       # step 1: g gone (DP 0 mb 1)
     k_data = chunk_keys(store, ref_of(2, "k"))[0]                               # step 2: k bit-flipped (whole read)
     data = bytearray(store.get(k_data))
     data[40] ^= 0x01
     store.put(k_data, bytes(data))
     j_data = chunk_keys(store, ref_of(2, "j"))[0]                               # step 2: j truncated (ranged read)
     store.put(j_data, store.get(j_data)[:30])
-    store.delete([chunk_keys(store, ref)[0] for ref in built[4].header.refs])   # step 4: every chunk's data gone
+    store.delete_keys([chunk_keys(store, ref)[0] for ref in built[4].header.refs])   # step 4: every chunk's data gone
 
     results = run_world(tmp_path, local_config, 4, 2, list(range(6)), exit_before={"3": [5]})
 

@@ -7,8 +7,9 @@ import threading
 import numpy as np
 import pytest
 from refpipe.pipeline.step_file import StepFile
+from refpipe.storage.backends import open_store
 from refpipe.storage.fetch import chunk_keys
-from refpipe.storage.store import LocalStore, open_store
+from refpipe.storage.local_store import LocalStore
 from refpipe.trainer.fetch import fetch_own
 from trainer_helpers import FIELDS, Seq, assert_same, build_step, expected_micro_batch, flatten, keep_all, make_branch
 
@@ -75,7 +76,7 @@ def test_a_bad_chunk_fails_its_micro_batch_with_a_typed_error(built, damage):
     data[len(data) // 2] ^= 0x04
     damaged = {"flipped": bytes(data), "truncated": bytes(data[:-9]), "longer": store.get(key) + b"\x00" * 64}
     if damage == "missing":
-        store.delete([key])
+        store.delete_key(key)
     else:
         store.put(key, damaged[damage])
     fetched = fetch_own(store, StepFile.read(store, 0), 0, FIELDS, max_concurrency=2)

@@ -1,0 +1,202 @@
+"""The run layout: every key under a run prefix and every actor name, built and parsed here only.
+
+Keys are relative to the run prefix (``storage.uri.RunPrefix``)::
+
+    payloads/<shard>/<branch_id>/c.0               a branch's chunk (``storage.chunk``)
+    payloads/<shard>/<branch_id>/zarr.json         its commit marker, written last
+    ledger/events/<actor>/<pid>-<ms>-<seq>.jsonl   one ledger segment of a session ``<pid>-<ms>``
+    ledger/deletes/<shard>/<branch_id>.json        a chunk's delete record (tombstone)
+    steps/step_<N:08d>.npz                         step file of trainer step N
+    config.json                                    the resolved run config (the main job)
+    summary.json                                   the run summary (the main job)
+    metrics/trainer_step_<N:08d>.json              trainer metrics of step N (the main job)
+    metrics/trainer_finish.json                    counts of the trainer's last release (the main job)
+    weights/policy_<V:08d>.pt, weights/latest.json policy weights (the main job)
+
+``shard`` is two hex digits of a hash of the branch id (256 directories). Branch ids, actor
+names and run ids are 1-128 of ``[A-Za-z0-9._-]`` not starting with ``.``, ``-`` or ``_``;
+every parser here matches whole strings (``re.fullmatch``), so a trailing newline is refused.
+Parsers return None for keys of another kind, never raise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import uuid
+
+from refpipe.storage.errors import ConfigError
+
+PAYLOADS_PREFIX = "payloads"
+STEPS_PREFIX = "steps"
+EVENTS_PREFIX = "ledger/events"
+DELETES_PREFIX = "ledger/deletes"
+DATA_NAME = "c.0"
+"""Name of a node's chunk object (``.`` chunk key separator, one chunk)."""
+META_NAME = "zarr.json"
+"""Name of a node's commit marker (Zarr v3 array metadata)."""
+CONFIG_KEY = "config.json"
+SUMMARY_KEY = "summary.json"
+LATEST_WEIGHTS_KEY = "weights/latest.json"
+
+ORCHESTRATOR_ACTOR = "orchestrator"
+SWEEP_ACTOR = "sweep"
+
+_ID = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
+ID_RULE = "1-128 of [A-Za-z0-9._-], not starting with . - or _"
+_ID_RE = re.compile(_ID)
+_SHARD = r"[0-9a-f]{2}"
+_NODE = re.compile(rf"(?P<node>{PAYLOADS_PREFIX}/[^/]+/(?P<branch_id>[^/]+))/(?P<name>[^/]+)")
+_TOMBSTONE = re.compile(rf"{DELETES_PREFIX}/{_SHARD}/(?P<branch_id>{_ID})\.json")
+_SEGMENT = re.compile(rf"{EVENTS_PREFIX}/(?P<actor>{_ID})/(?P<session>\d+-\d+)-(?P<seq>\d+)\.jsonl")
+_STEP = re.compile(rf"{STEPS_PREFIX}/step_(?P<step>\d+)\.npz")
+_DRAWN = re.compile(rf"(?P<writer>{_ID})-[0-9a-f]{{32}}")
+
+
+def is_id(value: str) -> bool:
+    """Whether ``value`` is a valid id (whole-string match)."""
+    return isinstance(value, str) and _ID_RE.fullmatch(value) is not None
+
+
+def check_id(value: str, what: str) -> str:
+    """Return ``value`` if it is a valid id (branch id, actor name, run id).
+
+    Raises:
+        ConfigError: naming ``what`` and the rule.
+    """
+    if not is_id(value):
+        raise ConfigError(f"{what} {value!r}: expected {ID_RULE}")
+    return value
+
+
+# payload nodes -----------------------------------------------------------------------------------------------------
+
+
+def node_key(branch_id: str) -> str:
+    """Key of a branch's array node: ``payloads/<shard>/<branch_id>``.
+
+    Raises:
+        ConfigError: not a valid branch id.
+    """
+    check_id(branch_id, "branch_id")
+    return f"{PAYLOADS_PREFIX}/{_shard(branch_id)}/{branch_id}"
+
+
+def _shard(branch_id: str) -> str:
+    return hashlib.blake2b(branch_id.encode(), digest_size=1).hexdigest()
+
+
+def chunk_keys(node: str) -> tuple[str, str]:
+    """``(data_key, meta_key)`` of the node ``node`` (``payloads/<shard>/<branch_id>``)."""
+    return f"{node}/{DATA_NAME}", f"{node}/{META_NAME}"
+
+
+def meta_key(node: str) -> str:
+    """Key of a node's commit marker (``<node>/zarr.json``)."""
+    return f"{node}/{META_NAME}"
+
+
+def parse_payload_key(key: str) -> tuple[str, str, str] | None:
+    """``(node, branch_id, object name)`` of a key ``payloads/<a>/<b>/<name>``, or None (a stray key).
+
+    The node is not checked to be a valid ``node_key``: the audit counts whatever sits at that depth."""
+    m = _NODE.fullmatch(key)
+    return (m["node"], m["branch_id"], m["name"]) if m else None
+
+
+def branch_id_of(node: str) -> str:
+    """The branch id a node key ends with."""
+    return node.rpartition("/")[2]
+
+
+def draw_branch_id(actor: str) -> str:
+    """A fresh branch id naming its writer: ``<actor>-<uuid4 hex>``."""
+    return f"{actor}-{uuid.uuid4().hex}"
+
+
+def drawn_writer(branch_id: str) -> str | None:
+    """The writer a ``draw_branch_id`` id names, or None for other ids."""
+    m = _DRAWN.fullmatch(branch_id)
+    return m["writer"] if m else None
+
+
+# ledger --------------------------------------------------------------------------------------------------------------
+
+
+def tombstone_key(branch_id: str) -> str:
+    """Key of a chunk's delete record: ``ledger/deletes/<shard>/<branch_id>.json``.
+
+    Raises:
+        ConfigError: not a valid branch id.
+    """
+    check_id(branch_id, "branch_id")
+    return f"{DELETES_PREFIX}/{_shard(branch_id)}/{branch_id}.json"
+
+
+def parse_tombstone_key(key: str) -> str | None:
+    """The node key whose delete record ``key`` is (``tombstone_key`` inverted); None for any other key."""
+    m = _TOMBSTONE.fullmatch(key)
+    return node_key(m["branch_id"]) if m and tombstone_key(m["branch_id"]) == key else None
+
+
+def session_id(pid: int, opened_ms: int) -> str:
+    """A ledger session id: ``<pid>-<ms>``."""
+    return f"{pid}-{opened_ms}"
+
+
+def session_opened_ms(session: str) -> int:
+    """Wall-clock milliseconds at which a session (``<pid>-<ms>``) opened; orders one actor's sessions."""
+    return int(session.rpartition("-")[2])
+
+
+def segment_key(actor: str, session: str, seq: int) -> str:
+    """Key of a ledger segment: ``ledger/events/<actor>/<session>-<seq:06d>.jsonl``."""
+    return f"{EVENTS_PREFIX}/{actor}/{session}-{seq:06d}.jsonl"
+
+
+def parse_segment_key(key: str) -> tuple[str, str, int] | None:
+    """``(actor, session, seq)`` of an event segment key, or None for any other key."""
+    m = _SEGMENT.fullmatch(key)
+    return (m["actor"], m["session"], int(m["seq"])) if m else None
+
+
+# steps, main job ---------------------------------------------------------------------------------------------------
+
+
+def step_key(step: int) -> str:
+    """Key of step ``step``'s file: ``steps/step_<N:08d>.npz``."""
+    return f"{STEPS_PREFIX}/step_{step:08d}.npz"
+
+
+def parse_step_key(key: str) -> int | None:
+    """The step number of a ``steps/step_<digits>.npz`` key (``step_key(n) != key`` when not zero-padded
+    to 8 digits: callers refuse those), or None for any other key."""
+    m = _STEP.fullmatch(key)
+    return int(m["step"]) if m else None
+
+
+def metrics_key(step: int) -> str:
+    """Key of the trainer metrics of step ``step``: ``metrics/trainer_step_<N:08d>.json``."""
+    return f"metrics/trainer_step_{step:08d}.json"
+
+
+FINISH_METRICS_KEY = "metrics/trainer_finish.json"
+"""Counts of the trainer's last release (``TrainerRank.finish``; written by rank 0 after the last step)."""
+
+
+def weights_key(version: int) -> str:
+    """Key of policy version ``version``: ``weights/policy_<V:08d>.pt``."""
+    return f"weights/policy_{version:08d}.pt"
+
+
+# actor names ---------------------------------------------------------------------------------------------------------
+
+
+def env_worker_actor(worker: int) -> str:
+    """Ledger actor of env-server worker ``worker``: ``env_worker_<i>``."""
+    return f"env_worker_{worker}"
+
+
+def trainer_actor(dp_rank: int) -> str:
+    """Ledger actor of the trainer's DP rank ``dp_rank``: ``trainer_dp<r>``."""
+    return f"trainer_dp{dp_rank}"
