@@ -69,8 +69,8 @@ def base_fields() -> dict[str, np.ndarray]:
     support = rng.integers(0, 150_000, (c, FIELDS.support_width), dtype=np.int32)
     support[:, 12:] = -1
     return {
-        "routed_experts": rng.integers(0, FIELDS.num_experts, (PROMPT_TOKENS + c, FIELDS.num_layers, FIELDS.top_k),
-                                       dtype=np.uint8),
+        "routed_experts": ((rng.integers(0, FIELDS.num_experts, (PROMPT_TOKENS + c, FIELDS.num_layers, 1))
+                            + np.arange(FIELDS.top_k)) % FIELDS.num_experts).astype(np.uint8),  # distinct top-k
         "topk_ids": rng.integers(0, 150_000, (c, FIELDS.logprobs_k), dtype=np.int32),
         "topk_logprobs": -rng.exponential(2.0, (c, FIELDS.logprobs_k)).astype(np.float32),
         "sample_support": support,

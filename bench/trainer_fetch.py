@@ -68,7 +68,8 @@ BRANCH_NBYTES = (PROMPT + COMPLETION) * LAYERS * TOP_K + COMPLETION * (2 * HEAD 
 def branch_arrays(rng: np.random.Generator) -> dict[str, np.ndarray]:
     """One branch's arrays, generated once and kept for every branch of the step."""
     return {
-        "routed_experts": rng.integers(0, EXPERTS, (PROMPT + COMPLETION, LAYERS, TOP_K), dtype=np.uint8),
+        "routed_experts": ((rng.integers(0, EXPERTS, (PROMPT + COMPLETION, LAYERS, 1)) + np.arange(TOP_K))
+                           % EXPERTS).astype(np.uint8),  # distinct top-k ids
         "topk_ids": rng.integers(0, 150_000, (COMPLETION, HEAD), dtype=np.int32),
         "topk_logprobs": -rng.random((COMPLETION, HEAD), dtype=np.float32),
         "sample_support": rng.integers(-1, 150_000, (COMPLETION, SUPPORT), dtype=np.int32),

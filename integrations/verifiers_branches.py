@@ -30,7 +30,7 @@ import numpy as np
 from refpipe.pipeline.fields import Ragged
 from refpipe.pipeline.keep import Branch
 from refpipe.storage.chunk import PayloadRef
-from refpipe.storage.errors import EpisodeError
+from refpipe.storage.errors import EpisodeError, FieldError
 from verifiers.v1 import graph
 from verifiers.v1.trace import Branch as TraceBranch
 from verifiers.v1.trace import Trace
@@ -67,8 +67,14 @@ def side_channels(trace_id: str, leaf: int, branch: TraceBranch) -> Branch | Non
     ``routed_experts`` [T, layers, top_k] as ``Branch.routed_experts`` builds it;
     ``sampling_mask`` as ``Ragged(ids, counts[P:])``. The branch id is
     ``<trace id>.<leaf>.<8 random hex>``, fresh per keep.
+
+    Raises:
+        FieldError: some nodes of the path carry routing and others do not (or carry the wrong
+            number of rows): verifiers' ``Branch.routed_experts`` is then None, and keeping the
+            branch without routing would silently drop it for the whole branch.
     """
     routed, mask = branch.routed_experts, branch.sampling_mask
+    _check_routing_whole(trace_id, leaf, branch, routed)
     if routed is None and mask is None:
         return None
     total = len(branch.sampled_mask)
@@ -80,6 +86,19 @@ def side_channels(trace_id: str, leaf: int, branch: TraceBranch) -> Branch | Non
         fields["sampling_mask"] = Ragged(ids=mask.ids, counts=mask.counts[prompt:])
     return Branch(num_prompt_tokens=prompt, num_completion_tokens=total - prompt, fields=fields,
                   branch_id=f"{trace_id}.{leaf}.{secrets.token_hex(4)}")
+
+
+def _check_routing_whole(trace_id: str, leaf: int, branch: TraceBranch, routed: np.ndarray | None) -> None:
+    """Raise ``FieldError`` when nodes of the branch carry routing but the branch's rows cannot be assembled."""
+    nodes = [n for n in branch.nodes if n.token_ids]
+    if routed is not None or all(n.routed_experts is None for n in nodes):
+        return
+    rows = [(i, len(n.token_ids), None if n.routed_experts is None else len(n.routed_experts))
+            for i, n in enumerate(nodes)]
+    bad = [(i, tokens, got) for i, tokens, got in rows if got != tokens]
+    raise FieldError(f"trace {trace_id} leaf {leaf}: path nodes (index, tokens, routing rows) {bad} lack routing "
+                     f"rows that the other {len(nodes) - len(bad)} nodes carry: expected one routing row per token "
+                     "on every node (keeping the branch without routing would drop it for the whole branch)")
 
 
 def fingerprint(trace: Trace) -> tuple:

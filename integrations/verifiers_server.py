@@ -211,10 +211,10 @@ class RefDeltaStreamer(DeltaStreamer):
 
     async def _sync_refs(self) -> None:
         traces = list(self.traces())
-        jobs = self.keeps.plan(traces, final=self._final)
-        if not jobs:
-            return
         try:
+            jobs = self.keeps.plan(traces, final=self._final)
+            if not jobs:
+                return
             kept = await self._in_thread(self.keeps.apply, jobs)
         except RefpipeError as e:
             logger.error("refpipe keep failed; the run will fail: %s", e)

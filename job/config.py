@@ -88,10 +88,12 @@ class RunConfig(BaseModel):
 
     @property
     def fields(self) -> FieldsConfig:
-        """The side-channel fields the job carries, shaped by the model and the sampler."""
+        """The side-channel fields the job carries, shaped by the model and the sampler; the policy loss needs
+        routing and the top-k head of every trained sample (``required``)."""
         return FieldsConfig(num_layers=self.model.num_layers, top_k=self.model.top_k,
                             num_experts=self.model.num_experts, logprobs_k=self.sampling.logprobs_k,
-                            support_width=self.sampling.support_width)
+                            support_width=self.sampling.support_width,
+                            required=("routed_experts", "topk_ids", "topk_logprobs"))
 
 
 def load_config(path: str | Path) -> RunConfig:

@@ -67,12 +67,19 @@ class PolicyTrainer:
 
     def __init__(self, cfg: RunConfig, model: MoELM):
         self.cfg, self.model = cfg, model
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)  # every rank all-reduces every gradient, whether or not it ran a backward
         self.optimizer = torch.optim.Adam(model.parameters(), lr=cfg.job.learning_rate)
         self.version = 0
         self.stats = StepStats()
 
     def __call__(self, micro_batches: list[TrainMicroBatch]) -> None:
-        """Forward/backward every fetched micro batch, all-reduce gradients, step the optimizer."""
+        """Forward/backward every fetched micro batch, all-reduce gradients, step the optimizer.
+
+        Every rank enters the same collectives with the same shapes whatever it fetched: a rank
+        whose micro batches were all dropped, or that got none, contributes zero gradients
+        (allocated once in ``__init__`` and zeroed, never set to None) and zero loss tokens.
+        """
         live = [mb for mb in micro_batches if not mb.dropped]
         total = torch.tensor([sum(int(mb.streams["loss_mask"].sum()) for mb in live)], dtype=torch.float64)
         dist.all_reduce(total)

@@ -67,7 +67,7 @@ class Keeper:
                              writer=self.ledger.actor)
         uri = put_chunk(self.store, branch_id, chunk)
         ref = PayloadRef(uri=uri, branch_id=branch_id, num_prompt_tokens=branch.num_prompt_tokens,
-                         num_completion_tokens=branch.num_completion_tokens, arrays=specs,
+                         num_completion_tokens=branch.num_completion_tokens, arrays=chunk.arrays,
                          nbytes=chunk.nbytes, checksum=chunk.checksum, compression=self.storage.compression)
         self.ledger.record_keep(ref)
         return ref

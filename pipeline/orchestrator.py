@@ -4,20 +4,21 @@ It never reads a chunk: episodes carry ``PayloadRef``s, step files carry them on
 memory does not depend on the side channels' size (DESIGN.md, Actors).
 
 Deletion paths (each through ``Ledger.delete`` with a reason naming the path, counted in
-``Orchestrator.deleted``): ``eval`` (every eval episode: the eval sink), ``untrained``
-(branches marked not trainable), ``late`` (episodes of a group that was already completed
-or dropped), ``truncated`` (no completion token within ``seq_len``), ``filtered_group``
-(mean reward outside ``reward_range``, or every advantage zero), ``pruned`` (zero-advantage
-samples), ``stale`` (queued samples of a policy older than ``max_async_level`` steps),
-``dropped_group`` (an incomplete group holding a stale episode) and ``shutdown``
-(everything still queued).
+``Orchestrator.deleted``): ``eval`` (every eval episode: the eval sink), ``untrained`` (branches
+marked not trainable), ``missing_fields`` (a trainable branch lacking a field of
+``FieldsConfig.required``: filtered at submit, its chunk deleted, the branch no longer trains),
+``late`` (episodes of a group that was already completed or dropped), ``truncated`` (no
+completion token within ``seq_len``), ``filtered_group`` (mean reward outside ``reward_range``,
+or every advantage zero), ``pruned`` (zero-advantage samples), ``stale`` (queued samples of a
+policy older than ``max_async_level`` steps), ``dropped_group`` (an incomplete group holding a
+stale episode) and ``shutdown`` (everything still queued).
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -87,6 +88,7 @@ class Orchestrator:
 
     Attributes:
         deleted: chunks deleted so far, per deletion path (see the module doc).
+        filtered: branches filtered at submit, per reason (``missing_fields``), with or without a chunk.
         eval_rewards: ``(env_name, reward)`` of every eval episode received; the caller clears it.
     """
 
@@ -94,6 +96,7 @@ class Orchestrator:
         self.config, self.store, self.fields = config, store, fields
         self.ledger = Ledger(store, ORCHESTRATOR_ACTOR)
         self.deleted: Counter[str] = Counter()
+        self.filtered: Counter[str] = Counter()
         self.eval_rewards: list[tuple[str, float]] = []
         self._pending: dict[str, list[Episode]] = {}
         self._ready: deque[_ReadyGroup] = deque()
@@ -123,6 +126,8 @@ class Orchestrator:
         self.ledger.record("receive", episode_id=episode.episode_id, group_id=episode.group_id,
                            branch_ids=[r.branch_id for r in episode.refs()])
         what = f"episode {episode.episode_id} of group {episode.group_id}"
+        if not episode.is_eval:
+            episode = self._filter_missing_fields(episode, what)
         if episode.is_eval:
             self.eval_rewards += [(episode.env_name, float(r)) for r in episode.branch_rewards()]
             self._delete("eval", episode.refs(), f"{what} is an eval episode")
@@ -135,6 +140,20 @@ class Orchestrator:
             self._queued_refs.update(r.branch_id for r in _trainable_refs([episode]))
             if len(queued) + 1 == self.config.group_size:
                 self._complete_group(episode.group_id)
+
+    def _filter_missing_fields(self, episode: Episode, what: str) -> Episode:
+        """The episode with every trainable branch lacking a ``fields.required`` field made untrainable and
+        ref-less; each such chunk is deleted here, once (path ``missing_fields``)."""
+        branches = list(episode.branches)
+        for i, branch in enumerate(branches):
+            stored = {} if branch.ref is None else branch.ref.arrays
+            missing = [name for name in self.fields.required if name not in stored and f"{name}.counts" not in stored]
+            if branch.trainable and missing:
+                self._delete("missing_fields", [branch.ref] if branch.ref else [],
+                             f"{what} branch {i} lacks required fields {missing}")
+                self.filtered["missing_fields"] += 1
+                branches[i] = replace(branch, trainable=False, ref=None)
+        return replace(episode, branches=branches) if branches != list(episode.branches) else episode
 
     def _check_new(self, episode: Episode, queued: list[Episode]) -> None:
         """Refuse an episode already queued in its group, or carrying a ref that is queued."""

@@ -8,6 +8,12 @@ plus those attributes recover every typed array offline. Codecs: ``bytes``, then
 optional ``zstd``, then ``crc32c`` (little-endian uint32 after the bytes; Zarr v3
 spec, crc32c codec).
 
+Verified partial reads: besides the whole-chunk crc32c (which zarr checks), every array
+carries a crc32c per block of ``block_rows`` rows (``BLOCK_ROWS``), recorded in the
+attributes and in the ``PayloadRef``. A read of an array's first ``n`` rows reads its
+first ``ceil(n / block_rows)`` blocks and checks each, so no cut read returns bytes
+nothing vouched for.
+
 Keys under the run prefix: ``storage.layout`` (``payloads/<shard>/<branch_id>/c.0`` and its
 ``zarr.json``, the commit marker, written last).
 """
@@ -23,7 +29,7 @@ from typing import Literal, NamedTuple
 import crc32c  # CRC-32C like zarr's codec (google-crc32c); releases the GIL and ran ~2x faster here
 import numcodecs
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from refpipe.storage.errors import ChunkCorruptError
 from refpipe.storage.layout import META_NAME
 from zarr.codecs import BytesCodec, Crc32cCodec, ZstdCodec
@@ -31,8 +37,12 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.core.dtype import parse_dtype
 from zarr.core.metadata.v3 import ArrayV3Metadata
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: per-array block crc32c (``block_rows``, ``block_crcs``)."""
 ALIGN_BYTES = 64
+BLOCK_ROWS = 512
+"""Rows per verified block of an array. A cut read reads up to ``BLOCK_ROWS - 1`` rows past its cut; a
+ref of 4,096 tokens and four fields carries ~30 block crcs (~300 bytes of JSON)."""
 _ZEROS = np.zeros(ALIGN_BYTES, np.uint8)
 _UINT8 = parse_dtype(np.dtype("uint8"), zarr_format=3)
 
@@ -42,11 +52,14 @@ completion token) or ``"values:<name>"`` (ragged values; counts in array ``<name
 
 
 class ArraySpec(NamedTuple):
-    """dtype (numpy ``dtype.str``, little-endian), shape, and row domain of one stored array."""
+    """dtype (numpy ``dtype.str``, little-endian), shape, row domain and block crc32c of one stored array."""
 
     dtype: str
     shape: tuple[int, ...]
     domain: Domain
+    block_crcs: tuple[int, ...] = ()
+    """crc32c of each block of ``PayloadRef.block_rows`` rows (the last block may be shorter);
+    ``ceil(rows / block_rows)`` of them. Filled by ``encode_chunk``."""
 
 
 class ArrayLayout(NamedTuple):
@@ -58,6 +71,7 @@ class ArrayLayout(NamedTuple):
     domain: Domain
     offset: int
     nbytes: int
+    block_crcs: tuple[int, ...]
 
 
 class PayloadRef(BaseModel):
@@ -84,6 +98,20 @@ class PayloadRef(BaseModel):
     """crc32c of the stored chunk bytes before the checksum (the value the crc32c codec appends)."""
     compression: Literal["none", "zstd"] = "none"
     """Bytes-to-bytes codec between ``bytes`` and ``crc32c``."""
+    block_rows: int = Field(default=BLOCK_ROWS, ge=1)
+    """Rows per block of each array's ``block_crcs``."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "PayloadRef":
+        """Untrusted refs (step files, episodes, the CLI): every declared size must agree before anything is
+        allocated from it; ``storage.fetch`` then bounds every allocation by the object's real size."""
+        names = set(self.arrays)
+        for name, (dtype, shape, domain, crcs) in self.arrays.items():
+            _check_spec(self, name, dtype, shape, domain, crcs, names)
+        if self.compression == "none" and self.nbytes != layout_arrays(self.arrays)[1] + 4:
+            raise ValueError(f"nbytes={self.nbytes}: expected {layout_arrays(self.arrays)[1] + 4} for the "
+                             f"declared arrays (payload, 64-byte aligned, + 4 crc bytes)")
+        return self
 
     @property
     def num_tokens(self) -> int:
@@ -98,12 +126,40 @@ class PayloadRef(BaseModel):
 def layout_arrays(arrays: Mapping[str, ArraySpec]) -> tuple[list[ArrayLayout], int]:
     """Place arrays at 64-byte aligned offsets; return the layouts and the payload size (>= 64)."""
     out, offset = [], 0
-    for name, (dtype, shape, domain) in arrays.items():
+    for name, (dtype, shape, domain, crcs) in arrays.items():
         dt = np.dtype(dtype)
         nbytes = math.prod(shape) * dt.itemsize
-        out.append(ArrayLayout(name, dt, tuple(shape), domain, offset, nbytes))
+        out.append(ArrayLayout(name, dt, tuple(shape), domain, offset, nbytes, tuple(crcs)))
         offset += -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
     return out, max(offset, ALIGN_BYTES)
+
+
+_DTYPES = {"|u1", "<u2", "<i4", "<f4", "|b1", "<i8", "<u4", "<f8", "<i2", "|i1", "<f2", "<u8"}
+"""Stored dtypes a ref may declare: little-endian fixed-size numbers (no objects, strings or structs)."""
+
+
+def _check_spec(ref: "PayloadRef", name: str, dtype: str, shape, domain: str, crcs, names: set[str]) -> None:
+    """Raise ``ValueError`` (pydantic turns it into a ``ValidationError``) unless one declared array is sane."""
+    what = f"array {name!r}"
+    if dtype not in _DTYPES:
+        raise ValueError(f"{what}: dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
+    if not shape or any(d < 0 for d in shape):
+        raise ValueError(f"{what}: shape {list(shape)}: expected at least one dimension, none negative")
+    expected_rows = {"tokens": ref.num_tokens, "completion": ref.num_completion_tokens}.get(domain)
+    if expected_rows is None and not (domain.startswith("values:") and domain[7:] in names):
+        raise ValueError(f"{what}: domain {domain!r}: expected 'tokens', 'completion' or 'values:<array>'")
+    if expected_rows is not None and shape[0] != expected_rows:
+        raise ValueError(f"{what}: {shape[0]} rows: expected {expected_rows} ({domain} domain)")
+    if len(crcs) != -(-shape[0] // ref.block_rows) or any(not 0 <= c < 2**32 for c in crcs):
+        raise ValueError(f"{what}: {len(crcs)} block crcs: expected {-(-shape[0] // ref.block_rows)} uint32 "
+                         f"(one per {ref.block_rows} rows of {shape[0]})")
+
+
+def block_crcs(a: np.ndarray, block_rows: int) -> tuple[int, ...]:
+    """crc32c of each block of ``block_rows`` rows of a C-contiguous array ``[rows, ...]`` (its stored bytes)."""
+    flat = a.reshape(-1).view(np.uint8)
+    step = block_rows * a.itemsize * math.prod(a.shape[1:])
+    return tuple(crc32c.crc32c(flat[i * step : (i + 1) * step]) for i in range(-(-a.shape[0] // block_rows)))
 
 
 class EncodedChunk(NamedTuple):
@@ -114,6 +170,8 @@ class EncodedChunk(NamedTuple):
     metadata: bytes
     nbytes: int
     checksum: int
+    arrays: dict[str, ArraySpec]
+    """The ref's array table: ``specs`` with each array's ``block_crcs``."""
 
 
 def encode_chunk(
@@ -133,8 +191,10 @@ def encode_chunk(
     """
     layouts, payload_nbytes = layout_arrays(specs)
     parts: list[np.ndarray] = []
+    crcs: dict[str, ArraySpec] = {}
     for lay in layouts:
         a = np.ascontiguousarray(arrays[lay.name], dtype=lay.dtype)
+        crcs[lay.name] = ArraySpec(lay.dtype.str, lay.shape, lay.domain, block_crcs(a, BLOCK_ROWS))
         if a.nbytes:
             parts.append(a.reshape(-1).view(np.uint8))
         pad = (-a.nbytes) % ALIGN_BYTES
@@ -149,12 +209,12 @@ def encode_chunk(
     for p in parts:
         crc = crc32c.crc32c(p, crc)
     parts.append(np.array([crc], "<u4").view(np.uint8))
-    metadata = _metadata_json(branch_id, layouts, payload_nbytes, num_prompt_tokens, num_completion_tokens,
+    metadata = _metadata_json(branch_id, crcs, payload_nbytes, num_prompt_tokens, num_completion_tokens,
                               compression, zstd_level, writer)
-    return EncodedChunk(parts, metadata, sum(len(p) for p in parts), crc)
+    return EncodedChunk(parts, metadata, sum(len(p) for p in parts), crc, crcs)
 
 
-def _metadata_json(branch_id, layouts, payload_nbytes, num_prompt_tokens, num_completion_tokens,
+def _metadata_json(branch_id, arrays: Mapping[str, ArraySpec], payload_nbytes, num_prompt_tokens, num_completion_tokens,
                    compression, zstd_level, writer) -> bytes:
     """``zarr.json`` of the branch array: zarr's own document for the codecs, with this branch's shape and attributes.
 
@@ -172,9 +232,11 @@ def _metadata_json(branch_id, layouts, payload_nbytes, num_prompt_tokens, num_co
             "writer": writer,
             "num_prompt_tokens": num_prompt_tokens,
             "num_completion_tokens": num_completion_tokens,
+            "block_rows": BLOCK_ROWS,
             "arrays": {
-                lay.name: {"dtype": lay.dtype.str, "shape": list(lay.shape), "domain": lay.domain, "offset": lay.offset}
-                for lay in layouts
+                lay.name: {"dtype": lay.dtype.str, "shape": list(lay.shape), "domain": lay.domain, "offset": lay.offset,
+                           "block_crcs": list(lay.block_crcs)}
+                for lay in layout_arrays(arrays)[0]
             },
         }
     }
@@ -201,7 +263,8 @@ def decode_payload(ref: PayloadRef, stored: bytes, what: str) -> np.ndarray | by
     """Check a whole stored chunk against its ref and return the payload bytes.
 
     Raises:
-        ChunkCorruptError: wrong length, checksum mismatch or undecodable compression.
+        ChunkCorruptError: wrong length, checksum mismatch, undecodable compression or a decoded
+            payload of another size than the ref's arrays.
     """
     check_length(ref, len(stored), what)
     body = np.frombuffer(stored, np.uint8, len(stored) - 4)
@@ -209,9 +272,13 @@ def decode_payload(ref: PayloadRef, stored: bytes, what: str) -> np.ndarray | by
     if ref.compression == "none":
         return body
     try:
-        return numcodecs.Zstd().decode(body)
+        payload = numcodecs.Zstd().decode(body)
     except Exception as e:  # numcodecs raises RuntimeError/ValueError variants for bad frames
         raise ChunkCorruptError(f"chunk {what}: zstd frame does not decode: {e}") from e
+    expected = layout_arrays(ref.arrays)[1]
+    if len(payload) != expected:
+        raise ChunkCorruptError(f"chunk {what}: zstd frame decodes to {len(payload)} bytes, expected {expected}")
+    return payload
 
 
 def check_length(ref: PayloadRef, nbytes: int, what: str) -> None:

@@ -2,10 +2,14 @@
 
 Fetches read exactly the keys the reference names: no listing, no metadata
 read. A whole-chunk fetch checks length and crc32c (an uncompressed one reads straight into
-the caller's arrays, ``fetch_arrays(out=...)``); a fetch of the first ``n``
-tokens of an uncompressed chunk reads only the needed byte range of each array
-(length-checked; the crc32c covers the whole chunk, so a partial read cannot
-check it). Compressed chunks are always read whole.
+the caller's arrays when ``fetch_arrays(out=...)`` names every array); a fetch of the first ``n``
+tokens of an uncompressed chunk reads each array's first ``ceil(rows / block_rows)`` blocks
+and checks their crc32c against the ref's ``block_crcs`` (length-checked too), so every
+read is verified. Compressed chunks are always read whole.
+
+Untrusted refs: ``PayloadRef`` validation makes shapes, dtypes and ``nbytes`` agree; every
+buffer allocated here is either the caller's, or bounded by the bytes the store returned
+(the object's real size), never by a size the ref merely declares.
 """
 
 from __future__ import annotations
@@ -71,9 +75,9 @@ def fetch_arrays(store: Store, ref: PayloadRef, num_tokens: int | None = None,
                  out: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """Read a branch's arrays, cut to its first ``num_tokens`` tokens (default: all).
 
-    A whole uncompressed chunk is read straight into its destination arrays (one
-    ``Store.get_into``), the crc32c computed over them; a cut or compressed chunk is read as
-    below and copied into ``out``.
+    A whole uncompressed chunk whose every array has a destination in ``out`` is read straight
+    into them (one ``Store.get_into``), the crc32c computed over them; any other chunk is read
+    as below and copied into ``out``.
 
     Args:
         out: stored array name -> destination: a writable C-contiguous ndarray of that array's
@@ -89,7 +93,7 @@ def fetch_arrays(store: Store, ref: PayloadRef, num_tokens: int | None = None,
     Raises:
         OutsideRunError: the ref points outside the run prefix (before any I/O).
         ChunkNotFoundError: the chunk does not exist (never zeros).
-        ChunkCorruptError: length or checksum mismatch.
+        ChunkCorruptError: length, whole-chunk crc32c or (cut reads) a block crc32c mismatch.
         ValueError: ``num_tokens`` outside ``[0, ref.num_tokens]``; a destination of another
             dtype or shape, read-only or not C-contiguous.
     """
@@ -106,9 +110,9 @@ def fetch_arrays(store: Store, ref: PayloadRef, num_tokens: int | None = None,
 
 
 def _fetch(store: Store, data_key: str, ref: PayloadRef, n: int, out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    if n == ref.num_tokens and ref.compression == "none":
+    if n == ref.num_tokens and ref.compression == "none" and set(out) == set(ref.arrays):
         return _read_whole_into(store, data_key, ref, out)
-    if ref.compression != "none":
+    if n == ref.num_tokens or ref.compression != "none":
         payload = decode_payload(ref, store.get(data_key), ref.uri)
         got = _cut(ref, n, lambda lay, rows: view_array(payload, lay, rows))
     else:
@@ -120,25 +124,20 @@ def _fetch(store: Store, data_key: str, ref: PayloadRef, n: int, out: dict[str, 
 
 
 def _read_whole_into(store: Store, data_key: str, ref: PayloadRef, out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Read a whole uncompressed chunk into ``out`` (fresh arrays for the rest); check length and crc32c."""
+    """Read a whole uncompressed chunk into ``out`` (every array's destination); check length and crc32c."""
     layouts = ref.layout()
     gaps, end = [], 0
     for lay in layouts:
         gaps.append(lay.offset - end)
         end = lay.offset + lay.nbytes
-    tail = ref.nbytes - 4 - end
-    if tail < 0 or any(g < 0 for g in gaps):
-        raise ChunkCorruptError(f"chunk {ref.uri}: the ref's {ref.nbytes} bytes cannot hold its arrays ({end} bytes)")
+    tail = ref.nbytes - 4 - end  # >= 0: PayloadRef validation makes nbytes equal the arrays' layout + 4
     scratch = np.empty(sum(gaps) + tail + 4, np.uint8)  # alignment padding and the checksum, each its own bytes
     buffers, arrays, used = [], {}, 0
     for lay, gap in zip(layouts, gaps):
         buffers.append(scratch[used : used + gap])
         used += gap
-        dest = out.get(lay.name)
-        if dest is None:
-            dest = np.empty(lay.shape, lay.dtype)
-        else:
-            _check_destination(ref, lay.name, dest, lay.shape)
+        dest = out[lay.name]
+        _check_destination(ref, lay.name, dest, lay.shape)
         arrays[lay.name] = dest
         buffers.append(dest.reshape(-1).view(np.uint8))
     buffers += [scratch[used : used + tail], scratch[used + tail :]]
@@ -148,9 +147,6 @@ def _read_whole_into(store: Store, data_key: str, ref: PayloadRef, out: dict[str
         if b.nbytes:
             crc = crc32c.crc32c(b, crc)
     check_checksum(ref, crc, int(buffers[-1].view("<u4")[0]), ref.uri)
-    for name, a in arrays.items():
-        if name not in out:
-            a.flags.writeable = False
     return arrays
 
 
@@ -180,16 +176,31 @@ def _cut(ref: PayloadRef, n: int, read) -> dict[str, np.ndarray]:
 
 
 def _read_rows(store: Store, data_key: str, ref: PayloadRef, lay: ArrayLayout, rows: int) -> np.ndarray:
-    row_nbytes = lay.dtype.itemsize * int(np.prod(lay.shape[1:], dtype=np.int64))
-    end = lay.offset + rows * row_nbytes
+    """The first ``rows`` rows of one array: read its first ``ceil(rows / block_rows)`` blocks, check each crc32c.
+
+    Raises:
+        ChunkCorruptError: fewer bytes than the blocks span (truncated chunk), or a block's crc32c
+            differs from the ref's (names the array and the block's rows).
+    """
     if rows == 0:
         return np.frombuffer(b"", lay.dtype).reshape(0, *lay.shape[1:])  # read-only, like every fetched array
+    row_nbytes = lay.dtype.itemsize * int(np.prod(lay.shape[1:], dtype=np.int64))
+    blocks = -(-rows // ref.block_rows)
+    end = lay.offset + min(blocks * ref.block_rows, lay.shape[0]) * row_nbytes
     data = store.get(data_key, lay.offset, end)
     if len(data) != end - lay.offset:
         raise ChunkCorruptError(
             f"chunk {ref.uri}: array {lay.name} bytes [{lay.offset}, {end}) read {len(data)} bytes (truncated chunk)"
         )
-    return np.frombuffer(data, lay.dtype).reshape(rows, *lay.shape[1:])
+    block_nbytes = ref.block_rows * row_nbytes
+    for b in range(blocks):
+        computed = crc32c.crc32c(memoryview(data)[b * block_nbytes : (b + 1) * block_nbytes])
+        if computed != lay.block_crcs[b]:
+            first = b * ref.block_rows
+            raise ChunkCorruptError(
+                f"chunk {ref.uri}: array {lay.name} rows [{first}, {min(first + ref.block_rows, lay.shape[0])}): "
+                f"crc32c {computed:#010x}, reference {lay.block_crcs[b]:#010x} (corrupted chunk)")
+    return np.frombuffer(data, lay.dtype, rows * row_nbytes // lay.dtype.itemsize).reshape(rows, *lay.shape[1:])
 
 
 class FetchStats:

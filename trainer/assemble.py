@@ -156,7 +156,8 @@ def plan_micro_batch(mb: MicroBatchRecord, refs: Sequence[PayloadRef], *, seq_le
                      fields: FieldsConfig) -> MicroBatchPlan:
     """Allocate ``mb``'s output arrays (``np.empty``: no page is touched) and each sequence's targets.
 
-    A field's dtype is the result type of the dtypes its sequences' refs store.
+    Routing rows are ``fields.routing_dtype`` (sized from ``num_experts``, never from the refs);
+    any other field's dtype is the result type of the dtypes its sequences' refs store.
 
     Raises:
         FieldError: a ref stores rows of another trailing shape than ``fields`` says or fewer
@@ -177,8 +178,8 @@ def plan_micro_batch(mb: MicroBatchRecord, refs: Sequence[PayloadRef], *, seq_le
         cu_rows[fdef.name] = mb.cu_seqlens() if fdef.domain == "tokens" else cu
         if fdef.ragged:
             continue
-        dtypes = [refs[seq.ref].arrays[fdef.name].dtype for seq, n in zip(mb.sequences, rows) if n is not None]
-        dtype = np.result_type(*dtypes) if dtypes else np.dtype(fdef.dtypes[0])
+        dtype = _buffer_dtype(fdef, fields, [refs[seq.ref].arrays[fdef.name].dtype
+                                             for seq, n in zip(mb.sequences, rows) if n is not None])
         buffer = np.empty((seq_len if fdef.domain == "tokens" else int(cu[-1]), *trailing), dtype)
         buffers[fdef.name] = buffer
         starts = cu_rows[fdef.name]
@@ -199,10 +200,12 @@ def finish_micro_batch(plan: MicroBatchPlan, streams: Mapping[str, np.ndarray],
             a sequence's target (read into it) is not copied again.
 
     Raises:
-        FieldError: a sequence's ref has no fetched arrays, fewer rows than it keeps, or rows
-            of another trailing shape.
+        FieldError: a sequence with loss tokens lacks a field of ``FieldsConfig.required``; a
+            sequence's ref has no fetched arrays, fewer rows than it keeps, or rows of another
+            trailing shape.
     """
     mb, what = plan.mb, f"micro batch dp_rank={plan.mb.dp_rank} index={plan.mb.index}"
+    _check_required(plan, streams["loss_mask"], what)
     for seq, targets in zip(mb.sequences, plan.targets):
         for name, dest in targets.items():
             got = _fetched(arrays, seq, plan.refs, what)
@@ -252,9 +255,9 @@ def assemble_dropped_micro_batch(
         trailing = trailing_shape(fdef, fields)
         if fdef.domain == "tokens":
             if routing_rows is None or len(routing_rows) == 0:
-                padded = _padding_rows(fdef, seq_len, fields, np.dtype(fdef.dtypes[0])).copy()
+                padded = _padding_rows(fdef, seq_len, fields, fields.routing_dtype).copy()
             else:
-                padded = np.resize(routing_rows, (seq_len, *trailing))
+                padded = np.resize(routing_rows, (seq_len, *trailing)).astype(fields.routing_dtype, copy=False)
             out[fdef.name] = FieldBatch(padded[: mb.num_tokens], mb.cu_seqlens(), padded=padded)
         else:
             empty = np.empty((0, *trailing), np.dtype(fdef.dtypes[0]))
@@ -294,6 +297,31 @@ def _laid_out(mb: MicroBatchRecord, cfg: FieldsConfig) -> list[FieldDef]:
     """Fields configured for the run, in registry order; routing only when the micro batch has it."""
     return [f for f in FIELDS.values()
             if trailing_shape(f, cfg) is not None and (f.domain != "tokens" or mb.has_routing)]
+
+
+def _buffer_dtype(fdef: FieldDef, cfg: FieldsConfig, ref_dtypes: list[str]) -> np.dtype:
+    """Routing: ``cfg.routing_dtype`` (from ``num_experts``); other fields: the result type of the refs' dtypes."""
+    if fdef.padding == "spread_experts":
+        return cfg.routing_dtype
+    return np.result_type(*ref_dtypes) if ref_dtypes else np.dtype(fdef.dtypes[0])
+
+
+def _check_required(plan: MicroBatchPlan, loss_mask: np.ndarray, what: str) -> None:
+    """Raise ``FieldError`` if a sequence with loss tokens lacks a field of ``FieldsConfig.required``.
+
+    A borrowed padding dummy has no loss tokens; it only needs token-domain rows, which it borrows.
+    """
+    starts = plan.mb.cu_seqlens()
+    for s, seq in enumerate(plan.mb.sequences):
+        loss_tokens = int(loss_mask[starts[s] : starts[s + 1]].sum())
+        if not loss_tokens:
+            continue
+        stored = () if seq.ref is None else plan.refs[seq.ref].arrays
+        missing = [name for name in plan.fields.required
+                   if name not in stored and f"{name}.counts" not in stored]
+        if missing:
+            raise FieldError(f"{what}: sequence {s} (env {seq.env_name!r}, ref {seq.ref}) trains {loss_tokens} "
+                             f"loss tokens without required fields {missing} (FieldsConfig.required)")
 
 
 def _num_rows(fdef: FieldDef, seq: SequenceRecord, refs: Sequence[PayloadRef], trailing: tuple[int, ...],

@@ -80,7 +80,7 @@ def make_branch(rng: np.random.Generator, name: str, routing: bool) -> Branch:
         "sampling_mask": Ragged(rng.integers(0, 100, int(counts.sum())).astype(np.int32), counts),
     }
     if routing:
-        fields["routed_experts"] = rng.integers(0, 8, (p + c, 2, 2)).astype(np.uint8)
+        fields["routed_experts"] = ((rng.integers(0, 8, (p + c, 2, 1)) + np.arange(2)) % 8).astype(np.uint8)
     return Branch(p, c, fields, branch_id=EXPLICIT_IDS.get(name))
 
 

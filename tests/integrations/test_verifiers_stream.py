@@ -14,7 +14,12 @@ import pytest
 pytest.importorskip("verifiers", minversion="0.4", reason="the verifiers extra is not installed "
                     "(pip install 'refpipe[verifiers]'): skipping the verifiers integration tests")
 
-from refpipe.integrations.verifiers_branches import INFO_KEY, read_refs  # noqa: E402
+from refpipe.integrations.verifiers_branches import (  # noqa: E402
+    INFO_KEY,
+    read_refs,
+    side_channels,
+    trainable_branches,
+)
 from refpipe.integrations.verifiers_server import RefDeltaStreamer, RunKeeps  # noqa: E402
 from refpipe.pipeline.audit import audit  # noqa: E402
 from refpipe.pipeline.fields import FieldsConfig  # noqa: E402
@@ -268,3 +273,21 @@ def test_untrainable_traces_keep_nothing_and_stream_no_arrays(local_config):
     assert byte_leaves(stream.deltas) == []
     assert INFO_KEY not in stream.episode().traces[0].info
     assert payload_nodes(rp.store) == set()
+
+
+def test_a_path_node_without_routing_is_refused_not_dropped_for_the_whole_branch():
+    """Issue 14 input 2 (verifiers): one node of a path without routing made verifiers' ``Branch.routed_experts``
+    None, so the whole branch was kept without routing and trained (or crashed) without it."""
+    trace = new_trace("t7")
+    multi_turn(trace, Engine(7))
+    complete(trace)
+    (leaf, branch), *_ = trainable_branches(trace)
+    nodes = [n for n in branch.nodes if n.token_ids]
+    assert side_channels(trace.id, leaf, branch).fields["routed_experts"].shape[0] == len(branch.sampled_mask)
+    nodes[1].routed_experts = None
+    with pytest.raises(FieldError) as info:
+        side_channels(trace.id, leaf, branch)
+    assert str(info.value) == (
+        f"trace t7 leaf {leaf}: path nodes (index, tokens, routing rows) [(1, {len(nodes[1].token_ids)}, None)] lack "
+        f"routing rows that the other {len(nodes) - 1} nodes carry: expected one routing row per token on every node "
+        "(keeping the branch without routing would drop it for the whole branch)")

@@ -31,17 +31,17 @@ def test_unconfigured_fields_have_no_trailing_shape():
 def test_validate_branch_flattens_ragged_fields_and_stores_little_endian():
     counts = np.array([2, 0, 1], np.int32)
     fields = {
-        "routed_experts": np.zeros((5, 3, 2), np.uint8),
+        "routed_experts": np.tile(np.arange(2, dtype=np.uint8), (5, 3, 1)),
         "topk_ids": np.arange(12, dtype=">i4").reshape(3, 4),
         "sampling_mask": Ragged(np.array([7, 8, 9], np.int32), counts),
     }
     arrays, specs = validate_branch(fields, CFG, num_prompt_tokens=2, num_completion_tokens=3, what="branch b")
     assert list(arrays) == ["routed_experts", "topk_ids", "sampling_mask.counts", "sampling_mask.ids"]
     assert {n: tuple(s) for n, s in specs.items()} == {
-        "routed_experts": ("|u1", (5, 3, 2), "tokens"),
-        "topk_ids": ("<i4", (3, 4), "completion"),
-        "sampling_mask.counts": ("<i4", (3,), "completion"),
-        "sampling_mask.ids": ("<i4", (3,), "values:sampling_mask.counts"),
+        "routed_experts": ("|u1", (5, 3, 2), "tokens", ()),
+        "topk_ids": ("<i4", (3, 4), "completion", ()),
+        "sampling_mask.counts": ("<i4", (3,), "completion", ()),
+        "sampling_mask.ids": ("<i4", (3,), "values:sampling_mask.counts", ()),
     }
     assert arrays["topk_ids"] is fields["topk_ids"]  # no copy here; the codec converts once when it writes
 
@@ -95,3 +95,62 @@ def test_spread_expert_rows_route_padding_over_every_expert():
     assert set(rows.ravel().tolist()) == set(range(8))
     wide = spread_expert_rows(200, 2, 4, 300, np.dtype(np.uint16))
     assert wide.dtype == np.uint16 and int(wide.max()) == 299 and int(wide.min()) == 0
+
+
+def test_repeated_expert_within_a_token_is_refused_naming_the_row():
+    """Issue 14 input 4: a top-2 row [3, 3] was kept and replayed; no router produces it."""
+    routing = np.tile(np.arange(2, dtype=np.uint8), (5, 3, 1))
+    routing[3, 2] = [3, 3]
+    with pytest.raises(FieldError) as info:
+        validate_branch({"routed_experts": routing}, CFG, num_prompt_tokens=2, num_completion_tokens=3, what="branch b")
+    assert str(info.value) == ("branch b: field 'routed_experts': token row 3 layer 2 routes to experts [3, 3]: "
+                               "expected top_k=2 distinct ids (no router picks one expert twice for a token)")
+
+
+def test_repeats_are_found_in_any_pair_of_slots():
+    cfg = FieldsConfig(num_layers=1, top_k=4, num_experts=8)
+    for i, j in [(0, 1), (0, 3), (1, 2), (2, 3)]:
+        routing = np.tile(np.arange(4, dtype="<u2"), (2, 1, 1))
+        routing[1, 0, j] = routing[1, 0, i]
+        with pytest.raises(FieldError, match=r"token row 1 layer 0 routes to experts"):
+            validate_branch({"routed_experts": routing}, cfg, num_prompt_tokens=1, num_completion_tokens=1, what="b")
+
+
+ALL_BUT_LAST = CFG.model_copy(update={"routing_rows": "all_but_last"})
+
+
+def test_all_but_last_routing_rows_get_a_spread_last_row():
+    """Issue 14 input 3: vLLM returns P + C - 1 routing rows; ``routing_rows='all_but_last'`` fills row P + C - 1."""
+    given = np.tile(np.arange(2, dtype=np.uint8), (4, 3, 1))
+    arrays, specs = validate_branch({"routed_experts": given}, ALL_BUT_LAST, num_prompt_tokens=2,
+                                    num_completion_tokens=3, what="branch b")
+    assert arrays["routed_experts"][:4].tobytes() == given.tobytes()
+    assert arrays["routed_experts"][4].tolist() == [[0, 1], [1, 2], [2, 3]]  # (4 * top_k + layer + slot) % 8
+    assert specs["routed_experts"].shape == (5, 3, 2)
+
+
+@pytest.mark.parametrize("cfg,rows,expected", [
+    (ALL_BUT_LAST, 5, "has shape [5, 3, 2]: expected [4, 3, 2] (routing_rows='all_but_last': P + C - 1 rows"),
+    (ALL_BUT_LAST, 3, "has shape [3, 3, 2]: expected [4, 3, 2] (routing_rows='all_but_last': P + C - 1 rows"),
+    (CFG, 4, "has shape [4, 3, 2]: expected [5, 3, 2] (tokens domain rows"),
+    (CFG, 6, "has shape [6, 3, 2]: expected [5, 3, 2] (tokens domain rows"),
+])
+def test_routing_rows_off_by_one_in_either_direction_is_refused(cfg, rows, expected):
+    routing = np.tile(np.arange(2, dtype=np.uint8), (rows, 3, 1))
+    with pytest.raises(FieldError) as info:
+        validate_branch({"routed_experts": routing}, cfg, num_prompt_tokens=2, num_completion_tokens=3, what="b")
+    assert expected in str(info.value)
+
+
+def test_required_fields_must_be_configured():
+    assert FieldsConfig(num_layers=3, top_k=2, num_experts=8, required=["routed_experts"]).required == (
+        "routed_experts",)
+    with pytest.raises(ValueError, match=r"required field 'topk_ids': expected a field configured for this run "
+                                         r"\(one of \['routed_experts'\]\)"):
+        FieldsConfig(num_layers=3, top_k=2, num_experts=8, required=("topk_ids",))
+    with pytest.raises(ValueError, match="top_k=9: expected <= num_experts=8"):
+        FieldsConfig(num_layers=3, top_k=9, num_experts=8)
+
+
+def test_routing_dtype_is_sized_from_num_experts():
+    assert [FieldsConfig(num_experts=n).routing_dtype.str for n in (8, 256, 257, 384)] == ["|u1", "|u1", "<u2", "<u2"]

@@ -29,7 +29,7 @@ def fields_of(num_prompt_tokens: int = P, num_completion_tokens: int = C, seed: 
     logprobs[:, 3] = -np.inf
     counts = rng.integers(0, 3, c).astype(np.int32)
     return {
-        "routed_experts": rng.integers(0, 8, (t, 3, 2)).astype(np.uint8),
+        "routed_experts": ((rng.integers(0, 8, (t, 3, 1)) + np.arange(2)) % 8).astype(np.uint8),
         "topk_ids": rng.integers(0, 1000, (c, 4)).astype(np.int32),
         "topk_logprobs": logprobs,
         "sample_support": np.where(rng.random((c, 5)) < 0.3, -1, rng.integers(0, 1000, (c, 5))).astype(np.int32),
@@ -197,7 +197,7 @@ def test_env_worker_keeping_5000_branches_does_not_grow(local_config):
     cfg = FieldsConfig(num_layers=4, top_k=4, num_experts=16, logprobs_k=8, support_width=8, sampling_mask=True)
     keeper = Keeper(store, Ledger(store, "env_worker_0"), cfg, local_config)
     template = {
-        "routed_experts": np.ones((64, 4, 4), np.uint8), "topk_ids": np.ones((48, 8), np.int32),
+        "routed_experts": np.tile(np.arange(4, dtype=np.uint8), (64, 4, 1)), "topk_ids": np.ones((48, 8), np.int32),
         "topk_logprobs": np.full((48, 8), -1.0, np.float32), "sample_support": np.ones((48, 8), np.int32),
         "sampling_mask": Ragged(np.ones(96, np.int32), np.full(48, 2, np.int32)),
     }

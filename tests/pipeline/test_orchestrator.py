@@ -213,3 +213,25 @@ def test_paths_on_each_backend(request, backend):
     assert tombstones(store) == {"a0-b0", "a1-b0", "ev-b0", "c0-b0"}
     assert StepFile.read(store, 0).header == header
     assert orch.store.gets == 0
+
+
+def test_a_branch_missing_a_required_field_is_filtered_at_submit_and_its_chunk_deleted_once(local_config):
+    """Issue 14 input 2: with routing required, a branch with ``ref=None`` and one whose chunk lacks
+    ``routed_experts`` were packed into a micro batch with ``has_routing=False``; the policy update then
+    crashed with KeyError and the step was never released."""
+    fields = FIELDS.model_validate({**FIELDS.model_dump(), "required": ["routed_experts"]})
+    env_store = open_store(local_config)
+    orch = Orchestrator(CFG.model_copy(update={"group_size": 4}), counting_store(local_config), fields=fields)
+    keeper, rng = make_keeper(env_store, local_config), np.random.default_rng(0)
+    orch.submit(episode(keeper, rng, "e0", "g", 1.0))
+    orch.submit(episode(None, rng, "e1", "g", 0.5, routing=False, topk=False))   # ref=None
+    orch.submit(episode(keeper, rng, "e2", "g", 0.5, routing=False))             # a chunk without routing
+    orch.submit(episode(keeper, rng, "e3", "g", 0.0))
+    assert (dict(orch.deleted), dict(orch.filtered)) == ({"missing_fields": 1}, {"missing_fields": 2})
+    assert _reason(env_store, "e2-b0") == ("orchestrator missing_fields: episode e2 of group g branch 0 lacks "
+                                           "required fields ['routed_experts']")
+    header = orch.build_step(0)
+    assert sorted(r.branch_id for r in header.refs) == ["e0-b0", "e3-b0"]
+    assert all(mb.has_routing for mb in header.micro_batches)
+    orch.shutdown()
+    assert chunks(env_store) == {"e0-b0", "e3-b0"} and tombstones(env_store) == {"e2-b0"}

@@ -18,7 +18,7 @@ from refpipe.pipeline.packing import (
 )
 from refpipe.pipeline.samples import BranchResult, Episode, build_sample
 from refpipe.pipeline.step_file import STREAMS
-from refpipe.storage.chunk import ArraySpec, PayloadRef
+from refpipe.storage.chunk import ArraySpec, PayloadRef, layout_arrays
 from refpipe.storage.errors import PackingError
 
 RUN_URI = "file:///runs/run_1"
@@ -26,11 +26,12 @@ FIELDS = FieldsConfig(num_layers=2, top_k=2, num_experts=8, logprobs_k=3)
 
 
 def _ref(branch_id: str, num_prompt: int, num_completion: int, routing: bool) -> PayloadRef:
-    arrays = {"topk_ids": ArraySpec("<i4", (num_completion, 3), "completion")}
+    arrays = {"topk_ids": ArraySpec("<i4", (num_completion, 3), "completion", (0,))}
     if routing:
-        arrays = {"routed_experts": ArraySpec("|u1", (num_prompt + num_completion, 2, 2), "tokens")}
+        arrays = {"routed_experts": ArraySpec("|u1", (num_prompt + num_completion, 2, 2), "tokens", (0,))}
     return PayloadRef(uri=f"{RUN_URI}/payloads/00/{branch_id}", branch_id=branch_id, num_prompt_tokens=num_prompt,
-                      num_completion_tokens=num_completion, arrays=arrays, nbytes=68, checksum=0)
+                      num_completion_tokens=num_completion, arrays=arrays, nbytes=layout_arrays(arrays)[1] + 4,
+                      checksum=0)
 
 
 def _sample(rng, i: int, num_prompt: int, num_completion: int, kind: str, seq_len: int):

@@ -9,8 +9,8 @@ from refpipe.storage.chunk import ArraySpec, PayloadRef
 from refpipe.storage.errors import PackingError
 
 REF = PayloadRef(uri="file:///runs/run_1/payloads/00/b0", branch_id="b0", num_prompt_tokens=2,
-                 num_completion_tokens=3, arrays={"routed_experts": ArraySpec("|u1", (5, 2, 2), "tokens")},
-                 nbytes=84, checksum=0)
+                 num_completion_tokens=3, arrays={"routed_experts": ArraySpec("|u1", (5, 2, 2), "tokens", (0,))},
+                 nbytes=68, checksum=0)
 BRANCH = BranchResult(prompt_ids=np.array([7, 8], np.int32), completion_ids=np.array([1, 2, 3], np.int32),
                       inference_logprobs=np.array([-0.5, -0.25, -2.0], np.float32), temperature=0.5,
                       policy_version=3, ref=REF)

@@ -180,7 +180,8 @@ def make_fields(seed: int, num_prompt_tokens: int, num_completion_tokens: int, c
     """Random valid fields of one branch: -inf logprobs, -1 support padding, empty and non-empty mask rows."""
     rng = np.random.default_rng(seed)
     tokens, c = num_prompt_tokens + num_completion_tokens, num_completion_tokens
-    routing = rng.integers(0, cfg.num_experts, (tokens, cfg.num_layers, cfg.top_k)).astype(routing_dtype)
+    base = rng.integers(0, cfg.num_experts, (tokens, cfg.num_layers, 1))
+    routing = ((base + np.arange(cfg.top_k)) % cfg.num_experts).astype(routing_dtype)  # distinct per token
     logprobs = -rng.exponential(2.0, (c, cfg.logprobs_k)).astype(np.float32)
     logprobs[:, -1] = -np.inf
     support = rng.integers(0, 50_000, (c, cfg.support_width)).astype(np.int32)

@@ -6,6 +6,7 @@ import google_crc32c
 import numpy as np
 import pytest
 import zarr
+from pydantic import ValidationError
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.storage.backends import open_store
 from refpipe.storage.chunk import PayloadRef
@@ -160,3 +161,76 @@ def test_a_ref_of_another_run_under_the_same_root_is_refused(tmp_path):
     assert ref.uri.startswith(f"file://{root}/run_10/")
     with pytest.raises(OutsideRunError, match=r"run_10.*is outside run file://.*/run_1: expected a URI under"):
         fetch_arrays(stores["run_1"], ref)
+
+
+@pytest.mark.parametrize("cut", [P + C - 5, 1])
+def test_a_cut_read_of_a_zeroed_chunk_is_corrupt_never_zeros(backend, cut):
+    """Issue 14 input 1: c.0 overwritten with zeros of its length; a first-n fetch returned all-zero routing."""
+    ref = keep(backend)
+    backend.raw.put(data_key(ref), bytes(ref.nbytes))
+    routing = ref.layout()[0]
+    zero_block = google_crc32c.value(bytes(routing.nbytes))  # the routing array's one block, all zeros
+    with pytest.raises(ChunkCorruptError) as info:
+        fetch_arrays(backend.store, ref, cut)
+    assert str(info.value) == (f"chunk {ref.uri}: array routed_experts rows [0, {P + C}): crc32c {zero_block:#010x}, "
+                               f"reference {routing.block_crcs[0]:#010x} (corrupted chunk)")
+
+
+def test_a_cut_read_checks_every_block_it_reads_and_reads_only_those(local_config):
+    """600 tokens: routing has 2 blocks of BLOCK_ROWS=512 rows; a cut at 100 tokens reads and checks block 0 only."""
+    backend = make_backend("local", local_config)
+    num_prompt, num_completion = 300, 300
+    keeper = Keeper(backend.store, Ledger(backend.store, "env_worker_0"), FIELDS_CFG, backend.config)
+    fields = make_fields(3, num_prompt, num_completion)
+    ref = keeper.keep(Branch(num_prompt, num_completion, fields, "long"))
+    routing = ref.layout()[0]
+    assert len(routing.block_crcs) == 2 and routing.block_crcs[0] == google_crc32c.value(
+        fields["routed_experts"][:512].tobytes())
+    stored = bytearray(backend.raw.get(data_key(ref)))
+    stored[routing.offset + 512 * 6] ^= 0x01  # first byte of routing block 1 (rows 512..599, 6 bytes a row)
+    backend.raw.put(data_key(ref), bytes(stored))
+    assert fetch_arrays(backend.store, ref, 100)["routed_experts"].tobytes() == fields["routed_experts"][:100].tobytes()
+    with pytest.raises(ChunkCorruptError, match=r"array routed_experts rows \[512, 600\): crc32c 0x"):
+        fetch_arrays(backend.store, ref, 513)
+
+
+def test_a_ref_declaring_2e9_rows_is_bounded_by_the_object_not_the_ref(backend):
+    """Issue 14 input 8: 2e9 declared rows with a matching nbytes; the fetch allocated 12 GB before reading 644 bytes.
+    A ref must carry one crc per block, so a forged one sets block_rows huge to stay small: it validates, and the
+    fetch allocates only what the store returns."""
+    ref = keep(backend)
+    raw = ref.model_dump(mode="json")
+    rows = 2_000_000_000
+    raw.update(num_prompt_tokens=rows - C, block_rows=2**31)
+    raw["arrays"]["routed_experts"][1] = [rows, 3, 2]
+    raw["nbytes"] = ref.nbytes + rows * 6 - 64  # routing grows from 60 bytes (padded to 64) to 12e9
+    forged = PayloadRef.model_validate(raw)
+    assert forged.nbytes == 12_000_000_516
+    with pytest.raises(ChunkCorruptError, match=f"expected {forged.nbytes} bytes, got {ref.nbytes}"):
+        fetch_arrays(backend.store, forged)
+    with pytest.raises(ChunkCorruptError, match="truncated chunk"):
+        fetch_arrays(backend.store, forged, 1000)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"arrays.routed_experts.1": [-5, 3, 2]}, "array 'routed_experts': shape [-5, 3, 2]: expected at least one "
+                                              "dimension, none negative"),
+    ({"arrays.topk_ids.1": [7, 4]}, "array 'topk_ids': 7 rows: expected 6 (completion domain)"),
+    ({"arrays.topk_ids.0": "|O"}, "array 'topk_ids': dtype '|O': expected one of"),
+    ({"arrays.topk_ids.2": "tokens"}, "array 'topk_ids': 6 rows: expected 10 (tokens domain)"),
+    ({"arrays.sampling_mask.ids.2": "values:nothing"}, "array 'sampling_mask.ids': domain 'values:nothing': expected"),
+    ({"arrays.topk_ids.3": [2**32]}, "array 'topk_ids': 1 block crcs: expected 1 uint32"),
+    ({"nbytes": 10**12}, "nbytes=1000000000000: expected 580 for the declared arrays"),
+])
+def test_untrusted_ref_shapes_are_refused_at_validation(local_config, change, message):
+    """Issue 14 input 8: a ref with shape [-5, 3] passed validation and crashed ``refpipe show``."""
+    raw = keep(make_backend("local", local_config)).model_dump(mode="json")
+    (path, value), = change.items()
+    *parents, leaf = path.replace("sampling_mask.ids", "sampling_mask\0ids").split(".")
+    target = raw
+    for p in parents:
+        target = target[p.replace("\0", ".")]
+    target[int(leaf) if leaf.isdigit() else leaf.replace("\0", ".")] = value
+    with pytest.raises(ValidationError) as info:
+        PayloadRef.model_validate(raw)
+    assert message in str(info.value)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
+from pydantic import ValidationError
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.errors import ChunkCorruptError, ChunkNotFoundError
@@ -95,11 +98,16 @@ def test_a_missing_chunk_is_not_found(backend):
     assert (out["routed_experts"] == 0xEE).all()
 
 
-def test_a_ref_whose_arrays_do_not_fit_its_bytes_is_corrupt(backend):
+def test_a_ref_whose_arrays_do_not_fit_its_bytes_is_refused_before_any_read(backend):
     ref, _ = keep(backend)
-    arrays = {**ref.arrays, "routed_experts": ref.arrays["routed_experts"]._replace(shape=(10_006, 3, 2))}
-    with pytest.raises(ChunkCorruptError, match=f"the ref's {ref.nbytes} bytes cannot hold its arrays"):
-        fetch_arrays(backend.store, ref.model_copy(update={"arrays": arrays}))
+    raw = json.loads(ref.model_dump_json())
+    raw["arrays"]["routed_experts"][1] = [10_006, 3, 2]
+    raw["num_prompt_tokens"] += 10_006 - (P + C)
+    with pytest.raises(ValidationError, match=r"array 'routed_experts': 1 block crcs: expected 20 uint32"):
+        PayloadRef.model_validate(raw)
+    raw["arrays"]["routed_experts"][3] = [0] * 20
+    with pytest.raises(ValidationError, match=f"nbytes={ref.nbytes}: expected 60676 for the declared arrays"):
+        PayloadRef.model_validate(raw)
 
 
 @pytest.mark.parametrize("num_tokens", [P + C, P + 2])

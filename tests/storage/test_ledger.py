@@ -32,7 +32,7 @@ def kept(store: Store, branch_id: str, num_tokens: int = 4) -> PayloadRef:
                          writer="test")
     uri = put_chunk(store, branch_id, chunk)
     return PayloadRef(uri=uri, branch_id=branch_id, num_prompt_tokens=num_tokens, num_completion_tokens=0,
-                      arrays=spec, nbytes=chunk.nbytes, checksum=chunk.checksum)
+                      arrays=chunk.arrays, nbytes=chunk.nbytes, checksum=chunk.checksum)
 
 
 def events_of(store: Store, actor: str) -> list[list[dict]]:

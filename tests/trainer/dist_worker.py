@@ -5,11 +5,13 @@ the spec, and writes per step ``step<N>_rank<r>.npz`` (every tensor the train ca
 numpy, keyed ``mb<i>.<name>``) and ``step<N>_rank<r>.json`` (metrics or the error, dropped flags,
 how long the step took); after the last step, if no step broke the world, ``finish_rank<r>.json``
 (``TrainerRank.finish``: the last release's counts). A rank listed in ``exit_before`` leaves the
-world with ``os._exit`` at that step, as a crashed rank would.
+world with ``os._exit`` at that step, as a crashed rank would. A branch id in ``fetch_raises``
+makes its fetch raise that builtin exception, as a bug in the fetch path would.
 """
 
 from __future__ import annotations
 
+import builtins
 import json
 import logging
 import os
@@ -21,12 +23,25 @@ import numpy as np
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
+from refpipe.trainer import fetch as trainer_fetch
 from refpipe.trainer.config import TrainerConfig
 from refpipe.trainer.dist import init_process_group
 from refpipe.trainer.step import TrainerRank
 
 sys.path.insert(0, str(Path(__file__).parent))
 from trainer_helpers import flatten  # noqa: E402
+
+
+def _inject_bugs(fetch_raises: dict[str, str]) -> None:
+    """Make the trainer's fetch of the named branches raise the named builtin exception."""
+    real = trainer_fetch.fetch_arrays
+
+    def fetch_arrays(store, ref, num_tokens=None, out=None):
+        if ref.branch_id in fetch_raises:
+            raise getattr(builtins, fetch_raises[ref.branch_id])(f"injected bug fetching {ref.branch_id}")
+        return real(store, ref, num_tokens, out)
+
+    trainer_fetch.fetch_arrays = fetch_arrays
 
 
 def main(spec_path: str, rank: int) -> None:
@@ -36,6 +51,7 @@ def main(spec_path: str, rank: int) -> None:
     config = TrainerConfig(**spec["trainer"])
     storage = StorageConfig(**spec["storage"])
     init_process_group(config, rank=rank, world_size=spec["world_size"], init_method=spec["init_method"])
+    _inject_bugs(spec.get("fetch_raises", {}))
     rank_obj = TrainerRank(open_store(storage), FieldsConfig(**spec["fields"]), storage, config)
     for step in spec["steps"]:
         if step in spec.get("exit_before", {}).get(str(rank), []):

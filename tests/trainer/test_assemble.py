@@ -9,7 +9,8 @@ import threading
 import numpy as np
 import pytest
 import torch
-from refpipe.pipeline.fields import spread_expert_rows
+from refpipe.pipeline.fields import FieldsConfig, spread_expert_rows
+from refpipe.pipeline.keep import Branch
 from refpipe.pipeline.step_file import StepFile, publish_step_file
 from refpipe.storage.backends import open_store
 from refpipe.storage.errors import FieldError, PackingError, StepFileError
@@ -166,3 +167,44 @@ def test_wait_for_step_names_the_file_and_the_wait(store, storage_config, step):
         assert wait_for_step(store, 5, timeout_s=30, poll_s=0.05).header == later
     finally:
         timer.join()
+
+
+def test_padding_ids_are_sized_from_num_experts_never_from_the_refs_dtype(local_config):
+    """Issue 14 input 10: 384 experts, top-8, 4 layers, a chunk kept as uint8 (every kept id < 256), a micro batch of
+    20 tokens padded to 1,024. The padding ids were cast to the refs' uint8: ids >= 256 wrapped onto experts 0-127,
+    128 experts got no padding load and the load ranged 0..168 (mean 83.7). Now uint16, every expert 80..84."""
+    cfg = FieldsConfig(num_layers=4, top_k=8, num_experts=384)
+    store = open_store(local_config)
+    rng = np.random.default_rng(3)
+    routing = ((rng.integers(0, 248, (20, 4, 1)) + np.arange(8)) % 256).astype(np.uint8)
+    branches = {"a": Branch(8, 12, {"routed_experts": routing}, branch_id="a")}
+    refs = keep_all(store, local_config, branches, cfg)
+    assert refs["a"].arrays["routed_experts"].dtype == "|u1"
+    build_step(store, 0, 1024, [[[Seq("a", 20)]]], branches, refs, rng, cfg=cfg)
+    step_file = StepFile.read(store, 0)
+    padded = fetch_own(store, step_file, 0, cfg, max_concurrency=1).assembled[0].fields["routed_experts"].padded
+    assert padded.dtype == np.dtype("<u2") and padded[:20].tobytes() == routing.astype("<u2").tobytes()
+    load = np.bincount(padded[20:].ravel(), minlength=384)
+    assert (int(load.min()), int(load.max()), int(padded.max())) == (80, 84, 383)
+    stand_in = assemble_dropped_micro_batch(step_file.header.micro_batches[0], step_file.streams(0, 0),
+                                            seq_len=1024, fields=cfg, routing_rows=None)
+    spread = stand_in.fields["routed_experts"].padded
+    assert spread.dtype == np.dtype("<u2") and int(spread.max()) == 383
+    assert spread.tobytes() == spread_expert_rows(1024, 4, 8, 384, np.dtype("<u2")).tobytes()
+
+
+def test_a_required_field_absent_from_a_trained_sequence_fails_its_micro_batch_by_name(local_config):
+    """Issue 14 input 2, trainer side: a step file whose micro batch lacks a required field (here a sequence without
+    routing in a micro batch without routing) is refused for that micro batch, never handed to the loss."""
+    cfg = FIELDS.model_validate({**FIELDS.model_dump(), "required": ["routed_experts"]})
+    store = open_store(local_config)
+    rng = np.random.default_rng(5)
+    branches = {"a": make_branch(rng, 3, 5, "a"), "c": make_branch(rng, 4, 7, "c", routing=False)}
+    refs = keep_all(store, local_config, branches, cfg)
+    built = build_step(store, 0, SEQ_LEN, [[[Seq("a", 8)], [Seq("c", 11), Seq(None, 5)]]], branches, refs, rng, cfg=cfg)
+    loss_tokens = int(built.streams[(0, 1)]["loss_mask"][:11].sum())
+    fetched = fetch_own(store, StepFile.read(store, 0), 0, cfg, max_concurrency=2)
+    assert sorted(fetched.assembled) == [0] and fetched.failed == {1}
+    assert fetched.errors == [f"micro batch 1: FieldError: micro batch dp_rank=0 index=1: sequence 0 (env 'test', "
+                              f"ref 1) trains {loss_tokens} loss tokens without required fields ['routed_experts'] "
+                              "(FieldsConfig.required)"]

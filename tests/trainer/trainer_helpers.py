@@ -32,8 +32,8 @@ def make_branch(rng: np.random.Generator, num_prompt: int, num_completion: int, 
     """A branch with random arrays: routing (optional) and every completion field (optional)."""
     fields = {}
     if routing:
-        fields["routed_experts"] = rng.integers(0, cfg.num_experts, (num_prompt + num_completion, cfg.num_layers,
-                                                                      cfg.top_k), dtype=np.uint8)
+        base = rng.integers(0, cfg.num_experts, (num_prompt + num_completion, cfg.num_layers, 1))
+        fields["routed_experts"] = ((base + np.arange(cfg.top_k)) % cfg.num_experts).astype(np.uint8)  # distinct
     if completion:
         c = num_completion
         fields["topk_ids"] = rng.integers(0, 1000, (c, cfg.logprobs_k), dtype=np.int32)
@@ -72,7 +72,8 @@ def keep_all(store: Store, storage: StorageConfig, branches: dict[str, Branch], 
 
 
 def build_step(store: Store, step: int, seq_len: int, layout: list[list[list[Seq]]], branches: dict[str, Branch],
-               refs: dict[str, PayloadRef], rng: np.random.Generator, *, publish: bool = True) -> BuiltStep:
+               refs: dict[str, PayloadRef], rng: np.random.Generator, *, publish: bool = True,
+               cfg: FieldsConfig = FIELDS) -> BuiltStep:
     """Publish step ``step``: ``layout[dp_rank][index]`` lists the sequences of each micro batch.
 
     The owner of a ref is the DP rank of its first non-borrowed use.
@@ -99,7 +100,7 @@ def build_step(store: Store, step: int, seq_len: int, layout: list[list[list[Seq
             streams[(dp, i)] = random_streams(rng, mb)
     header = StepHeader(schema_version=SCHEMA_VERSION, run_uri=store.prefix.uri, step=step, seq_len=seq_len,
                         dp_world_size=len(layout), micro_batches=records, refs=[refs[n] for n in order],
-                        owners=[owners.get(n, 0) for n in order], fields=FIELDS)
+                        owners=[owners.get(n, 0) for n in order], fields=cfg)
     if publish:
         publish_step_file(store, header, streams)
     return BuiltStep(header, streams, branches, refs)
