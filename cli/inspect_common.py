@@ -26,6 +26,7 @@ from refpipe.storage.errors import ConfigError, KeyNotFoundError, RefpipeError
 from refpipe.storage.fetch import chunk_keys
 from refpipe.storage.layout import STEPS_PREFIX, parse_step_key, step_key, tombstone_key
 from refpipe.storage.store import Store
+from refpipe.storage.uri import RunPrefix
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -81,6 +82,7 @@ def open_run(run_uri: str, s3_endpoint_url: str | None) -> Store:
     head, _, run_id = _absolute(run_uri).rstrip("/").rpartition("/")
     if not head or head.endswith(":/"):
         raise ConfigError(f"run URI {run_uri!r}: expected <root>/<run_id>")
+    RunPrefix.from_root(head, run_id)  # a ConfigError naming the root or run id, before StorageConfig validates
     return open_store(StorageConfig(root=head, run_id=run_id, s3_endpoint_url=s3_endpoint_url))
 
 

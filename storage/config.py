@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from refpipe.storage.uri import RunPrefix
 
 
 class StorageConfig(BaseModel):
@@ -30,3 +31,9 @@ class StorageConfig(BaseModel):
     """First retry backoff in seconds; doubles per retry (S3 SlowDown waits 8x longer)."""
     max_concurrent_fetches: int = Field(default=8, ge=1, le=256)
     """Threads one process uses to fetch chunks."""
+
+    @model_validator(mode="after")
+    def _run_prefix(self) -> "StorageConfig":
+        """Refuse at configuration a root or run id that has no run prefix (``RunPrefix.from_root``)."""
+        RunPrefix.from_root(self.root, self.run_id)
+        return self

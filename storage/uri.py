@@ -20,8 +20,24 @@ from refpipe.storage.layout import is_id
 SCHEMES = ("file", "s3")
 
 
+_NOT_IN_URIS = re.compile(r"[#?%\x00-\x1f\x7f]")
+"""Characters a root may not hold: ``#`` and ``?`` start a URI's fragment and query, ``%`` an escape that
+other readers (zarr, fsspec) may decode, and URI parsers strip or refuse control characters, so a URI
+built from such a root would not parse back to it (DESIGN.md, invariant 4)."""
+
+
 def _split_root(root: str) -> tuple[str, str]:
-    """Return ``(scheme, path)`` of a run root; local paths become absolute ``file`` paths."""
+    """Return ``(scheme, path)`` of a run root; local paths become absolute ``file`` paths.
+
+    Raises:
+        ConfigError: a character that does not round-trip through a URI (``_NOT_IN_URIS``), an
+            unknown scheme or a malformed root.
+    """
+    bad = _NOT_IN_URIS.search(root)
+    if bad:
+        raise ConfigError(f"run root {root!r}: character {bad[0]!r} at position {bad.start()} cannot be part of a run "
+                          "URI (# and ? start a URI fragment or query, % an escape, control characters are stripped): "
+                          "expected a root without it")
     parts = urlsplit(root)
     if parts.scheme in ("", "file"):
         if parts.scheme == "file" and parts.netloc not in ("", "localhost"):

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
+from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import ConfigError, OutsideRunError
 from refpipe.storage.uri import RunPrefix
 
@@ -120,3 +122,19 @@ def test_check_key_refuses(key):
 @pytest.mark.parametrize("key", ["payloads/ab/b1/c.0", "ledger/events/w/1.jsonl", "x", "a..b/.c", "a/b/"])
 def test_check_key_accepts(key):
     assert S3.check_key(key) == key
+
+
+@pytest.mark.parametrize("root,char,position", [
+    ("/data/exp#3", "#", 9), ("s3://bucket/exp#3", "#", 15), ("s3://bucket/exp#4", "#", 15),
+    ("/data/exp?x=1", "?", 9), ("file:///data/a\nb", "\n", 14), ("/data/tab\there", "\t", 9), ("/data/100%", "%", 9),
+])
+def test_a_root_that_cannot_round_trip_through_a_uri_is_refused_at_configuration(root, char, position):
+    """Issue 14 input 5: ``<dir>/exp#3`` kept chunks its own run then refused as outside it (they leaked), and
+    ``s3://bucket/exp#3`` and ``s3://bucket/exp#4`` both became ``s3://bucket/exp/run_1`` (one prefix, two runs)."""
+    expected = (f"run root {root!r}: character {char!r} at position {position} cannot be part of a run URI (# and ? "
+                "start a URI fragment or query, % an escape, control characters are stripped): expected a root without it")
+    with pytest.raises(ConfigError) as info:
+        RunPrefix.from_root(root, "run_1")
+    assert str(info.value) == expected
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        StorageConfig(root=root, run_id="run_1")
