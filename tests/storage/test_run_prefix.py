@@ -132,7 +132,8 @@ def test_a_root_that_cannot_round_trip_through_a_uri_is_refused_at_configuration
     """Issue 14 input 5: ``<dir>/exp#3`` kept chunks its own run then refused as outside it (they leaked), and
     ``s3://bucket/exp#3`` and ``s3://bucket/exp#4`` both became ``s3://bucket/exp/run_1`` (one prefix, two runs)."""
     expected = (f"run root {root!r}: character {char!r} at position {position} cannot be part of a run URI (# and ? "
-                "start a URI fragment or query, % an escape, control characters are stripped): expected a root without it")
+                "start a URI fragment or query, % an escape, control characters are stripped): "
+                "expected a root without it")
     with pytest.raises(ConfigError) as info:
         RunPrefix.from_root(root, "run_1")
     assert str(info.value) == expected
