@@ -25,6 +25,7 @@ from refpipe.cli.inspect_common import (
 from refpipe.cli.inspect_ls import ls_run
 from refpipe.cli.inspect_show import show_arrays
 from refpipe.cli.inspect_verify import verify_step
+from refpipe.cli.text import markup_safe
 from refpipe.pipeline.step_file import MicroBatchRecord, StepHeader
 from refpipe.storage.errors import ConfigError
 from rich.console import Console
@@ -81,16 +82,17 @@ def summarize(header: StepHeader, step_uri: str, states: list[ChunkState]) -> di
 
 
 def _envs(counts: dict[str, int]) -> str:
-    return ", ".join(f"{name} x{n}" if n > 1 else name for name, n in counts.items())
+    return ", ".join(f"{markup_safe(name)} x{n}" if n > 1 else markup_safe(name) for name, n in counts.items())
 
 
 def render(summary: dict, console: Console) -> None:
     """Print the summary as one table per DP rank, then the missing chunks."""
-    console.print(f"[bold]step {summary['step']}[/] of {summary['run_uri']}  seq_len={summary['seq_len']}  "
-                  f"dp_world_size={summary['dp_world_size']}  chunks: {summary['num_chunks_present']} present, "
-                  f"{summary['num_chunks_missing']} missing", highlight=False, soft_wrap=True)
+    console.print(f"[bold]step {summary['step']}[/] of {markup_safe(summary['run_uri'])}  "
+                  f"seq_len={summary['seq_len']}  dp_world_size={summary['dp_world_size']}  "
+                  f"chunks: {summary['num_chunks_present']} present, {summary['num_chunks_missing']} missing",
+                  highlight=False, soft_wrap=True)
     if summary["metrics"]:
-        console.print("metrics: " + "  ".join(f"{k}={v:g}" for k, v in summary["metrics"].items()),
+        console.print("metrics: " + "  ".join(f"{markup_safe(k)}={v:g}" for k, v in summary["metrics"].items()),
                       highlight=False, soft_wrap=True)
     for dp_rank in range(summary["dp_world_size"]):
         table = Table(title=f"DP rank {dp_rank}", title_justify="left")
@@ -102,10 +104,11 @@ def render(summary: dict, console: Console) -> None:
                 chunks += f", [red]{mb['num_chunks_missing']} missing[/]"
             table.add_row(str(mb["index"]), str(mb["num_sequences"]), str(mb["num_tokens"]),
                           str(mb["num_padding_tokens"]), str(mb["num_borrowed"]), _envs(mb["env_names"]),
-                          ", ".join(mb["fields"]) or "-", chunks)
+                          markup_safe(", ".join(mb["fields"])) or "-", chunks)
         console.print(table)
     for chunk in summary["missing"]:
-        console.print(f"[red]missing[/] {chunk['uri']} (owner DP rank {chunk['owner_dp_rank']}): {chunk['problem']}",
+        console.print(f"[red]missing[/] {markup_safe(chunk['uri'])} (owner DP rank {chunk['owner_dp_rank']}): "
+                      f"{markup_safe(chunk['problem'])}",
                       highlight=False, soft_wrap=True)
 
 

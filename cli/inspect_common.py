@@ -17,7 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
+import click
 import typer
+from refpipe.cli.text import printable
 from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.backends import open_store
 from refpipe.storage.chunk import PayloadRef
@@ -48,22 +50,31 @@ def fail(message: str, code: int = EXIT_ERROR) -> None:
 
 
 def one_line(message: str) -> str:
-    """``message`` with its line breaks folded into ``; `` (pydantic errors span lines)."""
-    return "; ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    """``message`` with its line breaks folded into ``; `` (pydantic errors span lines) and every other
+    control character shown as its escape (``cli.text.printable``)."""
+    return printable("; ".join(part.strip() for part in str(message).splitlines() if part.strip()))
 
 
 def clean_errors(command: Callable[..., T]) -> Callable[..., T]:
-    """Wrap a command so refpipe and OS errors (missing, unreadable, no permission) end it with one line
-    on stderr and exit code 2, never a traceback."""
+    """Wrap a command so every error ends it with one line on stderr and exit code 2, never a traceback.
+
+    Refpipe and OS errors (missing, unreadable, no permission) print their message; anything else
+    (an S3 client's ``EndpointConnectionError`` for an unreachable endpoint, a bug) prints its type
+    and message. Exits the command requested itself (``typer.Exit``) pass through.
+    """
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
+        except (typer.Exit, typer.Abort, click.ClickException):
+            raise
         except RefpipeError as e:
             fail(str(e) or type(e).__name__)
         except OSError as e:  # from a listing: "permission denied: /runs/run_0/steps"
             fail(f"{e.strerror.lower()}: {e.filename}" if e.strerror and e.filename else str(e) or type(e).__name__)
+        except Exception as e:  # noqa: BLE001 -- the documented boundary: no traceback from any command
+            fail(f"{type(e).__name__}: {e}")
 
     return wrapper
 

@@ -25,6 +25,7 @@ from refpipe.cli.inspect_common import (
     open_step,
     parallel_map,
 )
+from refpipe.cli.text import printable
 from refpipe.pipeline.step_file import HEADER_MEMBER, StepFile, StepHeader, check_step
 from refpipe.storage.chunk import PayloadRef, read_attributes
 from refpipe.storage.errors import ChunkCorruptError, KeyNotFoundError, OutsideRunError, StepFileError
@@ -116,7 +117,7 @@ def verify_step(
                                        "verifying chunks"):
         problems += chunk_problems
     for line in problems:
-        typer.echo(line)
+        typer.echo(printable(line))
     nbytes = sum(ref.nbytes for ref in refs)
     found = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}" if problems else "all intact"
     typer.echo(f"step {step.header.step}: {len(refs)} chunks ({nbytes} bytes), "

@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 from refpipe.cli.inspect_common import EXIT_PROBLEMS, S3_ENDPOINT_HELP, clean_errors, open_run, progress
+from refpipe.cli.text import markup_safe
 from refpipe.pipeline.audit import AuditReport, SweepResult, audit, sweep
 from rich.console import Console
 from rich.table import Table
@@ -29,19 +30,19 @@ def _print_chunks(console: Console, title: str, uris: list[str]) -> None:
         return
     console.print(f"[bold]{title}[/] ({len(uris)})", highlight=False)
     for uri in uris[:_SHOWN]:
-        console.print(f"  {uri}", highlight=False, soft_wrap=True)
+        console.print(f"  {markup_safe(uri)}", highlight=False, soft_wrap=True)
     if len(uris) > _SHOWN:
         console.print(f"  ... {len(uris) - _SHOWN} more (--json lists all)", highlight=False)
 
 
 def render_audit(report: AuditReport, console: Console) -> None:
     """Counts, outstanding chunks by holder, the problem lists, and the verdict."""
-    table = Table(title=f"audit of {report.run_uri}", show_header=False)
+    table = Table(title=f"audit of {markup_safe(report.run_uri)}", show_header=False)
     for name in ("kept", "shipped", "borrowed", "deleted", "present", "outstanding", "leaked",
                  "double_deletes", "unknown_deletes"):
         table.add_row(name, str(getattr(report, name)))
     for holder, count in report.outstanding_by_holder.items():
-        table.add_row(f"  held by {holder}", str(count))
+        table.add_row(f"  held by {markup_safe(holder)}", str(count))
     console.print(table)
     _print_chunks(console, "leaked", report.leaked_chunks)
     _print_chunks(console, "unfinished deletes", report.unfinished_deletes)
@@ -51,7 +52,7 @@ def render_audit(report: AuditReport, console: Console) -> None:
                          ("stray keys (no refpipe object belongs there)", report.stray_keys)):
         _print_chunks(console, title, lines)
     for line in report.violations:
-        console.print(f"[red]violation[/] {line}", highlight=False)
+        console.print(f"[red]violation[/] {markup_safe(line)}", highlight=False)
     if report.clean:
         console.print("[green]clean[/]")
 

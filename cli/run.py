@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+from refpipe.cli.text import markup_safe
 from refpipe.storage.errors import RefpipeError
 from rich.console import Console
 
@@ -22,7 +23,7 @@ def run_job(config: Path = typer.Option(Path("configs/local.toml"), "--config", 
         launcher = Launcher(cfg, console)
         code = launcher.run()
     except RefpipeError as e:  # raised before the run started: bad config, root, credentials, existing run
-        console.print(f"[red]error:[/] {e}", soft_wrap=True, highlight=False)
+        console.print(f"[red]error:[/] {markup_safe(e)}", soft_wrap=True, highlight=False)
         raise typer.Exit(2) from None
     except KeyboardInterrupt:  # before the fleet started (warm start): only config.json and weights were written
         console.print("[red]interrupted before the run started[/]", highlight=False)
