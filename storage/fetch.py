@@ -8,8 +8,8 @@ and checks their crc32c against the ref's ``block_crcs`` (length-checked too), s
 read is verified. Compressed chunks are always read whole.
 
 Untrusted refs: ``PayloadRef`` validation makes shapes, dtypes and ``nbytes`` agree; every
-buffer allocated here is either the caller's, or bounded by the bytes the store returned
-(the object's real size), never by a size the ref merely declares.
+buffer allocated here is bounded by the bytes the store returned (the object's real size)
+or by the destinations the caller allocated, never by a size the ref merely declares.
 """
 
 from __future__ import annotations
@@ -75,9 +75,12 @@ def fetch_arrays(store: Store, ref: PayloadRef, num_tokens: int | None = None,
                  out: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """Read a branch's arrays, cut to its first ``num_tokens`` tokens (default: all).
 
-    A whole uncompressed chunk whose every array has a destination in ``out`` is read straight
-    into them (one ``Store.get_into``), the crc32c computed over them; any other chunk is read
-    as below and copied into ``out``.
+    A whole uncompressed chunk is read straight into its destination arrays (one
+    ``Store.get_into``), the crc32c computed over them, when the arrays ``out`` leaves out
+    (allocated here from the ref's shapes) take no more bytes than the destinations the caller
+    already allocated: an untrusted ref cannot make this allocate more than the caller
+    committed. Any other chunk is read as below (allocation bounded by the bytes the store
+    returns) and copied into ``out``.
 
     Args:
         out: stored array name -> destination: a writable C-contiguous ndarray of that array's
@@ -110,7 +113,7 @@ def fetch_arrays(store: Store, ref: PayloadRef, num_tokens: int | None = None,
 
 
 def _fetch(store: Store, data_key: str, ref: PayloadRef, n: int, out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    if n == ref.num_tokens and ref.compression == "none" and set(out) == set(ref.arrays):
+    if n == ref.num_tokens and ref.compression == "none" and out and _fresh_nbytes(ref, out) <= _nbytes(out):
         return _read_whole_into(store, data_key, ref, out)
     if n == ref.num_tokens or ref.compression != "none":
         payload = decode_payload(ref, store.get(data_key), ref.uri)
@@ -124,7 +127,7 @@ def _fetch(store: Store, data_key: str, ref: PayloadRef, n: int, out: dict[str, 
 
 
 def _read_whole_into(store: Store, data_key: str, ref: PayloadRef, out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Read a whole uncompressed chunk into ``out`` (every array's destination); check length and crc32c."""
+    """Read a whole uncompressed chunk into ``out`` (fresh arrays for the rest); check length and crc32c."""
     layouts = ref.layout()
     gaps, end = [], 0
     for lay in layouts:
@@ -136,8 +139,11 @@ def _read_whole_into(store: Store, data_key: str, ref: PayloadRef, out: dict[str
     for lay, gap in zip(layouts, gaps):
         buffers.append(scratch[used : used + gap])
         used += gap
-        dest = out[lay.name]
-        _check_destination(ref, lay.name, dest, lay.shape)
+        dest = out.get(lay.name)
+        if dest is None:
+            dest = np.empty(lay.shape, lay.dtype)
+        else:
+            _check_destination(ref, lay.name, dest, lay.shape)
         arrays[lay.name] = dest
         buffers.append(dest.reshape(-1).view(np.uint8))
     buffers += [scratch[used : used + tail], scratch[used + tail :]]
@@ -147,7 +153,19 @@ def _read_whole_into(store: Store, data_key: str, ref: PayloadRef, out: dict[str
         if b.nbytes:
             crc = crc32c.crc32c(b, crc)
     check_checksum(ref, crc, int(buffers[-1].view("<u4")[0]), ref.uri)
+    for name, a in arrays.items():
+        if name not in out:
+            a.flags.writeable = False
     return arrays
+
+
+def _nbytes(out: Mapping[str, np.ndarray]) -> int:
+    return sum(a.nbytes for a in out.values() if isinstance(a, np.ndarray))
+
+
+def _fresh_nbytes(ref: PayloadRef, out: Mapping[str, np.ndarray]) -> int:
+    """Bytes a direct read would allocate for the arrays ``out`` gives no destination for."""
+    return sum(lay.nbytes for lay in ref.layout() if lay.name not in out)
 
 
 def _check_destination(ref: PayloadRef, name: str, dest: np.ndarray, shape: tuple[int, ...]) -> None:
