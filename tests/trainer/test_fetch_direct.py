@@ -87,7 +87,9 @@ def test_a_bad_chunk_fails_its_micro_batch_with_a_typed_error(built, damage):
     assert_same(flatten(mb.streams, mb.cu_seqlens, mb.fields), expected_micro_batch(step, 0, 0))
 
 
-def test_routing_of_two_dtypes_in_one_micro_batch_is_widened(local_config):
+def test_routing_of_two_dtypes_in_one_micro_batch_takes_the_runs_routing_dtype(local_config):
+    """Refs kept as uint16 and uint8 in one micro batch: laid out as ``FIELDS.routing_dtype`` (uint8, from
+    num_experts=8), never as whatever the refs carry."""
     store = open_store(local_config)
     rng = np.random.default_rng(4)
     wide, narrow = make_branch(rng, 2, 5, "wide"), make_branch(rng, 3, 4, "narrow")
@@ -98,8 +100,8 @@ def test_routing_of_two_dtypes_in_one_micro_batch_is_widened(local_config):
     fetched = fetch_own(store, StepFile.read(store, 0), 0, FIELDS, max_concurrency=2)
     assert fetched.failed == set()
     padded = fetched.assembled[0].fields["routed_experts"].padded
-    want = np.concatenate([wide.fields["routed_experts"], narrow.fields["routed_experts"]]).astype("<u2")
-    assert padded.dtype == np.dtype("<u2") and padded[:14].tobytes() == want.tobytes()
+    want = np.concatenate([wide.fields["routed_experts"], narrow.fields["routed_experts"]]).astype(np.uint8)
+    assert padded.dtype == np.uint8 and padded[:14].tobytes() == want.tobytes()
     expected = expected_micro_batch(step, 0, 0)
-    assert padded[14:].tobytes() == expected["field.routed_experts.padded"][14:].astype("<u2").tobytes()
+    assert padded[14:].tobytes() == expected["field.routed_experts.padded"][14:].tobytes()
     assert fetched.assembled[0].fields["topk_ids"].values.tobytes() == expected["field.topk_ids.values"].tobytes()
