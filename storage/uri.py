@@ -11,6 +11,7 @@ before any I/O (DESIGN.md, invariant 4).
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
