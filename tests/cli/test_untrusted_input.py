@@ -72,5 +72,5 @@ def test_ls_on_an_unreachable_s3_endpoint_is_one_line(monkeypatch):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # closed once the block ends: nothing listens there
     result = invoke(["ls", "s3://bucket/prefix/run_1", "--s3-endpoint-url", f"http://127.0.0.1:{port}"])
-    assert_one_line_error(result, f'error: EndpointConnectionError: Could not connect to the endpoint URL: '
-                                  f'"http://127.0.0.1:{port}/bucket')
+    assert_one_line_error(result, f"error: LIST s3://bucket/prefix/run_1/steps: EndpointConnectionError: Could "
+                                  f'not connect to the endpoint URL: "http://127.0.0.1:{port}/bucket?')
