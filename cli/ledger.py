@@ -38,7 +38,7 @@ def _print_chunks(console: Console, title: str, uris: list[str]) -> None:
 def render_audit(report: AuditReport, console: Console) -> None:
     """Counts, outstanding chunks by holder, the problem lists, and the verdict."""
     table = Table(title=f"audit of {markup_safe(report.run_uri)}", show_header=False)
-    for name in ("kept", "shipped", "borrowed", "deleted", "present", "outstanding", "leaked",
+    for name in ("kept", "shipped", "borrowed", "deleted", "retained", "present", "outstanding", "leaked",
                  "double_deletes", "unknown_deletes"):
         table.add_row(name, str(getattr(report, name)))
     for holder, count in report.outstanding_by_holder.items():
@@ -86,7 +86,8 @@ def render_sweep(result: SweepResult, console: Console) -> None:
     _print_chunks(console, f"{verb}: leaked chunks", result.deleted)
     _print_chunks(console, f"{verb}: leftovers of unfinished deletes", result.finished_deletes)
     _print_chunks(console, f"{verb}: incomplete keeps", result.removed_incomplete)
-    total = len(result.deleted) + len(result.finished_deletes) + len(result.removed_incomplete)
+    _print_chunks(console, f"{verb}: retained chunks", result.retained)
+    total = len(result.deleted) + len(result.finished_deletes) + len(result.removed_incomplete) + len(result.retained)
     console.print(f"{verb} {total} chunks" + (f"; {result.conflicts} already deleted by others" if result.conflicts
                                               else ""), highlight=False)
 
@@ -101,21 +102,25 @@ def sweep_run(
     force: Annotated[bool, typer.Option(
         "--force", help="Sweep as --stopped/--abandon even though a session's recorded pid is alive on this "
                         "host (that pid now belongs to a process outside the run).")] = False,
+    retained: Annotated[bool, typer.Option(
+        "--retained", help="Also delete the chunks kept for inspection (trainer.retain_steps).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of lists.")] = False,
     s3_endpoint_url: EndpointOpt = None,
 ) -> None:
     """Delete, exactly once and recorded (ledger actor ``sweep``), the chunks no live holder accounts for.
 
     Never touches a chunk of a step file not yet trained, unless ``--abandon`` (implies
-    ``--stopped``). ``--stopped`` is checked where it can be: while a session of the run opened
-    on this host is unclosed and its pid alive, the sweep refuses (unless ``--force``); for
+    ``--stopped``). ``--retained`` also deletes the chunks retained for inspection
+    (``trainer.retain_steps``). ``--stopped`` is checked where it can be: while a session of the run
+    opened on this host is unclosed and its pid alive, the sweep refuses (unless ``--force``); for
     sessions on other hosts, ``--stopped`` is your declaration that they are gone. Exit codes:
     0 swept; 2 the run could not be read, a step file is unreadable, or the run still runs
     here (nothing deleted).
     """
     store = open_run(run_uri, s3_endpoint_url)
     with progress("sweeping") as bar:
-        result = sweep(store, stopped=stopped, dry_run=dry_run, abandon=abandon, force=force, progress=bar)
+        result = sweep(store, stopped=stopped, dry_run=dry_run, abandon=abandon, force=force, retained=retained,
+                       progress=bar)
     if as_json:
         typer.echo(result.model_dump_json())
     else:

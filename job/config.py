@@ -48,6 +48,9 @@ class JobConfig(BaseModel):
     """Max |recomputed - inference| logprob allowed on on-policy completion tokens (float32)."""
     alignment_shift_rows: int = Field(default=0, ge=0)
     """Test hook: replay routing shifted down by this many rows; any value > 0 must fail the check."""
+    checkpoint_every_steps: int = Field(default=4, ge=0)
+    """Write a trainer checkpoint (``trainer.checkpoint``) after every this many steps and after the last
+    step (0 = never); ``trainer.release = "after_checkpoint"`` needs checkpoints."""
     step_deadline_s: float = Field(default=300.0, gt=0)
     """Seconds the launcher waits for a step's progress before giving up with an error."""
     seed: int = 0
@@ -81,6 +84,9 @@ class RunConfig(BaseModel):
         if longest > self.orchestrator.seq_len:
             raise ConfigError(f"orchestrator.seq_len={self.orchestrator.seq_len}: expected >= {longest}, the longest "
                               "prompt plus completion of the task (shorter samples would be truncated or dropped)")
+        if self.trainer.release == "after_checkpoint" and not self.job.checkpoint_every_steps:
+            raise ConfigError('trainer.release="after_checkpoint" needs job.checkpoint_every_steps >= 1 (with 0 '
+                              "no checkpoint is ever written, so no trained chunk would ever be deleted)")
         if self.orchestrator.group_size < 2:
             raise ConfigError(f"orchestrator.group_size={self.orchestrator.group_size}: expected >= 2 (group-relative "
                               "advantages of a single sample are zero, so every group would be filtered)")

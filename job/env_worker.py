@@ -34,6 +34,7 @@ from refpipe.storage.backends import open_store
 from refpipe.storage.errors import StorageError
 from refpipe.storage.layout import env_worker_actor
 from refpipe.storage.ledger import Ledger
+from refpipe.trainer.pause import pause_point
 
 ENV_NAME = "reverse"
 log = logging.getLogger(__name__)
@@ -127,6 +128,7 @@ def run_group(model: MoELM, keeper: Keeper, cfg: RunConfig, request: GroupReques
             return GroupResult(worker, request.request_id, [], version, len(episodes), nbytes,
                                discarded=len(episodes), failed=f"{type(e).__name__}: {e}")
         nbytes += ref.nbytes
+        pause_point("keep", request.request_id)
         episodes.append(_episode(request, i, problem, sampled, ref, cfg, version))
     return GroupResult(worker, request.request_id, episodes, version, len(episodes), nbytes)
 

@@ -34,10 +34,12 @@ from refpipe.job.config import RunConfig
 from refpipe.job.env_worker import GroupRequest, GroupResult, env_worker_main
 from refpipe.job.model import MoELM
 from refpipe.job.progress import ProgressView, StepRow
+from refpipe.job.resume import LifeStart
 from refpipe.job.task import warm_start
-from refpipe.job.weights import publish_weights
+from refpipe.job.weights import point_latest, publish_weights
 from refpipe.pipeline.audit import AuditReport, audit, sweep
 from refpipe.pipeline.orchestrator import Orchestrator
+from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.backends import open_store
 from refpipe.storage.errors import ConfigError, KeyExistsError, KeyNotFoundError, RefpipeError
 from refpipe.storage.layout import (
@@ -76,8 +78,8 @@ class Fleet:
 class Launcher:
     """Drives one run; see the module docstring for the order of things."""
 
-    def __init__(self, cfg: RunConfig, console: Console):
-        self.cfg, self.console = cfg, console
+    def __init__(self, cfg: RunConfig, console: Console, *, resume: bool = False):
+        self.cfg, self.console, self.resume = cfg, console, resume
         self.store: Store = open_store(cfg.storage)
         self.view = ProgressView(console, cfg)
         self.next_request, self.next_step, self.trained = 0, 0, 0
@@ -87,13 +89,18 @@ class Launcher:
         self.alignment_tokens = 0
         self.rewards: list[float] = []
         self.rows: dict[int, StepRow] = {}
+        self.life: LifeStart | None = None
+        self.stale_lives: dict[int, str | None] = {}
+        """Steps to train again -> the ``life`` of their metrics from an earlier life (not this life's)."""
+        self.lives = Counter()
+        """This life's ``replayed`` and ``skipped`` steps and ``reclaimed`` chunks (``refpipe run --resume``)."""
 
     def run(self) -> int:
         """Run the job; return the process exit code (0: audit clean and alignment within tolerance)."""
         with _sigterm_as_interrupt():  # SIGTERM before the fleet exists ends like Ctrl-C (KeyboardInterrupt)
-            config_path = self.prepare()
+            config_path = self.prepare_resume() if self.resume else self.prepare()
             try:
-                fleet = start_fleet(self.cfg, config_path)
+                fleet = start_fleet(self.cfg, config_path, resume=self.resume)
                 self.orchestrator = Orchestrator(self.cfg.orchestrator, self.store, fields=self.cfg.fields)
                 failure = self.drive(fleet)
             finally:
@@ -134,6 +141,36 @@ class Launcher:
         publish_weights(self.store, model, 0)
         self.console.log(f"run {self.store.prefix.uri}: {self.cfg.job.num_env_workers} env workers, "
                          f"{self.cfg.job.trainer_world_size} trainer ranks, {self.cfg.job.num_steps} steps")
+        return self.temp_config(text)
+
+    def prepare_resume(self) -> str:
+        """A later life (``job.resume``): reclaim what dead sessions kept but never shipped (refused while another
+        life of the run is alive on this host), point env workers at the checkpoint's weights, save the
+        resumed config, and go on numbering after the last published step."""
+        life = LifeStart.read(self.store, self.cfg.job.num_steps)
+        try:
+            swept = sweep(self.store, stopped=True)
+        except ConfigError as e:
+            raise ConfigError(f"refusing to resume: another life of the run is still running: {e}") from e
+        self.lives["reclaimed"] = len(swept.deleted) + len(swept.removed_incomplete) + len(swept.finished_deletes)
+        point_latest(self.store, life.policy_version)
+        text = self.cfg.model_dump_json(indent=2)
+        self.store.put(CONFIG_KEY, text.encode())
+        self.life, self.trained, self.next_step = life, life.checkpoint_step + 1, life.published
+        sizes = self.store.list_sizes(STEPS_PREFIX)
+        for step in range(self.trained, life.published):
+            self.rows[step] = StepRow.from_header(StepFile.read(self.store, step).header, sizes[step_key(step)], 0, 0)
+            with contextlib.suppress(KeyNotFoundError):
+                self.stale_lives[step] = json.loads(self.store.get(metrics_key(step))).get("life")
+        start = f"checkpoint of step {life.checkpoint_step}" if life.checkpoint_step >= 0 else "the warm start"
+        self.console.log(f"resuming run {self.store.prefix.uri} (life {life.life}) from {start}: "
+                         + "; ".join(f"{k} {len(v)}" for k, v in life.classes.items())
+                         + f"; steps {self.trained}..{life.published - 1} trained again; "
+                         f"{self.lives['reclaimed']} chunks reclaimed from dead sessions", highlight=False)
+        return self.temp_config(text)
+
+    def temp_config(self, text: str) -> str:
+        """Write the resolved config to a temp file for the trainer ranks; return its path."""
         fd, path = tempfile.mkstemp(prefix=f"refpipe-{self.cfg.storage.run_id}-", suffix=".json")
         with os.fdopen(fd, "w") as f:
             f.write(text)
@@ -164,7 +201,9 @@ class Launcher:
         while sum(len(f) for f in fleet.in_flight) + self.orchestrator.ready_groups < limit:
             every = self.cfg.job.eval_every_steps
             is_eval = bool(every) and self.next_request % (every * self.cfg.orchestrator.groups_per_step) == 1
-            self.send(fleet, GroupRequest(self.next_request, f"g{self.next_request:06d}", self.next_request, is_eval))
+            prefix = f"l{self.life.life}-" if self.life else ""  # a later life never reuses a branch id
+            self.send(fleet, GroupRequest(self.next_request, f"{prefix}g{self.next_request:06d}", self.next_request,
+                                          is_eval))
             self.next_request += 1
 
     def send(self, fleet: Fleet, request: GroupRequest) -> None:
@@ -240,6 +279,9 @@ class Launcher:
                 metrics = json.loads(self.store.get(metrics_key(self.trained)))
             except KeyNotFoundError:
                 return progressed
+            if self.trained in self.stale_lives and metrics.get("life") == self.stale_lives[self.trained]:
+                return progressed  # an earlier life's metrics: this life has not trained the step yet
+            self.lives.update(k for k in ("replayed", "skipped") if metrics.get(k))
             self.deletes["trainer"] += metrics["deletes"]
             self.alignment_max = max(self.alignment_max, metrics["on_policy_max_abs_diff"])
             self.alignment_tokens += metrics["on_policy_tokens"]
@@ -262,10 +304,16 @@ class Launcher:
             self.deletes["sweep"] += len(sweep(self.store, stopped=True).deleted)
         report: AuditReport = audit(self.store, stopped=True, finished=not failed)
         alignment_ok = self.alignment_max < self.cfg.job.alignment_tolerance
+        resumed = None if self.life is None else {
+            "life": self.life.life, "from_checkpoint_step": self.life.checkpoint_step,
+            "replayed_steps": self.lives["replayed"], "skipped_steps": self.lives["skipped"],
+            "reclaimed_chunks": self.lives["reclaimed"]}
         self.view.summary(report, self.deletes, self.alignment_max, alignment_ok, dead_workers=sorted(fleet.dead),
-                          failure=failure)
-        summary = {"failed": failed, "failure": failure, "trained_steps": self.trained, "rewards": self.rewards,
-                   "deletes": dict(self.deletes), "alignment_max_abs_diff": self.alignment_max,
+                          failure=failure, resumed=resumed)
+        summary = {"resumed": resumed, "failed": failed, "failure": failure, "trained_steps": self.trained,
+                   "rewards": self.rewards,
+                   "deletes": dict(self.deletes), "retained_chunks": report.retained,
+                   "alignment_max_abs_diff": self.alignment_max,
                    "alignment_on_policy_tokens": self.alignment_tokens,
                    "alignment_ok": alignment_ok, "dead_env_workers": sorted(fleet.dead), "audit": report.model_dump()}
         self.store.put(SUMMARY_KEY, json.dumps(summary, indent=2).encode())
@@ -280,7 +328,7 @@ class Launcher:
             return 0
 
 
-def start_fleet(cfg: RunConfig, config_path: str) -> Fleet:
+def start_fleet(cfg: RunConfig, config_path: str, *, resume: bool = False) -> Fleet:
     """Spawn the env workers and the trainer ranks (torchrun's environment, gloo on loopback)."""
     ctx = mp.get_context("spawn")
     results, stop = ctx.Queue(), ctx.Event()
@@ -296,7 +344,8 @@ def start_fleet(cfg: RunConfig, config_path: str) -> Fleet:
         env = {**os.environ, "REFPIPE_LAUNCHER_PID": str(os.getpid()), "RANK": str(rank), "LOCAL_RANK": str(rank),
                "WORLD_SIZE": str(cfg.job.trainer_world_size),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        trainers.append(subprocess.Popen([sys.executable, "-m", "refpipe.job.train_rank", config_path], env=env,
+        trainers.append(subprocess.Popen([sys.executable, "-m", "refpipe.job.train_rank", config_path,
+                                          *(["--resume"] if resume else [])], env=env,
                                          start_new_session=True))  # Ctrl-C is the launcher's; it stops them
     return Fleet(workers, requests, results, stop, trainers, [{} for _ in workers])
 

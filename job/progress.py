@@ -78,17 +78,27 @@ class ProgressView:
         self.progress.advance(self.task)
 
     def summary(self, report: AuditReport, deletes: Counter, alignment_max: float, alignment_ok: bool,
-                dead_workers: list[int], failure: str | None) -> None:
-        """The audit table, every violation, and a last line that says whether the run succeeded."""
+                dead_workers: list[int], failure: str | None, resumed: dict | None = None) -> None:
+        """The audit table, every violation, and a last line that says whether the run succeeded.
+
+        ``resumed`` (a later life): checkpoint step it resumed from, steps replayed and skipped, chunks reclaimed.
+        """
         self.console.print(f"run {report.run_uri}", soft_wrap=True, highlight=False)
         table = Table(title="ledger audit", show_header=False)
         for name, value in (("kept", report.kept), ("shipped", report.shipped), ("deleted", report.deleted),
                             ("outstanding", report.outstanding), ("leaked", report.leaked),
                             ("double deletes", report.double_deletes), ("unknown deletes", report.unknown_deletes)):
             table.add_row(name, str(value))
+        table.add_row("retained", str(report.retained))
         for actor, n in sorted(deletes.items()):
             table.add_row(f"deletes: {actor}", str(n))
         table.add_row("alignment max |dlogp| (on-policy)", f"{alignment_max:.2e}")
+        if resumed:
+            start = resumed["from_checkpoint_step"]
+            table.add_row("resumed from", f"checkpoint of step {start}" if start >= 0 else "the warm start")
+            for key in ("replayed_steps", "skipped_steps", "reclaimed_chunks"):
+                table.add_row(key.replace("_", " ") + (" from dead sessions" if key == "reclaimed_chunks" else ""),
+                              str(resumed[key]))
         if dead_workers:
             table.add_row("env workers that died", ", ".join(env_worker_actor(w) for w in dead_workers))
         self.console.print(table)

@@ -9,9 +9,12 @@ its micro batches' chunks, all-reduce failures, assemble) calls ``train``: forwa
 with the fetched routing replayed, the alignment check, the loss, a gradient
 all-reduce (SUM over the world, divided by the global loss tokens and the
 model-parallel size), one optimizer step; then rank 0 publishes weights version
-``s + 1`` and the step's metrics (``metrics/trainer_step_<s>.json``). After the last step every rank
-calls ``TrainerRank.finish`` (the last step's chunks are deleted in the background) and rank 0 writes
-its counts (``metrics/trainer_finish.json``).
+``s + 1``; every ``job.checkpoint_every_steps`` steps (and after the last) every rank writes
+the checkpoint of step ``s`` (``trainer.checkpoint``) and ``TrainerRank.checkpointed(s)`` releases
+the steps it covers (``release = "after_checkpoint"``); then rank 0 publishes the step's
+metrics (``metrics/trainer_step_<s>.json``). After the last step every rank calls
+``TrainerRank.finish`` (the last releases run in the background) and rank 0 writes its counts
+(``metrics/trainer_finish.json``).
 """
 
 from __future__ import annotations
@@ -31,9 +34,13 @@ from refpipe.job.loss import policy_loss
 from refpipe.job.model import MoELM
 from refpipe.job.weights import load_weights, publish_weights
 from refpipe.storage.backends import open_store
-from refpipe.storage.layout import FINISH_METRICS_KEY, metrics_key
+from refpipe.storage.errors import KeyNotFoundError, ReplayMismatchError
+from refpipe.storage.layout import FINISH_METRICS_KEY, metrics_key, step_key
 from refpipe.storage.store import Store
+from refpipe.trainer.checkpoint import apply_training_state, load_checkpoint, save_checkpoint, training_state
 from refpipe.trainer.dist import init_process_group
+from refpipe.trainer.pause import pause_point
+from refpipe.trainer.resume import ResumePlan, plan_resume
 from refpipe.trainer.step import TrainerRank
 from refpipe.trainer.tensors import TrainMicroBatch
 
@@ -80,6 +87,7 @@ class PolicyTrainer:
         whose micro batches were all dropped, or that got none, contributes zero gradients
         (allocated once in ``__init__`` and zeroed, never set to None) and zero loss tokens.
         """
+        pause_point("train", self.version)
         live = [mb for mb in micro_batches if not mb.dropped]
         total = torch.tensor([sum(int(mb.streams["loss_mask"].sum()) for mb in live)], dtype=torch.float64)
         dist.all_reduce(total)
@@ -161,8 +169,20 @@ def _exit_with_launcher() -> None:
     threading.Thread(target=watch, daemon=True, name="launcher-watch").start()
 
 
-def main(config_path: str) -> None:
-    """Rank entry (torchrun environment). Trains ``job.num_steps`` steps, publishing weights after each."""
+def checkpoint_due(cfg: RunConfig, step: int) -> bool:
+    """Whether the checkpoint of step ``step`` is written: every ``job.checkpoint_every_steps`` steps, and after the
+    last step (so ``release = "after_checkpoint"`` ends with nothing held)."""
+    every = cfg.job.checkpoint_every_steps
+    return bool(every) and ((step + 1) % every == 0 or step == cfg.job.num_steps - 1)
+
+
+def main(config_path: str, *, resume: bool = False) -> None:
+    """Rank entry (torchrun environment). Trains ``job.num_steps`` steps, publishing weights after each.
+
+    ``resume``: a later life of the run (``trainer.resume``): start from the newest complete checkpoint
+    (or the warm start), finish the releases it covers, republish its weights, then replay or skip the
+    steps after it.
+    """
     _exit_with_launcher()
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, format=f"[trainer rank {os.environ.get('RANK')}] %(message)s")
@@ -170,14 +190,20 @@ def main(config_path: str) -> None:
     init_process_group(cfg.trainer, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     store = open_store(cfg.storage)
     model = MoELM(cfg.model)
-    load_weights(store, model, 0)
     policy = PolicyTrainer(cfg, model)
     rank = TrainerRank(store, cfg.fields, cfg.storage, cfg.trainer)
-    for step in range(cfg.job.num_steps):
-        metrics = rank.run_step(step, policy)
+    plan = resume_life(store, cfg, policy, rank) if resume else None
+    if not resume:
+        load_weights(store, model, 0)
+    for step in range(plan.start_step if plan else 0, cfg.job.num_steps):
+        metrics = train_step(store, cfg, policy, rank, step, plan)
+        pause_point("after_release", step)
+        if checkpoint_due(cfg, step):
+            save_checkpoint(store, training_state(model, policy.optimizer, step=step, policy_version=policy.version))
+            rank.checkpointed(step)
         if dist.get_rank() == 0:
-            publish_weights(store, model, step + 1)
-            publish_step_metrics(store, step, {**metrics.model_dump(), **asdict(policy.stats)})
+            metrics["life"] = rank.ledger.session
+            publish_step_metrics(store, step, {**metrics, **asdict(policy.stats)})
     finished = rank.finish()
     if dist.get_rank() == 0:
         store.put(FINISH_METRICS_KEY, finished.model_dump_json().encode())
@@ -185,5 +211,62 @@ def main(config_path: str) -> None:
     dist.destroy_process_group()
 
 
+def resume_life(store: Store, cfg: RunConfig, policy: PolicyTrainer, rank: TrainerRank) -> ResumePlan:
+    """Every rank: load the newest complete checkpoint (or the warm start), release (in the background) what it
+    covers that an earlier life had not, and (rank 0) republish its weights as the current version, so env
+    workers restart on them."""
+    plan = plan_resume(store, cfg.orchestrator.dp_world_size)
+    if plan.checkpoint:
+        empty = training_state(policy.model, policy.optimizer, step=-1, policy_version=-1)
+        state = load_checkpoint(store, plan.checkpoint.step, empty)
+        apply_training_state(policy.model, policy.optimizer, state)
+        policy.version = int(state["policy_version"])
+    else:
+        load_weights(store, policy.model, 0)
+    rank.resume(plan)
+    if dist.get_rank() == 0:
+        publish_weights(store, policy.model, policy.version, replace=True)
+        start = f"the checkpoint of step {plan.checkpoint.step}" if plan.checkpoint else "the warm start"
+        log.warning("resumed from %s: steps %d..%d trained again (%d of them skipped: chunks gone)", start,
+                    plan.start_step, plan.published - 1, len(plan.skipped))
+    return plan
+
+
+def train_step(store: Store, cfg: RunConfig, policy: PolicyTrainer, rank: TrainerRank, step: int,
+               plan: ResumePlan | None) -> dict:
+    """Every rank: train step ``step`` (or skip it, see ``trainer.resume``); rank 0 publishes weights
+    version ``step + 1``. A replayed step's micro batches must hash as they did in the earlier life.
+
+    Raises:
+        ReplayMismatchError: a replayed micro batch differs from the first time (on every rank).
+    """
+    if plan and step in plan.skipped:
+        metrics = rank.skip_step(step, plan).model_dump()
+        policy.version, policy.stats = step + 1, StepStats()
+    else:
+        metrics = rank.run_step(step, policy).model_dump()
+        metrics["replayed"] = bool(plan and plan.replays(step))
+        if metrics["replayed"]:
+            check_replay(store, step, metrics["micro_batch_hashes"])
+    if dist.get_rank() == 0:
+        publish_weights(store, policy.model, step + 1, replace=plan is not None)
+    return metrics
+
+
+def check_replay(store: Store, step: int, hashes: list[list[str]]) -> None:
+    """Compare a replayed step's micro batch hashes with the earlier life's metrics (when it wrote them).
+
+    Raises:
+        ReplayMismatchError: they differ.
+    """
+    try:
+        first = json.loads(store.get(metrics_key(step)))["micro_batch_hashes"]
+    except KeyNotFoundError:
+        return  # the earlier life died before its metrics of this step: nothing to compare with
+    if first != hashes:
+        raise ReplayMismatchError(f"step {step} replayed from {store.uri(step_key(step))}: micro batch hashes "
+                                  f"{hashes} differ from the first time's {first}; stopping")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], resume="--resume" in sys.argv[2:])

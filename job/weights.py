@@ -17,11 +17,20 @@ from refpipe.storage.layout import LATEST_WEIGHTS_KEY, weights_key
 from refpipe.storage.store import Store
 
 
-def publish_weights(store: Store, model: torch.nn.Module, version: int) -> None:
-    """Write version ``version`` of the weights, then point ``latest`` at it."""
+def publish_weights(store: Store, model: torch.nn.Module, version: int, *, replace: bool = False) -> None:
+    """Write version ``version`` of the weights, then point ``latest`` at it.
+
+    ``replace``: a later life of the run republishes versions an earlier life wrote (from its checkpoint
+    on); else the version must be new (``KeyExistsError``).
+    """
     buf = io.BytesIO()
     torch.save(model.state_dict(), buf)
-    store.put(weights_key(version), buf.getvalue(), exclusive=True)
+    store.put(weights_key(version), buf.getvalue(), exclusive=not replace)
+    point_latest(store, version)
+
+
+def point_latest(store: Store, version: int) -> None:
+    """Point ``latest`` at an already published version (a resumed run: the checkpoint's weights)."""
     store.put(LATEST_WEIGHTS_KEY, json.dumps({"version": version}).encode())
 
 

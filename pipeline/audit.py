@@ -7,18 +7,20 @@ The audit merges four sources under the run prefix, read-only (``pipeline.audit_
 - the listing of ``ledger/deletes/``: delete records (tombstones);
 - the step files (``steps/``): what was shipped, to which DP rank owner, borrowed or not;
 - the event segments (``ledger/events/``): sessions (``open``/``close``), ``keep`` and
-  ``receive`` events, trainer ``release`` events, double and unknown deletes.
+  ``receive`` events, trainer ``trained``/``release``/``retain`` events, double and unknown deletes.
 
 Who accounts for a present chunk (its holder), in this order:
 
 1. a delete record exists: nobody; the deleter died between claim and delete
    (``unfinished_deletes``; the sweep removes the leftovers);
-2. a step file ``N`` not yet trained references it: ``trainer step N``, whatever the
-   sessions' state. Step ``N`` is trained once every DP rank owning one of its refs has
-   released step ``N`` or a later one (trainer ranks train steps in order, so a release
-   of step ``M > N`` means rank r is done with ``N``, e.g. after resuming from a checkpoint);
+2. a step file ``N`` references it and some DP rank owning one of its refs has not released
+   step ``N`` (nor a later one: trainer ranks go through steps in order), whatever the sessions'
+   state: ``trainer_dp<r> (trained, awaiting checkpoint)`` while its owner ``r`` recorded
+   ``trained`` but not ``release`` for step ``N`` or later (``release = "after_checkpoint"``),
+   else ``trainer step N`` (a step is protected whole: a replaying rank may borrow rows);
 3. an incomplete keep: its writer's live session, else (writer unknown) any live session;
-4. a shipped chunk of a trained step: nobody (its owner released it without deleting it);
+4. a shipped chunk its owner released: ``retained`` if a ``retain`` event names it (kept for
+   inspection; not outstanding, and not a violation of a finished run), else nobody;
 5. an unshipped chunk: the live ``orchestrator`` session if a ``receive`` event names it;
    else its keeping session while live (the ``keep`` event's session; without one, the
    writer's latest session); else a live ``orchestrator`` session, which may still hold
@@ -32,7 +34,7 @@ over: anything still outstanding is then a violation.
 
 Leaked: present, no delete record, no holder. The sweep deletes exactly those (claiming
 each through ``Ledger.delete_nodes``), finishes unfinished deletes, and never touches a
-chunk of an untrained step file.
+chunk of an untrained step file; ``sweep(retained=True)`` deletes the retained chunks too.
 
 ``stopped`` is the user's declaration; the sweep checks it where it can: it refuses while
 an unclosed session opened on this host has a live pid (its ``open`` event records pid and
@@ -49,11 +51,14 @@ from pydantic import BaseModel, ConfigDict, computed_field
 from refpipe.pipeline.audit_scan import RunScan, committed, scan_run
 from refpipe.storage.errors import ConfigError, DoubleDeleteError, StepFileError, UnknownRefError
 from refpipe.storage.layout import ORCHESTRATOR_ACTOR, SWEEP_ACTOR, session_opened_ms
-from refpipe.storage.ledger import Ledger
+from refpipe.storage.ledger import DeleteResult, Ledger
 from refpipe.storage.store import Store
 from rich.progress import Progress
 
 SWEEP_REASON = "sweep: no live holder (left behind by a crash)"
+RETAINED_REASON = "sweep --retained: retained for inspection, no longer wanted"
+RETAINED = "retained"
+AWAITING_CHECKPOINT = "trained, awaiting checkpoint"
 
 
 class AuditReport(BaseModel):
@@ -77,9 +82,13 @@ class AuditReport(BaseModel):
     present: int
     """Chunk nodes under ``payloads/`` (committed or not)."""
     outstanding: int
-    """Present chunks a live holder accounts for."""
+    """Present chunks a live holder accounts for (retained chunks are not outstanding)."""
     outstanding_by_holder: dict[str, int]
-    """Holder (``trainer step N``, an actor name, ``orchestrator``, ``incomplete keep``) -> chunks."""
+    """Holder (``trainer step N``, ``trainer_dp<r> (trained, awaiting checkpoint)``, an actor name,
+    ``orchestrator``, ``incomplete keep``) -> chunks."""
+    retained: int = 0
+    """Present chunks handed to the ``retained`` holder (``trainer.retain_steps``); a finished run has
+    ``kept == deleted + retained``."""
     leaked: int
     leaked_chunks: list[str]
     """Present chunks without a delete record that no live holder accounts for."""
@@ -122,6 +131,8 @@ class SweepResult(BaseModel):
     """Chunks with a delete record whose leftover objects were removed."""
     removed_incomplete: list[str]
     """Incomplete keeps removed (never committed, so nothing to claim)."""
+    retained: list[str] = []
+    """Retained chunks claimed and deleted exactly once (``retained=True``)."""
     conflicts: int = 0
     """Leaked chunks someone else deleted during the sweep (double or unknown deletes)."""
 
@@ -162,36 +173,38 @@ def _refuse_if_running(store: Store, scan: RunScan) -> None:
             f"of the run (a pid reused by an unrelated process looks alive too)")
 
 
-def _step_nodes(store: Store, scan: RunScan) -> tuple[dict[str, int], dict[str, int], set[str]]:
-    """``(shipped, protected, borrowed)``: node -> step for every shipped chunk, node -> first
-    untrained step for chunks of untrained steps, and the borrowed nodes."""
+def _step_nodes(store: Store, scan: RunScan) -> tuple[dict[str, int], dict[str, str], set[str]]:
+    """``(shipped, protected, borrowed)``: node -> step for every shipped chunk, node -> holder for chunks
+    their owner DP rank has not released yet (module doc, rule 2), and the borrowed nodes."""
     shipped: dict[str, int] = {}
-    protected: dict[str, int] = {}
+    protected: dict[str, str] = {}
     borrowed: set[str] = set()
     for step, header in sorted(scan.steps.items()):
         nodes = [store.prefix.key_of(ref.uri) for ref in header.refs]
-        trained = all(scan.released.get(rank, -1) >= step for rank in set(header.owners))
-        for node in nodes:
+        released = all(scan.released.get(owner, -1) >= step for owner in set(header.owners))
+        for node, owner in zip(nodes, header.owners):
             shipped.setdefault(node, step)
-            if not trained:
-                protected.setdefault(node, step)
+            if released or node in protected:
+                continue
+            held = scan.trained.get(owner, -1) >= step > scan.released.get(owner, -1)
+            protected[node] = f"trainer_dp{owner} ({AWAITING_CHECKPOINT})" if held else f"trainer step {step}"
         borrowed |= {nodes[s.ref] for mb in header.micro_batches for s in mb.sequences if s.borrowed}
     return shipped, protected, borrowed
 
 
 def _holder(node: str, keys: list[str], scan: RunScan, live: set[tuple[str, str]], shipped: dict[str, int],
-            protected: dict[str, int]) -> str | None:
+            protected: dict[str, str]) -> str | None:
     """Who accounts for a present, undeleted chunk (module doc, rules 2-5); None: leaked."""
     live_actors = {actor for actor, _ in live}
     if node in protected:
-        return f"trainer step {protected[node]}"
+        return protected[node]
     keeper = scan.keeps.get(node)
     writer = keeper[0] if keeper else scan.writers.get(node, "")
     keeper_live = keeper in live if keeper else writer in live_actors
     if not committed(keys):
         return writer if keeper_live else ("incomplete keep" if live and not writer else None)
     if node in shipped:
-        return None
+        return RETAINED if node in scan.retained else None
     orchestrator_live = ORCHESTRATOR_ACTOR in live_actors
     if node in scan.received and orchestrator_live:
         return ORCHESTRATOR_ACTOR
@@ -221,6 +234,7 @@ def judge(scan: RunScan, store: Store, *, stopped: bool = False, finished: bool 
             holders[holder] += 1
         else:
             leaked.append(node)
+    retained = holders.pop(RETAINED, 0)
     expected = set(scan.keeps) | set(protected)
     missing = sorted(n for n in expected if n not in scan.nodes and n not in scan.tombstoned)
     doubles = [p for p in scan.problems if p.get("event") == "double_delete"]
@@ -229,7 +243,7 @@ def judge(scan: RunScan, store: Store, *, stopped: bool = False, finished: bool 
         run_uri=store.prefix.uri, stopped=stopped, finished=finished,
         kept=sum(committed(k) for n, k in scan.nodes.items() if n not in scan.tombstoned) + len(scan.tombstoned),
         shipped=len(shipped), borrowed=len(borrowed), deleted=len(scan.tombstoned), present=len(scan.nodes),
-        outstanding=sum(holders.values()), outstanding_by_holder=dict(sorted(holders.items())),
+        outstanding=sum(holders.values()), outstanding_by_holder=dict(sorted(holders.items())), retained=retained,
         leaked=len(leaked), leaked_chunks=[uri(n) for n in leaked],
         incomplete_keeps=[uri(n) for n, k in sorted(scan.nodes.items()) if not committed(k)],
         unfinished_deletes=[uri(n) for n in unfinished], double_deletes=len(doubles),
@@ -279,7 +293,7 @@ def audit(store: Store, *, stopped: bool = False, finished: bool = False,
 
 
 def sweep(store: Store, *, stopped: bool = False, dry_run: bool = False, abandon: bool = False,
-          force: bool = False, progress: Progress | None = None) -> SweepResult:
+          force: bool = False, retained: bool = False, progress: Progress | None = None) -> SweepResult:
     """Delete what a crash left without a live holder, exactly once and recorded (actor ``sweep``).
 
     Leaked committed chunks are claimed and deleted through ``Ledger.delete_nodes``; leftover
@@ -296,6 +310,8 @@ def sweep(store: Store, *, stopped: bool = False, dry_run: bool = False, abandon
             deleted too, so ``audit --finished`` is clean afterwards. Implies ``stopped``.
         force: skip the live-pid check of ``stopped`` (a recorded pid was reused by a process
             outside the run).
+        retained: also delete the chunks retained for inspection (``trainer.retain_steps``), each
+            exactly once; afterwards ``show``/``verify`` report them as deleted.
 
     Raises:
         ConfigError: ``stopped`` or ``abandon`` while an unclosed session of the run has a live
@@ -313,18 +329,26 @@ def sweep(store: Store, *, stopped: bool = False, dry_run: bool = False, abandon
     whole = {n: scan.nodes[n] for n in leaked if committed(scan.nodes[n])}
     incomplete = {n: scan.nodes[n] for n in leaked if n not in whole}
     unfinished = {n: scan.nodes[n] for n in map(store.prefix.key_of, report.unfinished_deletes)}
+    kept = {n: keys for n, keys in scan.nodes.items() if retained and n in scan.retained and committed(keys)
+            and n not in scan.tombstoned} if report.retained else {}
     if dry_run:
         return SweepResult(dry_run=True, deleted=[store.uri(n) for n in whole],
                            finished_deletes=report.unfinished_deletes,
-                           removed_incomplete=[store.uri(n) for n in incomplete])
+                           removed_incomplete=[store.uri(n) for n in incomplete], retained=[store.uri(n) for n in kept])
     ledger = Ledger(store, SWEEP_ACTOR)
-    try:
-        result = ledger.delete_nodes(whole, reason=SWEEP_REASON)
-    except (DoubleDeleteError, UnknownRefError) as e:
-        result = e.result
+    result = _delete_nodes(ledger, whole, SWEEP_REASON)
+    gone = _delete_nodes(ledger, kept, RETAINED_REASON)
     ledger.remove_leftovers(unfinished, event="finish_delete", reason=SWEEP_REASON)
     ledger.remove_leftovers(incomplete, event="remove_incomplete", reason=SWEEP_REASON)
     ledger.close()
     return SweepResult(dry_run=False, deleted=result.deleted, finished_deletes=report.unfinished_deletes,
-                       removed_incomplete=[store.uri(n) for n in incomplete],
-                       conflicts=len(result.double_deletes) + len(result.unknown))
+                       removed_incomplete=[store.uri(n) for n in incomplete], retained=gone.deleted,
+                       conflicts=sum(len(r.double_deletes) + len(r.unknown) for r in (result, gone)))
+
+
+def _delete_nodes(ledger: Ledger, nodes: dict[str, list[str]], reason: str) -> DeleteResult:
+    """``Ledger.delete_nodes``; chunks someone else deleted meanwhile are in the result, not raised."""
+    try:
+        return ledger.delete_nodes(nodes, reason=reason)
+    except (DoubleDeleteError, UnknownRefError) as e:
+        return e.result

@@ -68,6 +68,10 @@ class RunScan:
     received: set[str] = field(default_factory=set)
     released: dict[int, int] = field(default_factory=dict)
     """DP rank -> highest step it released."""
+    trained: dict[int, int] = field(default_factory=dict)
+    """DP rank -> highest step it trained (``trained`` events of ``release = "after_checkpoint"``)."""
+    retained: set[str] = field(default_factory=set)
+    """Node keys handed to the ``retained`` holder (``retain`` events)."""
     problems: list[dict] = field(default_factory=list)
     bad_records: list[str] = field(default_factory=list)
     stray_keys: list[str] = field(default_factory=list)
@@ -192,9 +196,12 @@ def _take_event(scan: RunScan, actor: str, session: str, line: bytes, where: str
             scan.keeps[node_key(event["branch_id"])] = (actor, session)
         elif kind == "receive":
             scan.received.update(node_key(b) for b in event["branch_ids"])
-        elif kind == "release":
+        elif kind in ("release", "trained"):
             rank, step = int(event["dp_rank"]), int(event["step"])
-            scan.released[rank] = max(step, scan.released.get(rank, -1))
+            latest = scan.released if kind == "release" else scan.trained
+            latest[rank] = max(step, latest.get(rank, -1))
+        elif kind == "retain":
+            scan.retained.update(node_key(b) for b in event["branch_ids"])
         elif kind in ("double_delete", "unknown_delete"):
             scan.problems.append(event)
     except (ValueError, KeyError, TypeError, ConfigError) as e:

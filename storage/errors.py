@@ -98,3 +98,11 @@ class FetchError(RefpipeError):
 
 class AlignmentError(RefpipeError):
     """Recomputed logprobs disagree with the inference logprobs beyond tolerance."""
+
+
+class CheckpointError(RefpipeError, RuntimeError):
+    """A trainer checkpoint could not be written on every rank, published, or loaded."""
+
+
+class ReplayMismatchError(RefpipeError, RuntimeError):
+    """A step replayed after a restart assembled micro batches that differ from the first time."""

@@ -12,6 +12,9 @@ Keys are relative to the run prefix (``storage.uri.RunPrefix``)::
     metrics/trainer_step_<N:08d>.json              trainer metrics of step N (the main job)
     metrics/trainer_finish.json                    counts of the trainer's last release (the main job)
     weights/policy_<V:08d>.pt, weights/latest.json policy weights (the main job)
+    checkpoints/step_<N:08d>/                      trainer checkpoint covering step N (``trainer.checkpoint``):
+        __<rank>_0.distcp, .metadata               torch.distributed.checkpoint's files
+        commit.json                                refpipe's commit marker, written last
 
 ``shard`` is two hex digits of a hash of the branch id (256 directories). Branch ids, actor
 names and run ids are 1-128 of ``[A-Za-z0-9._-]`` not starting with ``.``, ``-`` or ``_``;
@@ -187,6 +190,27 @@ FINISH_METRICS_KEY = "metrics/trainer_finish.json"
 def weights_key(version: int) -> str:
     """Key of policy version ``version``: ``weights/policy_<V:08d>.pt``."""
     return f"weights/policy_{version:08d}.pt"
+
+
+# checkpoints ---------------------------------------------------------------------------------------------------------
+
+CHECKPOINTS_PREFIX = "checkpoints"
+CHECKPOINT_MARKER_NAME = "commit.json"
+"""refpipe's commit marker of a checkpoint, written by rank 0 once every rank's share is durable."""
+DCP_METADATA_NAME = ".metadata"
+"""torch.distributed.checkpoint's metadata file, written by its coordinator after every rank's share."""
+_CHECKPOINT = re.compile(rf"{CHECKPOINTS_PREFIX}/step_(?P<step>\d{{8}})/(?P<name>[^/]+)")
+
+
+def checkpoint_key(step: int) -> str:
+    """Key (directory) of the checkpoint covering step ``step``: ``checkpoints/step_<N:08d>``."""
+    return f"{CHECKPOINTS_PREFIX}/step_{step:08d}"
+
+
+def parse_checkpoint_key(key: str) -> tuple[int, str] | None:
+    """``(step, file name)`` of a key inside a checkpoint directory, or None for any other key."""
+    m = _CHECKPOINT.fullmatch(key)
+    return (int(m["step"]), m["name"]) if m else None
 
 
 # actor names ---------------------------------------------------------------------------------------------------------

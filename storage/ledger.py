@@ -60,6 +60,15 @@ class DeleteResult:
     """Chunks another holder (or this one) had already deleted."""
     unknown: list[UnknownRefError] = field(default_factory=list)
     """Refs that were never kept: no commit marker and no delete record."""
+    already_released: list[str] = field(default_factory=list)
+    """URIs this actor claimed in an earlier session (an earlier life of the same actor): already released,
+    not a double delete; any objects the earlier life left are removed."""
+
+
+class _EarlierLife(NamedTuple):
+    """A claim found at a chunk's delete record written by this actor's earlier session."""
+
+    session: str
 
 
 class _Target(NamedTuple):
@@ -250,6 +259,11 @@ class Ledger:
             if problem is None:
                 doomed += target.keys
                 result.deleted.append(target.uri)
+            elif isinstance(problem, _EarlierLife):
+                doomed += target.keys
+                result.already_released.append(target.uri)
+                self.record("already_released", branch_id=target.branch_id, uri=target.uri, reason=reason,
+                            first_session=problem.session)
             elif isinstance(problem, DoubleDeleteError):
                 result.double_deletes.append(problem)
                 self.record("double_delete", branch_id=target.branch_id, uri=target.uri, reason=reason,
@@ -272,9 +286,11 @@ class Ledger:
             self._raise_problems(result)
         return result
 
-    def _claim(self, target: _Target, reason: str, made: dict[str, str]) -> DoubleDeleteError | UnknownRefError | None:
+    def _claim(self, target: _Target, reason: str,
+               made: dict[str, str]) -> DoubleDeleteError | UnknownRefError | _EarlierLife | None:
         """Claim one chunk: None when this call won (or finishes this session's claim of it from an earlier
-        call that failed), else the problem (nothing deleted). ``made``: this call's claims so far."""
+        call that failed), else the problem (nothing deleted); ``_EarlierLife`` when this actor's earlier
+        session already claimed it. ``made``: this call's claims so far."""
         tomb = tombstone_key(target.branch_id)
         with self._lock:  # the same ref twice in one call: only its first target may take the earlier claim
             earlier = None if target.branch_id in made else self._claims.get(target.branch_id)
@@ -292,9 +308,12 @@ class Ledger:
             return self._already_deleted(target, tomb, reason, claim)
         return None
 
-    def _already_deleted(self, target: _Target, tomb: str, reason: str, claim: str | None) -> DoubleDeleteError | None:
+    def _already_deleted(self, target: _Target, tomb: str, reason: str,
+                         claim: str | None) -> DoubleDeleteError | _EarlierLife | None:
         """The double delete found at ``tomb``; None when there is no delete record, or it is
-        this very claim (a conditional PUT retried after its first attempt had succeeded)."""
+        this very claim (a conditional PUT retried after its first attempt had succeeded);
+        ``_EarlierLife`` when this actor wrote it in an earlier session (a restarted holder
+        releasing again what its earlier life had released)."""
         try:
             first = json.loads(self.store.get(tomb))
         except KeyNotFoundError:
@@ -305,6 +324,8 @@ class Ledger:
             first = {"holder": "?", "reason": "unreadable delete record"}
         if claim is not None and first.get("claim") == claim:
             return None
+        if first.get("holder") == self.actor and first.get("session") not in (None, self.session):
+            return _EarlierLife(first["session"])
         return DoubleDeleteError(
             f"chunk {target.uri} was already deleted by {first.get('holder')} ({first.get('reason')}); "
             f"second delete from {self.actor} ({reason})", first_holder=first.get("holder"), second_holder=self.actor)

@@ -74,16 +74,21 @@ class S3Store(Store):
                 time.sleep(self.config.retry_backoff_s * slow * 2**attempt * (0.5 + random.random()))
         raise AssertionError("unreachable")
 
-    def _new_fs(self):
+    @property
+    def fsspec_options(self) -> dict:
+        """Options ``fsspec.core.url_to_fs`` needs to reach this run's URIs from another library (DCP's fsspec
+        writer): the run's endpoint and region, no instance or listings cache."""
         client_kwargs = {}
         if self.config.s3_endpoint_url:
             client_kwargs["endpoint_url"] = self.config.s3_endpoint_url
         if self.config.s3_region:
             client_kwargs["region_name"] = self.config.s3_region
+        return {"skip_instance_cache": True, "use_listings_cache": False, "client_kwargs": client_kwargs}
+
+    def _new_fs(self):
         # One retry layer, ``retrying`` (config.max_retries): s3fs and botocore each retry up to 5x
         # by default, which multiplies into minutes against a dead endpoint.
-        fs = fsspec.core.url_to_fs(self.prefix.uri, skip_instance_cache=True, use_listings_cache=False,
-                                   client_kwargs=client_kwargs,
+        fs = fsspec.core.url_to_fs(self.prefix.uri, **self.fsspec_options,
                                    config_kwargs={"retries": {"total_max_attempts": 1, "mode": "standard"}})[0]
         fs.retries = 1
         return fs

@@ -35,6 +35,7 @@ rows of its ref's first ``num_tokens`` tokens, for each field its ref carries.
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -268,6 +269,21 @@ def assemble_dropped_micro_batch(
     padded_streams["loss_mask"][:] = False
     return AssembledMicroBatch(mb, seq_len, padded_streams,
                                padded_cu_seqlens(mb, seq_len), out, dropped=True)
+
+
+def micro_batch_hash(mb: AssembledMicroBatch) -> str:
+    """BLAKE2b-128 hex digest of every byte the model gets from ``mb``: its streams, ``cu_seqlens`` and
+    each field's arrays (name, dtype and shape included), in name order. A replay after a crash must
+    reproduce it exactly (``job.train_rank`` compares it with the first life's step metrics)."""
+    digest = hashlib.blake2b(digest_size=16)
+    arrays = {f"streams.{k}": v for k, v in mb.streams.items()} | {"cu_seqlens": mb.cu_seqlens}
+    for name, batch in mb.fields.items():
+        arrays |= {f"{name}.{k}": v for k, v in vars(batch).items() if v is not None}
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        digest.update(f"{name}:{a.dtype.str}:{a.shape}".encode())
+        digest.update(a.view(np.uint8).reshape(-1))
+    return digest.hexdigest()
 
 
 def pad_streams(streams: Mapping[str, np.ndarray], seq_len: int) -> dict[str, np.ndarray]:

@@ -1,4 +1,4 @@
-"""Trainer config: rank topology, waits and collective timeouts.
+"""Trainer config: rank topology, waits, collective timeouts, and what release does with a trained step.
 
 Fetch concurrency is ``StorageConfig.max_concurrent_fetches`` (threads per rank) and
 fetch retries are ``StorageConfig.max_retries``; they are not repeated here.
@@ -6,7 +6,9 @@ fetch retries are ``StorageConfig.max_retries``; they are not repeated here.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class TrainerConfig(BaseModel):
@@ -24,3 +26,26 @@ class TrainerConfig(BaseModel):
     collective_timeout_s: float = Field(default=600.0, gt=0)
     """Timeout of every collective of the trainer's process group (``init_process_group(timeout=...)``):
     a rank whose peer died or hangs raises after this many seconds instead of waiting forever."""
+    release: Literal["after_step", "after_checkpoint"] = "after_step"
+    """When a DP rank deletes a trained step's chunks: right after the step (``after_step``), or once a
+    checkpoint covering the step is durable (``after_checkpoint``), so every step after the last
+    checkpoint can be replayed byte for byte after a crash (``trainer.release``)."""
+    retain_steps: list[int] | int = Field(default_factory=list)
+    """Steps whose chunks are kept after training for offline inspection (``refpipe show``/``verify``):
+    a list of step numbers, or N for every step that is a multiple of N. Their release hands the chunks
+    to the ``retained`` holder instead of deleting; ``refpipe sweep --retained`` deletes them."""
+
+    def retains(self, step: int) -> bool:
+        """Whether ``retain_steps`` keeps step ``step``'s chunks."""
+        if isinstance(self.retain_steps, int):
+            return step % self.retain_steps == 0
+        return step in self.retain_steps
+
+    @field_validator("retain_steps")
+    @classmethod
+    def _retain_steps(cls, v: list[int] | int) -> list[int] | int:
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"retain_steps={v}: expected a list of steps or every N-th step with N >= 1")
+        if isinstance(v, list) and any(s < 0 for s in v):
+            raise ValueError(f"retain_steps={v}: expected steps >= 0")
+        return v

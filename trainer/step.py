@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.step_file import StepFile, StepHeader
@@ -16,11 +17,14 @@ from refpipe.storage.errors import ConfigError, FetchError
 from refpipe.storage.layout import trainer_actor
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.store import Store
-from refpipe.trainer.assemble import AssembledMicroBatch, assemble_dropped_micro_batch
+from refpipe.trainer.assemble import AssembledMicroBatch, assemble_dropped_micro_batch, micro_batch_hash
 from refpipe.trainer.background import BackgroundRelease, Prefetch, Prepared, ReleaseCounts
 from refpipe.trainer.config import TrainerConfig
 from refpipe.trainer.dist import Topology, agree_failures, gather_rank_values
 from refpipe.trainer.fetch import FetchedStep, fetch_own, wait_for_step
+from refpipe.trainer.pause import pause_point
+from refpipe.trainer.release import ReleasePolicy
+from refpipe.trainer.resume import ResumePlan
 from refpipe.trainer.tensors import TrainMicroBatch, to_torch
 
 log = logging.getLogger(__name__)
@@ -71,6 +75,12 @@ class StepMetrics(BaseModel):
     """Double deletes and deletes of never-kept chunks the ledger reported (recorded there too), same window."""
     delete_failures: int
     """Chunks whose physical delete failed in the same window (recorded as ``delete_failed``; retried)."""
+    skipped: bool = False
+    """Not trained: a step after the checkpoint a restarted trainer resumed from, whose chunks were already
+    (partly) deleted (``TrainerRank.skip_step``)."""
+    micro_batch_hashes: list[list[str]]
+    """[dp_world_size][micro batches per DP rank] ``trainer.assemble.micro_batch_hash`` of each micro batch as
+    trained ("" for a dropped one): a replay of the step after a crash must reproduce them."""
 
 
 class TrainerRank:
@@ -95,11 +105,16 @@ class TrainerRank:
           the next; its failures are agreed in step + 1's (c), like any fetch's);
        e. stand in for dropped micro batches (shape-only, no loss), then tensors;
        f. train: the caller's callback (its collectives are its own);
-       g. release: the ``mp_rank == 0`` rank waits for the previous step's release, then
-          starts deleting the chunks its DP rank owns in the background, recording
-          ``release`` once done (after (c), so every rank has finished fetching);
+       g. release: the ``mp_rank == 0`` rank hands the step to its ``trainer.release.ReleasePolicy``
+          (``config.release``): now, or once a checkpoint covers it, it waits for the previous
+          release, then deletes (or retains) the chunks its DP rank owns in the background,
+          recording ``release`` once done (after (c), so every rank has finished fetching);
        h. metrics: world all-gather of per-rank counters (collective).
-    3. every rank after its last step: ``finish()`` (collective: waits for the last release and
+    3. every rank, after a checkpoint covering step ``s`` is durable on every rank:
+       ``checkpointed(s)`` (``after_checkpoint`` releases the held steps ``<= s``).
+    4. a restarted trainer (``trainer.resume``): every rank calls ``resume(plan)`` before its first step,
+       and ``skip_step`` instead of ``run_step`` for a step of ``plan.skipped``.
+    5. every rank after its last step: ``finish()`` (collective: waits for the last release and
        returns its counts), then ``close()``; after an error only ``close()``.
 
     Args:
@@ -116,6 +131,7 @@ class TrainerRank:
         self.ledger = Ledger(store, trainer_actor(dp_rank)) if self.topology.mp_rank == 0 else None
         self.release = (BackgroundRelease(self.ledger, dp_rank, storage.max_concurrent_fetches)
                         if self.ledger is not None else None)
+        self.policy = ReleasePolicy(self.release, config) if self.release is not None else None
         self.prefetch = Prefetch(self._read_step, self.fetch, config.step_poll_s)
         self._retries_seen = store.retries
 
@@ -133,16 +149,18 @@ class TrainerRank:
         header, dp_rank = prepared.step_file.header, self.topology.dp_rank
         dropped = self.agree_failures(header, prepared.fetched)
         self.prefetch.start(step + 1)
-        batches = [to_torch(mb) for mb in self.stand_in_dropped(prepared.step_file, prepared.fetched,
-                                                                 dropped[dp_rank])]
+        assembled = self.stand_in_dropped(prepared.step_file, prepared.fetched, dropped[dp_rank])
+        hashes = ["" if mb.dropped else micro_batch_hash(mb) for mb in assembled]
+        batches = [to_torch(mb) for mb in assembled]
+        del assembled
         exposed_s = time.monotonic() - started
         train(batches)
         del batches
         resumed = time.monotonic()
-        if self.release is not None:
-            self.release.submit(step, header.owned_refs(dp_rank))
+        if self.policy is not None:
+            self.policy.trained(header)
         exposed_s += time.monotonic() - resumed
-        return self.metrics(header, prepared, dropped, exposed_s)
+        return self.metrics(header, prepared, dropped, exposed_s, hashes)
 
     def load_and_fetch(self, step: int) -> Prepared:
         """(a)+(b) on the main thread: wait for step ``step``'s file, then fetch this rank's micro batches."""
@@ -159,6 +177,7 @@ class TrainerRank:
 
     def fetch(self, step_file: StepFile) -> FetchedStep:
         """(b) Fetch and assemble this DP rank's micro batches (never raises; failures become flags)."""
+        pause_point("fetch", step_file.header.step)
         return fetch_own(self.store, step_file, self.topology.dp_rank, self.fields,
                          max_concurrency=self.storage.max_concurrent_fetches)
 
@@ -211,21 +230,54 @@ class TrainerRank:
         counts = self.release.take_counts() if self.release is not None else ReleaseCounts()
         return [retries, counts.deletes, counts.problems, counts.failures]
 
-    def metrics(self, header: StepHeader, prepared: Prepared, dropped: np.ndarray, exposed_s: float) -> StepMetrics:
-        """(h) Gather every rank's counters (world all-gather) into the step's metrics."""
+    def metrics(self, header: StepHeader, prepared: Prepared, dropped: np.ndarray, exposed_s: float,
+                hashes: list[str]) -> StepMetrics:
+        """(h) Gather every rank's counters and micro batch hashes (world all-gathers) into the step's metrics."""
         fetched = prepared.fetched
         local = np.array([fetched.seconds, exposed_s, prepared.prefetched, fetched.chunks, fetched.nbytes,
                           len(fetched.errors), *self._local_release_counts()], np.float64)
         seconds, exposed, prefetched, chunks, nbytes, errors, *release = gather_rank_values(local).T
+        every_rank: list[list[str]] = [[] for _ in range(self.topology.world_size)]
+        dist.all_gather_object(every_rank, hashes)
         metrics = StepMetrics(
             step=header.step, micro_batches=len(header.micro_batches), dropped_micro_batches=int(dropped.sum()),
             fetched_chunks=int(chunks.sum()), fetched_bytes=int(nbytes.sum()),
             fetch_seconds_mean=float(seconds.mean()), fetch_seconds_max=float(seconds.max()),
             exposed_data_seconds_mean=float(exposed.mean()), exposed_data_seconds_max=float(exposed.max()),
             prefetched_ranks=int(prefetched.sum()), failed_fetches=int(errors.sum()),
-            **_release_metrics(release))
+            micro_batch_hashes=every_rank[::self.config.model_parallel_size], **_release_metrics(release))
         log.info("step %d trainer metrics: %s", header.step, metrics.model_dump())
         return metrics
+
+    def checkpointed(self, step: int) -> None:
+        """Every rank, once a checkpoint covering ``step`` is durable on every rank: ``after_checkpoint``
+        releases the held steps ``<= step`` (in the background; counted in the next metrics or ``finish``)."""
+        if self.policy is not None:
+            self.policy.checkpointed(step)
+
+    def resume(self, plan: ResumePlan) -> None:
+        """Every rank, before its first step after a restart: the ``mp_rank == 0`` rank releases the steps
+        the checkpoint covers that its DP rank had not released in an earlier life (its own earlier delete
+        records count as already released)."""
+        if self.policy is not None:
+            for step in range(plan.released[self.topology.dp_rank] + 1, min(plan.start_step, plan.published)):
+                self.policy.release(StepFile.read(self.store, step).header)
+
+    def skip_step(self, step: int, plan: ResumePlan) -> StepMetrics:
+        """Every rank, instead of ``run_step`` for a step in ``plan.skipped`` (some of its chunks were deleted
+        before the crash): never trained; the ``mp_rank == 0`` rank releases what its DP rank still holds.
+        Collective (the metrics all-gather).
+
+        Returns:
+            The step's metrics: nothing fetched or trained, ``skipped``, the release counts.
+        """
+        if self.policy is not None and plan.released[self.topology.dp_rank] < step:
+            self.policy.release(StepFile.read(self.store, step).header)
+        counts = gather_rank_values(np.array(self._local_release_counts(), np.float64)).T
+        return StepMetrics(step=step, micro_batches=0, dropped_micro_batches=0, fetched_chunks=0, fetched_bytes=0,
+                           fetch_seconds_mean=0.0, fetch_seconds_max=0.0, exposed_data_seconds_mean=0.0,
+                           exposed_data_seconds_max=0.0, prefetched_ranks=0, failed_fetches=0, skipped=True,
+                           micro_batch_hashes=[], **_release_metrics(counts))
 
     def finish(self) -> ReleaseMetrics:
         """Every rank, after its last step (collective): wait for the last release (retrying failed deletes

@@ -18,6 +18,7 @@ import pytest
 from refpipe.job.config import JobConfig, RunConfig
 from refpipe.job.launcher import Launcher
 from refpipe.pipeline.orchestrator import OrchestratorConfig
+from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.layout import SUMMARY_KEY, step_key
@@ -66,6 +67,25 @@ def test_main_job_trains_through_refpipe_and_ends_clean(request, backend):
     assert deletes["orchestrator eval"] >= cfg.orchestrator.group_size
     assert sum(deletes.values()) == summary["audit"]["deleted"]
     assert "audit clean; alignment ok" in text
+
+
+def test_after_checkpoint_release_and_retained_steps_end_clean(local_config):
+    """Chunks held until a checkpoint covers their step (every 2 steps and the last), step 1 retained."""
+    cfg = small_config(local_config, checkpoint_every_steps=2)
+    cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"release": "after_checkpoint",
+                                                                            "retain_steps": [1]})})
+    code, summary, text = run_job(cfg)
+    assert code == 0, text
+    audit = summary["audit"]
+    assert audit["clean"] and (audit["outstanding"], audit["leaked"], audit["double_deletes"]) == (0, 0, 0)
+    assert audit["kept"] == audit["deleted"] + audit["retained"] and audit["retained"] > 0
+    assert summary["deletes"]["trainer"] + summary["retained_chunks"] == audit["shipped"]
+    assert summary["retained_chunks"] == audit["retained"]
+    store = open_store(cfg.storage)
+    retained = {k.rsplit("/", 1)[0] for k in store.list_prefix("payloads")}
+    assert retained == {store.prefix.key_of(r.uri) for r in StepFile.read(store, 1).header.refs}
+    assert {k for k in store.list_prefix("checkpoints") if k.endswith("commit.json")} == {
+        "checkpoints/step_00000001/commit.json", "checkpoints/step_00000002/commit.json"}
 
 
 def test_alignment_check_fails_when_routing_is_shifted_by_one_row(local_config):

@@ -169,8 +169,11 @@ def test_two_dp_ranks_of_two_peers_train_identical_bytes_and_survive_faults(tmp_
                   "fetch_seconds_max": m0["fetch_seconds_max"], "prefetched_ranks": 0,
                   "exposed_data_seconds_mean": m0["exposed_data_seconds_mean"],
                   "exposed_data_seconds_max": m0["exposed_data_seconds_max"], "failed_fetches": 0, "retries": 0,
-                  "deletes": 0, "delete_problems": 0, "delete_failures": 0}
+                  "deletes": 0, "delete_problems": 0, "delete_failures": 0, "skipped": False,
+                  "micro_batch_hashes": m0["micro_batch_hashes"]}
     assert m0["fetch_seconds_max"] >= m0["fetch_seconds_mean"] > 0
+    assert [len(h) for h in m0["micro_batch_hashes"]] == [3, 3]  # [DP rank][micro batch], one per DP rank
+    assert len({h for dp in m0["micro_batch_hashes"] for h in dp}) == 6 and "" not in m0["micro_batch_hashes"][0]
     assert m0["exposed_data_seconds_max"] >= m0["exposed_data_seconds_mean"] > 0
     mb0_rows = np.concatenate([_routing(built[1], f"s1_{x}", n) for x, n in (("a", 11), ("b", 9), ("f", 4))])
     m1 = _check_trained(built[1], results, 1, 4, 2, {(0, 1)}, {(0, 1): mb0_rows})

@@ -1,0 +1,184 @@
+"""Restart-safe runs (issue 12): SIGKILL the whole `refpipe run` tree at each crash point, then `--resume`.
+
+One run lives several lives: each life is stopped at a different point (``trainer.pause``: the
+process waits there, the test SIGKILLs the launcher, env workers and trainer ranks at once), and
+the next life is `refpipe run --resume`. The last life trains to ``num_steps`` and the run must
+end with a clean ``audit --finished`` (kept == deleted + retained, no double delete, nothing
+leaked); with ``release = "after_checkpoint"`` every replayed micro batch hashes as the first
+time (a mismatch would stop the run, exit 1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from refpipe.cli.main import app
+from refpipe.job.train_rank import check_replay
+from refpipe.storage.backends import open_store
+from refpipe.storage.config import StorageConfig
+from refpipe.storage.errors import ReplayMismatchError
+from refpipe.storage.layout import SUMMARY_KEY, metrics_key
+from refpipe.trainer.pause import ENV
+from typer.testing import CliRunner
+
+REFPIPE = os.path.join(os.path.dirname(sys.executable), "refpipe")
+
+
+def write_config(tmp_path: Path, storage: StorageConfig, *, release: str, num_steps: int) -> Path:
+    """A tiny run: 2 groups of 4 per step, 2 env workers, 2 DP ranks, a checkpoint every 2 steps."""
+    endpoint = f's3_endpoint_url = "{storage.s3_endpoint_url}"\n' if storage.s3_endpoint_url else ""
+    path = tmp_path / "run.toml"
+    path.write_text(f'[storage]\nroot = "{storage.root}"\nrun_id = "{storage.run_id}"\n{endpoint}'
+                    f"[job]\nnum_steps = {num_steps}\nwarm_start_steps = 10\ncheckpoint_every_steps = 2\n"
+                    "eval_every_steps = 0\n"
+                    "[orchestrator]\nseq_len = 128\ndp_world_size = 2\ngroups_per_step = 2\ngroup_size = 4\n"
+                    f'[trainer]\nstep_timeout_s = 120\ncollective_timeout_s = 120\nrelease = "{release}"\n'
+                    "retain_steps = [1]\n")
+    return path
+
+
+def _tree(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [pid] + [d for child in map(int, out.split()) for d in _tree(child)]
+
+
+def life(tmp_path: Path, args: list[str], pause: str | None, store,
+         wait_for=None) -> subprocess.CompletedProcess | None:
+    """Run one life of the run. With ``pause`` ("<point>:<step>"), SIGKILL its whole process tree once a
+    process reached that point (and ``wait_for(store)`` holds); else let it finish and return its result."""
+    marker = tmp_path / f"paused-{time.monotonic_ns()}"
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    if pause:
+        env[ENV] = f"{pause}:{marker}"
+    proc = subprocess.Popen([REFPIPE, "run", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    if not pause:
+        out, _ = proc.communicate(timeout=600)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out)
+    deadline = time.monotonic() + 600
+    while not (marker.exists() and (wait_for is None or wait_for(store))):
+        assert proc.poll() is None, f"life ended before pausing at {pause}: {proc.communicate()[0]}"
+        assert time.monotonic() < deadline, f"never paused at {pause}"
+        time.sleep(0.2)
+    for pid in _tree(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.communicate()
+    return None
+
+
+def released_by(dp_ranks: list[int], step: int):
+    """``wait_for``: each of ``dp_ranks`` recorded the release of ``step`` (releases run in the background)."""
+    def done(store) -> bool:
+        events = [json.loads(line) for r in dp_ranks for key in store.list_prefix(f"ledger/events/trainer_dp{r}")
+                  for line in store.get(key).splitlines()]
+        return {e["dp_rank"] for e in events if e["event"] == "release" and e["step"] == step} == set(dp_ranks)
+    return done
+
+
+def assert_finished_clean(store, args_endpoint: list[str], num_steps: int) -> dict:
+    summary = json.loads(store.get(SUMMARY_KEY))
+    audit = summary["audit"]
+    assert not summary["failed"] and summary["trained_steps"] == num_steps
+    assert audit["clean"] and audit["finished"], audit["violations"]
+    assert (audit["outstanding"], audit["leaked"], audit["double_deletes"], audit["unknown_deletes"]) == (0, 0, 0, 0)
+    assert audit["kept"] == audit["deleted"] + audit["retained"] and audit["retained"] > 0
+    result = CliRunner().invoke(app, ["audit", store.prefix.uri, "--finished", *args_endpoint])
+    assert result.exit_code == 0, result.output
+    return summary
+
+
+def test_after_checkpoint_run_survives_a_kill_at_every_crash_point(tmp_path, local_config):
+    """Six lives, each SIGKILLed at another point; the seventh trains to the end; replays are byte-identical."""
+    store = open_store(local_config)
+    config = write_config(tmp_path, local_config, release="after_checkpoint", num_steps=6)
+    resume = ["--resume", store.prefix.uri]
+    life(tmp_path, ["--config", str(config)], "keep:1", store)  # an env worker killed mid-group
+    life(tmp_path, resume, "fetch:0", store)  # from the warm start; step 0 published, nothing fetched
+    assert not store.list_prefix("checkpoints")
+    life(tmp_path, resume, "train:1", store)  # killed training step 1
+    life(tmp_path, resume, "checkpoint:1", store)  # killed writing the first checkpoint (skipped at resume)
+    assert store.exists("checkpoints/step_00000001/.metadata")
+    assert not store.exists("checkpoints/step_00000001/commit.json")
+    life(tmp_path, resume, "release_dp1:2", store, released_by([0], 2))  # dp0 released step 2 (at checkpoint 3)
+    life(tmp_path, resume, "after_release:4", store)  # step 4 trained and held, checkpoint 5 not written
+    done = life(tmp_path, resume, None, store)
+    assert done.returncode == 0, done.stdout
+    summary = assert_finished_clean(store, [], 6)
+    assert summary["resumed"]["life"] == 6 and summary["resumed"]["from_checkpoint_step"] == 3
+    assert summary["resumed"]["replayed_steps"] >= 1 and summary["resumed"]["skipped_steps"] == 0
+    assert "replayed steps" in done.stdout and "resumed from" in done.stdout
+    assert store.list_prefix("ledger/events/sweep")  # what dead sessions kept was reclaimed at a resume
+    step0 = json.loads(store.get(metrics_key(0)))  # replayed by life 4, its hashes equal to life 3's
+    assert step0["replayed"] and len(step0["micro_batch_hashes"]) == 2
+
+    before = sorted(store.list_prefix(""))
+    again = life(tmp_path, resume, None, store)  # a finished run: says so, changes nothing
+    assert again.returncode == 0 and "is finished (6 of 6 steps trained" in again.stdout
+    assert sorted(store.list_prefix("")) == before
+
+
+def test_after_step_run_on_s3_skips_steps_whose_chunks_are_gone(tmp_path, s3_config):
+    store = open_store(s3_config)
+    endpoint = ["--s3-endpoint-url", s3_config.s3_endpoint_url]
+    config = write_config(tmp_path, s3_config, release="after_step", num_steps=4)
+    life(tmp_path, ["--config", str(config)], "after_release:2", store, released_by([0, 1], 2))  # checkpoint of 1
+    resume = ["--resume", store.prefix.uri, *endpoint]
+    life(tmp_path, resume, "release_dp1:3", store, released_by([0], 3))  # step 2 skipped; step 3 half released
+    done = life(tmp_path, resume, None, store)
+    assert done.returncode == 0, done.stdout
+    summary = assert_finished_clean(store, endpoint, 4)
+    assert summary["resumed"]["from_checkpoint_step"] == 1 and summary["resumed"]["skipped_steps"] == 2
+
+
+def test_a_second_resume_is_refused_while_the_first_lives(tmp_path, local_config):
+    store = open_store(local_config)
+    config = write_config(tmp_path, local_config, release="after_checkpoint", num_steps=2)
+    marker = tmp_path / "paused"
+    env = {**os.environ, ENV: f"fetch:1:{marker}"}
+    first = subprocess.Popen([REFPIPE, "run", "--config", str(config)], env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        while not marker.exists():
+            assert first.poll() is None
+            time.sleep(0.2)
+        second = subprocess.run([REFPIPE, "run", "--resume", store.prefix.uri], capture_output=True, text=True,
+                                timeout=300)
+        assert second.returncode == 2
+        assert "refusing to resume: another life of the run is still running" in second.stdout
+    finally:
+        for pid in _tree(first.pid):
+            os.kill(pid, signal.SIGKILL)
+        first.wait()
+
+
+def test_a_replayed_micro_batch_that_differs_stops_the_run(local_config):
+    store = open_store(local_config)
+    store.put(metrics_key(3), json.dumps({"micro_batch_hashes": [["aa", "bb"], ["cc"]]}).encode())
+    check_replay(store, 3, [["aa", "bb"], ["cc"]])
+    with pytest.raises(ReplayMismatchError, match="step 3 replayed from .*step_00000003.npz: micro batch hashes"):
+        check_replay(store, 3, [["aa", "bX"], ["cc"]])
+    check_replay(store, 4, [["dd"]])  # the first life died before its metrics of step 4: nothing to compare
+
+
+def test_a_resume_config_may_change_num_steps_only(tmp_path, local_config):
+    store = open_store(local_config)
+    config = write_config(tmp_path, local_config, release="after_step", num_steps=2)
+    from refpipe.job.config import load_config
+
+    store.put("config.json", load_config(config).model_dump_json().encode())
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[job]\nnum_steps = 9\nlearning_rate = 0.5\n[orchestrator]\ngroup_size = 6\n")
+    result = CliRunner().invoke(app, ["run", "--resume", store.prefix.uri, "--config", str(bad)])
+    assert result.exit_code == 2
+    assert "job.learning_rate, orchestrator.group_size differ from the run's config.json" in result.output
+    assert store.list_prefix("") == ["config.json"]

@@ -1,0 +1,75 @@
+"""One rank of a checkpoint test world: ``python checkpoint_worker.py <spec.json> <rank>``.
+
+Trains a small linear model one Adam step, saves it as the checkpoint of ``spec["step"]`` (policy
+version ``step + 1``), records the parameters and the next RNG draws, scrambles model, optimizer and
+RNG, loads the newest complete checkpoint back and records the same again, into ``rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from refpipe.storage.backends import open_store
+from refpipe.storage.config import StorageConfig
+from refpipe.storage.errors import CheckpointError
+from refpipe.trainer.checkpoint import (
+    apply_training_state,
+    load_checkpoint,
+    newest_checkpoint,
+    save_checkpoint,
+    training_state,
+)
+from refpipe.trainer.config import TrainerConfig
+from refpipe.trainer.dist import init_process_group
+
+
+def snapshot(model, optimizer) -> dict:
+    return {"weight": model.weight.detach().flatten().tolist(),
+            "exp_avg": optimizer.state[model.weight]["exp_avg"].flatten().tolist(),
+            "draws": [torch.rand(2).tolist(), np.random.rand(2).tolist(), [random.random()]]}
+
+
+def main(spec_path: str, rank: int) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    init_process_group(TrainerConfig(collective_timeout_s=60), rank=rank, world_size=2,
+                       init_method=spec["init_method"])
+    store = open_store(StorageConfig(**spec["storage"]))
+    torch.manual_seed(rank)  # different RNG streams per rank; the model itself is the same on both
+    np.random.seed(rank)
+    random.seed(rank)
+    model = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        model.weight.copy_(torch.arange(6.0).reshape(2, 3))
+        model.bias.zero_()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    out = {}
+    state = training_state(model, optimizer, step=spec["step"], policy_version=spec["step"] + 1)
+    try:
+        out["uri"] = save_checkpoint(store, state)
+    except CheckpointError as e:
+        out["error"] = str(e)
+    out["saved"] = snapshot(model, optimizer)
+    with torch.no_grad():
+        model.weight.add_(5.0)
+    optimizer.state[model.weight]["exp_avg"].add_(7.0)
+    torch.rand(10), np.random.rand(10), random.random()
+    info = newest_checkpoint(store)
+    out["newest"] = None if info is None else [info.step, info.policy_version]
+    if info is not None:
+        fresh = training_state(model, optimizer, step=-1, policy_version=-1)
+        loaded = load_checkpoint(store, info.step, fresh)
+        apply_training_state(model, optimizer, loaded)
+        out["loaded_step"], out["loaded_version"] = loaded["step"], loaded["policy_version"]
+        out["loaded"] = snapshot(model, optimizer)
+    Path(spec["out_dir"], f"rank{rank}.json").write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))

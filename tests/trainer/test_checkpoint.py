@@ -1,0 +1,88 @@
+"""Checkpoints through torch.distributed.checkpoint (issue 12): 2 real gloo ranks, local directory and S3 (moto).
+
+Each rank saves model, optimizer and RNG states, scrambles them, and loads the newest complete
+checkpoint back (``checkpoint_worker.py``); the test compares what each rank recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from refpipe.storage.backends import open_store
+from refpipe.trainer.checkpoint import checkpoint_key, newest_checkpoint
+
+WORKER = Path(__file__).with_name("checkpoint_worker.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_ranks(tmp_path: Path, storage, step: int) -> list[dict]:
+    out = tmp_path / f"ranks{step}"
+    out.mkdir()
+    spec = {"out_dir": str(out), "init_method": f"tcp://127.0.0.1:{_free_port()}", "storage": storage.model_dump(),
+            "step": step}
+    (out / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(out / "spec.json"), str(r)], env=env,
+                              stderr=open(out / f"rank{r}.log", "w")) for r in range(2)]
+    codes = [p.wait(timeout=120) for p in procs]
+    logs = "\n".join((out / f"rank{r}.log").read_text()[-3000:] for r in range(2))
+    assert codes == [0, 0], logs
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_checkpoint_restores_model_optimizer_and_each_ranks_rng(tmp_path, storage_config):
+    ranks = run_ranks(tmp_path, storage_config, step=3)
+    store = open_store(storage_config)
+    for r in ranks:
+        assert "error" not in r and r["uri"] == store.uri(checkpoint_key(3))
+        assert r["newest"] == [3, 4] and (r["loaded_step"], r["loaded_version"]) == (3, 4)
+        assert r["loaded"] == r["saved"]  # weights, Adam moments and the next RNG draws, exactly
+    assert ranks[0]["saved"]["draws"] != ranks[1]["saved"]["draws"]  # each rank got its own RNG state back
+    keys = set(store.list_prefix("checkpoints"))
+    assert {"checkpoints/step_00000003/.metadata", "checkpoints/step_00000003/commit.json"} <= keys
+    assert json.loads(store.get("checkpoints/step_00000003/commit.json")) == {
+        "step": 3, "policy_version": 4, "world_size": 2}
+
+
+def test_incomplete_newer_checkpoints_are_skipped_with_a_warning(local_config, caplog):
+    store = open_store(local_config)
+    for key in ("step_00000003/.metadata", "step_00000003/__0_0.distcp", "step_00000005/.metadata",
+                "step_00000007/__0_0.distcp"):
+        store.put(f"checkpoints/{key}", b"x")
+    store.put("checkpoints/step_00000003/commit.json", b'{"step": 3, "policy_version": 4, "world_size": 2}')
+    with caplog.at_level(logging.WARNING):
+        info = newest_checkpoint(store)
+    assert (info.step, info.policy_version) == (3, 4)
+    assert "step_00000007 is incomplete (no .metadata and no commit.json)" in caplog.text  # died while writing
+    assert "step_00000005 is incomplete (no commit.json)" in caplog.text  # DCP done, refpipe's marker not
+
+
+def test_a_rank_whose_write_fails_fails_the_checkpoint_on_every_rank(tmp_path, local_config):
+    store = open_store(local_config)
+    os.makedirs(store.path("checkpoints/step_00000002/__1_0.distcp"))  # rank 1 cannot create its file
+    ranks = run_ranks(tmp_path, local_config, step=2)
+    for r in ranks:
+        assert "is not published" in r["error"] and r["newest"] is None
+    assert not store.exists("checkpoints/step_00000002/commit.json")
+
+
+def test_no_checkpoint_is_none(local_config):
+    store = open_store(local_config)
+    store.put("config.json", b"{}")
+    assert newest_checkpoint(store) is None
+
+
+if __name__ == "__main__":
+    pytest.main([__file__])

@@ -1,0 +1,161 @@
+"""Trainer checkpoints through ``torch.distributed.checkpoint`` (DCP), published atomically.
+
+Layout under the run prefix::
+
+    checkpoints/step_<N:08d>/__<rank>_0.distcp   each rank's share (DCP, one file per rank)
+    checkpoints/step_<N:08d>/.metadata           DCP's coordinator writes it after every rank's share
+    checkpoints/step_<N:08d>/commit.json         refpipe's commit marker, written last by rank 0
+
+A checkpoint covering step ``N`` holds every effect of steps ``<= N``: model and optimizer
+state, every rank's RNG states, the step and the policy version. It counts only once it has
+both DCP's ``.metadata`` and the commit marker; ``newest_checkpoint`` skips a newer one that
+lacks either (a crash mid-write) with a warning. On a filesystem DCP writes with
+``FileSystemWriter`` (files fsynced, ``.metadata`` renamed into place); on S3 with its
+fsspec writer, built with the run's own store settings (endpoint, region).
+
+Which ranks call what, in which order: every rank calls ``save_checkpoint`` (collectives:
+DCP's plan exchange, an all-reduce of every rank's success, a broadcast of the marker's
+success) and ``load_checkpoint`` (DCP's collectives); any rank may call ``newest_checkpoint``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from refpipe.storage.errors import CheckpointError
+from refpipe.storage.layout import (
+    CHECKPOINT_MARKER_NAME,
+    CHECKPOINTS_PREFIX,
+    DCP_METADATA_NAME,
+    checkpoint_key,
+    parse_checkpoint_key,
+)
+from refpipe.storage.store import Store
+from refpipe.trainer.pause import pause_point
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+log = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A complete checkpoint: the step it covers and the policy version its weights are."""
+
+    step: int
+    policy_version: int
+    uri: str
+
+
+def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, step: int,
+                   policy_version: int) -> dict:
+    """The state one checkpoint holds for this rank: model and optimizer (DCP's FQN-keyed state dicts,
+    identical on every rank of a replicated model), this rank's RNG states (torch, numpy, Python, under
+    ``rng_rank<r>``), ``step`` and ``policy_version``. Every rank calls it before ``save_checkpoint``."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    return {"model": model_state, "optimizer": optimizer_state, f"rng_rank{dist.get_rank()}": rng,
+            "step": step, "policy_version": policy_version}
+
+
+def apply_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Put a loaded ``training_state`` back: model, optimizer and this rank's RNG states."""
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    rng = state[f"rng_rank{dist.get_rank()}"]
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+
+
+def _writer(store: Store, key: str):
+    if store.prefix.scheme == "file":
+        return dcp.FileSystemWriter(store.path(key))
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return FsspecWriter(store.uri(key), **store.fsspec_options)
+
+
+def _reader(store: Store, key: str):
+    if store.prefix.scheme == "file":
+        return dcp.FileSystemReader(store.path(key))
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return FsspecReader(store.uri(key), **store.fsspec_options)
+
+
+def save_checkpoint(store: Store, state: dict) -> str:
+    """Every rank: write ``state`` (from ``training_state``) as the checkpoint of ``state["step"]``; publish it.
+
+    DCP writes every rank's share, then its coordinator writes ``.metadata``; the ranks then agree
+    that every one of them succeeded (all-reduce), rank 0 writes the commit marker, and rank 0's
+    outcome is broadcast, so on return the checkpoint is durable on every rank alike.
+
+    Returns:
+        The checkpoint's URI.
+
+    Raises:
+        CheckpointError: some rank's write, or the marker, failed (raised on every rank; the
+            checkpoint has no marker, so resume skips it).
+    """
+    step = int(state["step"])
+    key = checkpoint_key(step)
+    ok = torch.ones(1, dtype=torch.int32)
+    try:
+        dcp.save(state, storage_writer=_writer(store, key))
+    except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 -- any rank's failure is agreed on first
+        log.error("checkpoint of step %d: this rank's write failed: %s", step, e)
+        ok.zero_()
+    pause_point("checkpoint", step)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if ok.item() and dist.get_rank() == 0:
+        marker = {"step": step, "policy_version": int(state["policy_version"]), "world_size": dist.get_world_size()}
+        try:
+            store.put(f"{key}/{CHECKPOINT_MARKER_NAME}", json.dumps(marker).encode())
+        except Exception as e:  # noqa: BLE001 -- the other ranks must learn that the marker failed
+            log.error("checkpoint of step %d: commit marker failed: %s", step, e)
+            ok.zero_()
+    dist.broadcast(ok, src=0)
+    if not ok.item():
+        raise CheckpointError(f"checkpoint {store.uri(key)} of step {step}: a rank's write or the commit marker "
+                              f"failed (see the trainer logs); it is not published")
+    return store.uri(key)
+
+
+def newest_checkpoint(store: Store) -> CheckpointInfo | None:
+    """The newest complete checkpoint (DCP's ``.metadata`` and refpipe's marker), or None.
+
+    One listing of ``checkpoints/`` and one GET of the chosen marker. A newer checkpoint without
+    both files (its writer died mid-write) is skipped with a warning.
+    """
+    files: dict[int, set[str]] = {}
+    for key in store.list_prefix(CHECKPOINTS_PREFIX):
+        if parsed := parse_checkpoint_key(key):
+            files.setdefault(parsed[0], set()).add(parsed[1])
+    for step in sorted(files, reverse=True):
+        if {DCP_METADATA_NAME, CHECKPOINT_MARKER_NAME} <= files[step]:
+            marker = json.loads(store.get(f"{checkpoint_key(step)}/{CHECKPOINT_MARKER_NAME}"))
+            return CheckpointInfo(step, int(marker["policy_version"]), store.uri(checkpoint_key(step)))
+        log.warning("checkpoint %s is incomplete (no %s): skipped", store.uri(checkpoint_key(step)),
+                    " and no ".join(sorted({DCP_METADATA_NAME, CHECKPOINT_MARKER_NAME} - files[step])))
+    return None
+
+
+def load_checkpoint(store: Store, step: int, state: dict) -> dict:
+    """Every rank: load checkpoint ``step`` into ``state`` (a ``training_state`` of the same shapes) in place.
+
+    Returns:
+        ``state``, with ``step`` and ``policy_version`` as saved.
+
+    Raises:
+        CheckpointError: the checkpoint cannot be read.
+    """
+    try:
+        dcp.load(state, storage_reader=_reader(store, checkpoint_key(step)))
+    except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 -- CheckpointException is a BaseException
+        raise CheckpointError(f"checkpoint {store.uri(checkpoint_key(step))}: cannot load: {e}") from e
+    return state

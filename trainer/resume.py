@@ -1,0 +1,86 @@
+"""Where a restarted trainer picks up: its checkpoint, and which steps to replay, skip, or finish releasing.
+
+A run has lives; each trainer rank's ledger session is one life of its DP rank's actor
+(``trainer_dp<r>``). When a later life starts, the run holds:
+
+- the newest complete checkpoint ``k`` (``trainer.checkpoint.newest_checkpoint``), or none
+  (then training restarts from the warm start, step 0);
+- step files ``0 .. published - 1``;
+- per DP rank, the highest step it released in an earlier life (its ``release`` events).
+
+From these: steps ``<= k`` are covered by the checkpoint; a DP rank that had not released one
+of them releases it now (its own earlier delete records count as already released).
+Steps ``k + 1 .. published - 1`` are trained again from their step files (a replay), except a
+step some of whose chunks already have a delete record (``release = "after_step"`` deleted them
+before the crash): it is skipped, never trained on stand-ins, and its remaining chunks released.
+
+``plan_resume`` is collective: rank 0 reads the run and broadcasts the plan, so every rank
+acts on the same one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from refpipe.pipeline.step_file import StepFile
+from refpipe.storage.layout import EVENTS_PREFIX, STEPS_PREFIX, parse_step_key, tombstone_key, trainer_actor
+from refpipe.storage.store import Store
+from refpipe.trainer.checkpoint import CheckpointInfo, newest_checkpoint
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """What a restarted trainer does before and while it trains (the same on every rank)."""
+
+    checkpoint: CheckpointInfo | None
+    """The newest complete checkpoint, or None (start from the warm start)."""
+    published: int
+    """Steps ``0 .. published - 1`` have a step file."""
+    released: dict[int, int]
+    """DP rank -> highest step it released in an earlier life (-1: none)."""
+    skipped: list[int]
+    """Steps ``>= start_step`` with a chunk already deleted: not trained again."""
+
+    @property
+    def start_step(self) -> int:
+        """The first step to train: the checkpoint's step + 1, or 0."""
+        return self.checkpoint.step + 1 if self.checkpoint else 0
+
+    def replays(self, step: int) -> bool:
+        """Whether training ``step`` is a replay of a step an earlier life published (and maybe trained)."""
+        return self.start_step <= step < self.published and step not in self.skipped
+
+
+def plan_resume(store: Store, dp_world_size: int) -> ResumePlan:
+    """Every rank: rank 0 reads the run (one listing each of ``checkpoints/``, ``steps/`` and each
+    ``ledger/events/trainer_dp<r>/``; every segment of those actors; one HEAD per chunk of the steps after
+    the checkpoint) and broadcasts the plan."""
+    box = [_read_plan(store, dp_world_size) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _read_plan(store: Store, dp_world_size: int) -> ResumePlan:
+    checkpoint = newest_checkpoint(store)
+    steps = {s for k in store.list_prefix(STEPS_PREFIX) if (s := parse_step_key(k)) is not None}
+    published = next(s for s in range(len(steps) + 1) if s not in steps)
+    released = {r: _highest_release(store, r) for r in range(dp_world_size)}
+    start = checkpoint.step + 1 if checkpoint else 0
+    skipped = [s for s in range(start, published) if _some_chunk_deleted(store, s)]
+    return ResumePlan(checkpoint, published, released, skipped)
+
+
+def _highest_release(store: Store, dp_rank: int) -> int:
+    highest = -1
+    for key in store.list_prefix(f"{EVENTS_PREFIX}/{trainer_actor(dp_rank)}"):
+        for line in store.get(key).splitlines():
+            event = json.loads(line)
+            if event.get("event") == "release":
+                highest = max(highest, int(event["step"]))
+    return highest
+
+
+def _some_chunk_deleted(store: Store, step: int) -> bool:
+    return any(store.exists(tombstone_key(ref.branch_id)) for ref in StepFile.read(store, step).header.refs)
