@@ -17,7 +17,7 @@ from typing import Annotated, Optional
 
 import typer
 from refpipe.cli.inspect_common import S3_ENDPOINT_HELP, clean_errors, fail, open_run, parallel_map, progress
-from refpipe.storage.chunk import read_attributes
+from refpipe.storage.chunk import read_writer
 from refpipe.storage.layout import (
     DATA_NAME,
     DELETES_PREFIX,
@@ -33,6 +33,7 @@ from refpipe.storage.layout import (
     parse_step_key,
     session_opened_ms,
 )
+from refpipe.storage.ledger import read_segment
 from refpipe.storage.store import Store
 from rich.console import Console
 from rich.filesize import decimal
@@ -58,10 +59,8 @@ def _steps(listing: dict[str, int]) -> dict:
 
 def _writer_of(store: Store, node: str) -> str:
     """The ``writer`` attribute of the node's ``zarr.json``; ``CORRUPT_WRITER`` if that is unreadable."""
-    try:
-        return read_attributes(store.get(meta_key(node))).get("writer") or "(unnamed)"
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return CORRUPT_WRITER
+    writer = read_writer(store.get(meta_key(node)))
+    return CORRUPT_WRITER if writer is None else writer or "(unnamed)"
 
 
 def _chunks(store: Store, listing: dict[str, int]) -> dict:
@@ -89,8 +88,9 @@ def _chunks(store: Store, listing: dict[str, int]) -> dict:
 
 
 def _session_closed(store: Store, last_segment: str) -> bool:
-    lines = store.get(last_segment).splitlines()
-    return bool(lines) and json.loads(lines[-1]).get("event") == "close"
+    """Whether the session's last segment holds its ``close`` event (bad records are skipped, as the audit does)."""
+    records = read_segment(store.get(last_segment))
+    return any(isinstance(event, dict) and event["event"] == "close" for _, event in records)
 
 
 def _ledger(store: Store, deletes: dict[str, int], events: dict[str, int]) -> dict:

@@ -16,7 +16,6 @@ Keys under ``ledger/deletes/`` that are not some branch's ``tombstone_key`` are 
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from refpipe.pipeline.step_file import StepFile, StepHeader
-from refpipe.storage.chunk import read_attributes
+from refpipe.storage.chunk import read_writer
 from refpipe.storage.errors import ConfigError, KeyNotFoundError, RunNotFoundError, StepFileError
 from refpipe.storage.layout import (
     DELETES_PREFIX,
@@ -43,6 +42,7 @@ from refpipe.storage.layout import (
     step_key,
     tombstone_key,
 )
+from refpipe.storage.ledger import read_segment
 from refpipe.storage.store import Store
 from rich.progress import Progress
 
@@ -172,18 +172,15 @@ def _scan_events(store: Store, scan: RunScan, progress: Progress | None) -> None
     for key, data in zip(segments, _parallel(store, store.get, segments, progress, "reading ledger segments")):
         actor, session, _ = parse_segment_key(key)
         scan.sessions[actor].add(session)
-        for number, line in enumerate(data.split(b"\n"), 1):
-            if line:
-                _take_event(scan, actor, session, line, f"{store.uri(key)} line {number}",
-                            truncated=number == data.count(b"\n") + 1)
+        for number, event in read_segment(data):
+            _take_event(scan, actor, session, event, f"{store.uri(key)} line {number}")
 
 
-def _take_event(scan: RunScan, actor: str, session: str, line: bytes, where: str, truncated: bool) -> None:
-    """Fold one ledger record into the scan; a bad record is noted, never fatal."""
+def _take_event(scan: RunScan, actor: str, session: str, event: dict | ValueError, where: str) -> None:
+    """Fold one ledger record (``storage.ledger.read_segment``) into the scan; a bad record is noted, never fatal."""
     try:
-        if truncated:
-            raise ValueError("truncated record (no line end)")
-        event = json.loads(line)
+        if isinstance(event, ValueError):
+            raise event
         kind = event["event"]
         if kind == "close":
             scan.closed.add((actor, session))
@@ -223,8 +220,8 @@ def _scan_writers(store: Store, scan: RunScan, progress: Progress | None) -> Non
 
     def writer(node: str) -> str:
         try:
-            return read_attributes(store.get(meta_key(node))).get("writer", "")
-        except (KeyNotFoundError, ValueError, KeyError, TypeError):
+            return read_writer(store.get(meta_key(node))) or ""
+        except KeyNotFoundError:
             return ""
 
     scan.writers.update(zip(unnamed, _parallel(store, writer, unnamed, progress, "reading chunk writers")))

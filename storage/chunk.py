@@ -301,6 +301,17 @@ def view_array(payload: np.ndarray | bytes, lay: ArrayLayout, rows: int | None =
     return np.frombuffer(payload, lay.dtype, count, lay.offset).reshape(shape)
 
 
+def read_writer(metadata: bytes) -> str | None:
+    """The ``writer`` attribute of a branch's ``zarr.json``, tolerantly: None when the document is not
+    one (not JSON, no refpipe attributes, a writer that is not a string). The one reader of the
+    writer, shared by the audit and ``refpipe ls``."""
+    try:
+        writer = read_attributes(metadata).get("writer")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return writer if isinstance(writer, str) else None
+
+
 def read_attributes(metadata: bytes) -> dict:
     """The ``refpipe`` attributes of a branch's ``zarr.json`` (offline readers and the audit)."""
     return json.loads(metadata)["attributes"]["refpipe"]

@@ -50,6 +50,29 @@ SEGMENT_MAX_EVENTS = 512
 SEGMENT_MAX_AGE_S = 2.0
 
 
+def read_segment(data: bytes) -> list[tuple[int, dict | ValueError]]:
+    """Every record of a ledger segment, tolerantly: ``(line number, event)`` per non-empty line, or
+    ``(line number, ValueError)`` for a line that is not a JSON object with an ``event`` name, or a
+    last line without its line end (the writer died mid-put). Never raises: the one reader of
+    segments, shared by the audit and ``refpipe ls``."""
+    lines = data.split(b"\n")
+    out: list[tuple[int, dict | ValueError]] = []
+    for number, line in enumerate(lines, 1):
+        if not line:
+            continue
+        try:
+            if number == len(lines):
+                raise ValueError("truncated record (no line end)")
+            event = json.loads(line)
+            if not isinstance(event, dict) or not isinstance(event.get("event"), str):
+                raise ValueError(f"{line[:40]!r}: expected a JSON object with an 'event' name")
+        except ValueError as e:  # json.JSONDecodeError included
+            out.append((number, e))
+            continue
+        out.append((number, event))
+    return out
+
+
 @dataclass
 class DeleteResult:
     """Outcome of one ``Ledger.delete`` call."""

@@ -1,13 +1,23 @@
-"""The store on a POSIX directory (local disk, NFS, Lustre): ``storage.store.Store`` with ``os`` calls."""
+"""The store on a POSIX directory (local disk, NFS, Lustre): ``storage.store.Store`` with ``os`` calls.
+
+Confinement by resolution, not by string (DESIGN.md, invariant 4): below the run prefix no
+symlink is ever followed. Every operation opens the run prefix directory (symlinks above
+it, such as a mount path, are fine), then walks the key's directories one ``openat`` at a
+time with ``O_NOFOLLOW`` and acts on the last name relative to that directory fd
+(``openat``, ``linkat``, ``renameat``, ``unlinkat``); a symlink anywhere below the prefix is
+``OutsideRunError``, and nothing is read, written or deleted through it.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import stat
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-from refpipe.storage.errors import KeyExistsError, KeyNotFoundError, StorageError
+from refpipe.storage.errors import KeyExistsError, KeyNotFoundError, OutsideRunError, StorageError
 from refpipe.storage.store import Store, buffers_of
 
 
@@ -28,8 +38,8 @@ class LocalStore(Store):
     def get(self, key, start=None, end=None):
         fd = self._open_read(key)
         try:
-            start = start or 0
-            size = (os.fstat(fd).st_size if end is None else end) - start
+            start, object_nbytes = start or 0, os.fstat(fd).st_size
+            size = (object_nbytes if end is None else min(end, object_nbytes)) - start  # never more than it holds
             return _read_all(fd, max(size, 0), start)
         except OSError as e:
             raise StorageError(f"cannot read {self.uri(key)}: {e.strerror}") from e
@@ -50,69 +60,120 @@ class LocalStore(Store):
             os.close(fd)
 
     def _open_read(self, key: str) -> int:
-        """A read-only fd of ``key`` (``KeyNotFoundError`` when absent)."""
-        path = self.path(key)
+        """A read-only fd of ``key`` (``KeyNotFoundError`` when absent, ``OutsideRunError`` through a symlink)."""
+        with self._directory(key) as (dir_fd, name):
+            try:
+                return os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=dir_fd)
+            except (FileNotFoundError, NotADirectoryError) as e:
+                raise KeyNotFoundError(f"{self.uri(key)} does not exist") from e
+            except OSError as e:
+                self._refuse_symlink(e, key, key, dir_fd, name)
+                raise StorageError(f"cannot read {self.uri(key)}: {e.strerror}") from e
+
+    @contextlib.contextmanager
+    def _directory(self, key: str, *, create: bool = False):
+        """``(dir_fd, name)``: an ``O_PATH`` fd of ``key``'s directory, reached from the run prefix one component
+        at a time without following symlinks (``create``: making missing ones), and the key's last name.
+
+        Raises:
+            KeyNotFoundError: a directory is missing (and not ``create``).
+            OutsideRunError: a component below the run prefix is a symlink (or not a directory).
+        """
+        *parents, name = self.prefix.check_key(key).split("/")
+        flags = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
         try:
-            return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except (FileNotFoundError, NotADirectoryError) as e:
-            raise KeyNotFoundError(f"{self.uri(key)} does not exist") from e
+            fd = os.open(self.prefix.path, flags)
+        except FileNotFoundError:
+            if not create:
+                raise KeyNotFoundError(f"{self.uri(key)} does not exist") from None
+            os.makedirs(self.prefix.path, exist_ok=True)
+            fd = os.open(self.prefix.path, flags)
+        try:
+            for i, part in enumerate(parents):
+                child = self._step(fd, part, key, "/".join(parents[: i + 1]), create)
+                os.close(fd)
+                fd = child
+            yield fd, name
+        finally:
+            os.close(fd)
+
+    def _step(self, dir_fd: int, part: str, key: str, where: str, create: bool) -> int:
+        """An ``O_PATH`` fd of directory ``part`` inside ``dir_fd``, never through a symlink."""
+        flags = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            try:
+                return os.open(part, flags, dir_fd=dir_fd)
+            except FileNotFoundError:
+                if not create:
+                    raise KeyNotFoundError(f"{self.uri(key)} does not exist") from None
+                with contextlib.suppress(FileExistsError):  # made by a concurrent put
+                    os.mkdir(part, dir_fd=dir_fd)
+                return os.open(part, flags, dir_fd=dir_fd)
         except OSError as e:
-            raise StorageError(f"cannot read {self.uri(key)}: {e.strerror}") from e
+            self._refuse_symlink(e, key, where, dir_fd, part)
+            if e.errno == errno.ENOTDIR and not create:
+                raise KeyNotFoundError(f"{self.uri(key)} does not exist ({self.uri(where)} is a file)") from e
+            raise
+
+    def _refuse_symlink(self, e: OSError, key: str, where: str, dir_fd: int, name: str) -> None:
+        """Raise ``OutsideRunError`` when ``e`` is what ``O_NOFOLLOW`` gave for a symlink (ELOOP, or ENOTDIR
+        with ``O_DIRECTORY``): ``name`` in ``dir_fd`` is one."""
+        if e.errno in (errno.ELOOP, errno.ENOTDIR) and _is_symlink(dir_fd, name):
+            raise OutsideRunError(f"{self.uri(key)}: {self.uri(where)} is a symlink: the local store never follows "
+                                  "a symlink below the run prefix") from e
 
     def put(self, key, data, *, exclusive=False):
-        path = self.path(key)
         buffers = buffers_of(data)
         try:
-            if exclusive and _HAVE_TMPFILE:
-                self._put_unnamed(path, key, buffers)
-            else:
-                self._put_named(path, key, buffers, exclusive)
-        except KeyExistsError:
+            with self._directory(key, create=True) as (dir_fd, name):
+                if exclusive and _HAVE_TMPFILE:
+                    self._put_unnamed(dir_fd, name, key, buffers)
+                else:
+                    self._put_named(dir_fd, name, key, buffers, exclusive)
+        except (KeyExistsError, OutsideRunError):
             raise
         except OSError as e:
             raise StorageError(f"cannot write {self.uri(key)}: {e.strerror}") from e
 
-    def _put_unnamed(self, path: str, key: str, buffers) -> None:
-        directory = os.path.dirname(path)
+    def _put_unnamed(self, dir_fd: int, name: str, key: str, buffers) -> None:
         try:
-            fd = _open_dir_file(directory, os.O_TMPFILE | os.O_WRONLY)
+            fd = os.open(".", os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o666, dir_fd=dir_fd)
         except OSError as e:
             if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
                 raise
-            return self._put_named(path, key, buffers, True)  # no O_TMPFILE on this filesystem
+            return self._put_named(dir_fd, name, key, buffers, True)  # no O_TMPFILE on this filesystem
         try:
             _write_all(fd, buffers)
-            os.link(f"/proc/self/fd/{fd}", path, src_dir_fd=fd)  # a dir fd makes CPython call linkat(AT_SYMLINK_FOLLOW)
+            os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dir_fd)  # linkat(AT_SYMLINK_FOLLOW) of the unnamed file
         except FileExistsError as e:
             raise KeyExistsError(f"{self.uri(key)} already exists") from e
         finally:
             os.close(fd)
 
-    def _put_named(self, path: str, key: str, buffers, exclusive: bool) -> None:
-        tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
-        fd = _open_dir_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    def _put_named(self, dir_fd: int, name: str, key: str, buffers, exclusive: bool) -> None:
+        tmp = f"{name}.tmp-{uuid.uuid4().hex[:12]}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=dir_fd)
         try:
             _write_all(fd, buffers)
         except BaseException:
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=dir_fd)
             raise
         finally:
             os.close(fd)
         if not exclusive:
-            os.replace(tmp, path)
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             return
         try:
-            os.link(tmp, path)
+            os.link(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
         except FileExistsError as e:
             raise KeyExistsError(f"{self.uri(key)} already exists") from e
         finally:
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=dir_fd)
 
     def _delete_keys(self, keys):
-        by_directory: dict[str, list[tuple[str, str]]] = {}
+        by_directory: dict[str, list[str]] = {}
         for key in keys:
-            path = self.path(key)
-            by_directory.setdefault(os.path.dirname(path), []).append((key, path))
+            by_directory.setdefault(self.prefix.check_key(key).rpartition("/")[0], []).append(key)
         if len(by_directory) <= 1:
             for directory, items in by_directory.items():
                 self._delete_in(directory, items)
@@ -122,32 +183,42 @@ class LocalStore(Store):
         with ThreadPoolExecutor(min(_DELETE_THREADS, len(by_directory))) as pool:
             list(pool.map(lambda item: self._delete_in(*item), by_directory.items()))
 
-    def _delete_in(self, directory: str, items: list[tuple[str, str]]) -> None:
-        """Unlink ``items`` in order, then remove ``directory`` if this emptied a branch directory."""
+    def _delete_in(self, directory: str, keys: list[str]) -> None:
+        """Unlink ``keys`` (all in ``directory``) in order, then remove ``directory`` if this emptied a branch
+        directory (``payloads/<shard>/<branch_id>``; shards stay). Names are unlinked relative to the
+        directory's fd: a symlink is removed itself, never followed."""
         removed = False
-        for key, path in items:
+        for key in keys:
             try:
-                os.unlink(path)
-            except FileNotFoundError:
+                with self._directory(key) as (dir_fd, name):
+                    os.unlink(name, dir_fd=dir_fd)
+            except (FileNotFoundError, KeyNotFoundError):
                 continue
+            except OutsideRunError:
+                raise
             except OSError as e:
                 raise StorageError(f"cannot delete {self.uri(key)}: {e.strerror}") from e
             removed = True
-        if removed:
+        if removed and directory.count("/") >= 2:
             self._remove_empty_dir(directory)
 
     def _remove_empty_dir(self, directory: str) -> None:
-        """Remove a branch directory once its last object is gone (shards stay)."""
-        if directory.count("/") - self.prefix.path.count("/") < 3:
-            return
         try:
-            os.rmdir(directory)
+            with self._directory(directory) as (dir_fd, name):
+                os.rmdir(name, dir_fd=dir_fd)
+        except (KeyNotFoundError, FileNotFoundError):
+            return
         except OSError as e:
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
-                raise StorageError(f"cannot remove directory {directory}: {e.strerror}") from e
+                raise StorageError(f"cannot remove directory {self.uri(directory)}: {e.strerror}") from e
 
     def exists(self, key):
-        return os.path.exists(self.path(key))
+        try:
+            with self._directory(key) as (dir_fd, name):
+                os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                return True
+        except (KeyNotFoundError, FileNotFoundError):
+            return False
 
     def list_prefix(self, key_prefix):
         return sorted(key for key, _ in self._walk(key_prefix))
@@ -162,14 +233,35 @@ class LocalStore(Store):
         return dict(sorted(sizes.items()))
 
     def _walk(self, key_prefix: str, strict: bool = False):
-        """``(key, path)`` of every file under ``key_prefix/`` (``""``: the whole run), unordered.
-        ``strict``: a directory that cannot be read raises its ``OSError`` (a vanished one is skipped)."""
-        root = self.prefix.path
-        base = self.path(key_prefix) if key_prefix else root
-        for directory, _, files in os.walk(base, onerror=_raise_unless_gone if strict else None):
-            rel = os.path.relpath(directory, root)
-            for name in files:
-                yield (name if rel == "." else f"{rel}/{name}"), f"{directory}/{name}"
+        """``(key, path)`` of every file under ``key_prefix/`` (``""``: the whole run), unordered; a symlinked
+        directory below the prefix is not descended into (``os.fwalk``), a symlink to a file is listed
+        (every access to it is refused). ``strict``: a directory that cannot be read raises its ``OSError``
+        (a vanished one is skipped)."""
+        base = f"{self.prefix.path}/{self.prefix.check_key(key_prefix)}" if key_prefix else self.prefix.path
+        try:
+            with self._directory(f"{key_prefix}/x" if key_prefix else "x"):
+                pass  # refuses a symlink on the way to the listed directory
+            top = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except (KeyNotFoundError, FileNotFoundError):
+            return
+        except OSError:
+            if strict:
+                raise
+            return
+        try:
+            for directory, _, files, _ in os.fwalk(".", dir_fd=top, onerror=_raise_unless_gone if strict else None):
+                rel = os.path.normpath(os.path.join(key_prefix, directory))
+                for name in files:
+                    yield (name if rel == "." else f"{rel}/{name}"), f"{base}/{directory}/{name}"
+        finally:
+            os.close(top)
+
+
+def _is_symlink(dir_fd: int, name: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
 
 
 def _raise_unless_gone(e: OSError) -> None:
@@ -182,16 +274,6 @@ _DELETE_THREADS = 8
 _WRITE_PIECE_BYTES = 512 << 10
 """Bytes per ``write(2)``. On ext4 under Linux 6.18 one write of >= 2 MiB took ~3x as long as the same
 bytes in <= 1 MiB writes (measured for bench/keep_fetch.py); smaller pieces cost nothing elsewhere."""
-
-
-def _open_dir_file(path: str, flags: int) -> int:
-    """``os.open(path, flags | O_CLOEXEC, 0o666)``, creating the parent directories once on ENOENT."""
-    flags |= os.O_CLOEXEC
-    try:
-        return os.open(path, flags, 0o666)
-    except FileNotFoundError:
-        os.makedirs(path if (flags & os.O_TMPFILE) == os.O_TMPFILE else os.path.dirname(path), exist_ok=True)
-        return os.open(path, flags, 0o666)
 
 
 def _write_all(fd: int, buffers) -> None:

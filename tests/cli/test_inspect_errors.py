@@ -62,7 +62,7 @@ def test_uris_that_name_no_step_or_run(local_run, tmp_path):
                           f"error: run file://{tmp_path}/root/run_2: nothing under the run prefix (wrong URI or "
                           "endpoint?)\n")
     not_a_dir = local_run.store.path(step_key(0)) + "/run_1"  # a path through a file
-    assert_one_line_error(invoke(["ls", not_a_dir]), f"error: not a directory: {not_a_dir}/steps\n")
+    assert_one_line_error(invoke(["ls", not_a_dir]), f"error: not a directory: {not_a_dir}\n")
 
 
 def test_plot_inside_the_run_is_refused(local_run):

@@ -8,7 +8,12 @@ import json
 import socket
 import zipfile
 
-from refpipe.pipeline.step_file import HEADER_MEMBER, step_key
+import pytest
+from refpipe.pipeline.audit import audit
+from refpipe.pipeline.step_file import HEADER_MEMBER
+from refpipe.storage.errors import ConfigError
+from refpipe.storage.layout import EVENTS_PREFIX, node_key, step_key
+from refpipe.storage.uri import RunPrefix
 from test_inspect import invoke
 from test_inspect_errors import assert_one_line_error
 
@@ -74,3 +79,25 @@ def test_ls_on_an_unreachable_s3_endpoint_is_one_line(monkeypatch):
     result = invoke(["ls", "s3://bucket/prefix/run_1", "--s3-endpoint-url", f"http://127.0.0.1:{port}"])
     assert_one_line_error(result, f"error: LIST s3://bucket/prefix/run_1/steps: EndpointConnectionError: Could "
                                   f'not connect to the endpoint URL: "http://127.0.0.1:{port}/bucket?')
+
+
+def test_ls_reads_ledger_segments_as_tolerantly_as_the_audit(local_run):
+    """A ledger segment line that is not JSON was tolerated by ``audit`` but crashed ``refpipe ls``."""
+    store = local_run.store
+    key = max(k for k in store.list_prefix(EVENTS_PREFIX) if k.startswith(f"{EVENTS_PREFIX}/env_worker_0/"))
+    line = store.get(key).count(b"\n") + 1
+    store.put(key, store.get(key) + b"{not json\n")
+    result = invoke(["ls", store.prefix.uri, "--json"])
+    assert result.exit_code == 0, result.output
+    actors = json.loads(result.stdout)["ledger"]["actors"]
+    assert (actors["env_worker_0"]["num_closed"], actors["env_worker_1"]["num_closed"]) == (1, 0)
+    assert audit(store).bad_records == [f"{store.uri(key)} line {line}: JSONDecodeError: Expecting property name "
+                                        "enclosed in double quotes: line 1 column 2 (char 1)"]
+
+
+def test_ids_with_a_trailing_newline_are_refused():
+    """The id regexes (``^...$``) accepted ``run_1\\n`` and ``abc\\n``; every parser now matches whole strings."""
+    with pytest.raises(ConfigError, match=r"run_id 'run_1\\n': expected"):
+        RunPrefix.from_root("/data", "run_1\n")
+    with pytest.raises(ConfigError, match=r"branch_id 'abc\\n'"):
+        node_key("abc\n")

@@ -141,7 +141,7 @@ def _audit(event: str, args: tuple) -> None:
     if _recorders and event in _FS_EVENTS:
         paths = [os.fsdecode(p) if isinstance(p, bytes) else str(p) for p in args[: 2 if event in _TWO_PATHS else 1]]
         for rec in _recorders:
-            if any(p.startswith(rec.under) for p in paths):
+            if any(p.startswith(rec.under) or not p.startswith("/") for p in paths):
                 rec.ops.append((event, paths[-1]))
 
 
@@ -153,7 +153,8 @@ class FsOps:
 
     Records ``open`` (builtins and ``os.open``), ``os.mkdir``, ``os.link``, ``os.rename``/``os.replace``,
     ``os.remove``, ``os.rmdir``, ``os.listdir`` and ``os.scandir``, in order, as ``(event, path)`` (the destination
-    for links and renames).
+    for links and renames): absolute paths under ``under``, and relative names as given (the local store works
+    relative to directory fds from the run prefix down; the audit events do not carry the fd).
     """
 
     def __init__(self, under: str):
