@@ -14,6 +14,7 @@ Last line: a JSON object with ``peak_held_bytes`` per policy, their ratio, and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -39,7 +40,13 @@ def config(root: Path, run_id: str, release: str, steps: int, every: int) -> Pat
 
 
 def present_bytes(payloads: Path) -> int:
-    return sum(f.stat().st_size for f in payloads.rglob("*") if f.is_file()) if payloads.exists() else 0
+    """Bytes of the files under ``payloads`` (a file deleted while listing counts 0)."""
+    total = 0
+    for directory, _, files in os.walk(payloads):
+        for name in files:
+            with contextlib.suppress(FileNotFoundError):
+                total += os.stat(os.path.join(directory, name)).st_size
+    return total
 
 
 def peak_held(root: Path, run_id: str, cfg: Path) -> int:
