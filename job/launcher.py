@@ -292,7 +292,8 @@ class Launcher:
         return progressed
 
     def finish(self, fleet: Fleet, *, failure: str | None) -> int:
-        """Sweep what dead workers left, audit the run, print the summary; return the exit code.
+        """Audit the run, sweep what dead workers and failed deletes left (audited again), print the summary;
+        return the exit code.
 
         A failed run is audited as stopped, not finished: untrained step files keep their chunks
         for a restart, and ``refpipe sweep`` is left to the user.
@@ -300,9 +301,12 @@ class Launcher:
         self.poll_trainer()  # steps the trainer finished while the fleet was stopping
         self.deletes["trainer"] += self._finish_deletes()
         failed = failure is not None
-        if fleet.dead and not failed:
-            self.deletes["sweep"] += len(sweep(self.store, stopped=True).deleted)
         report: AuditReport = audit(self.store, stopped=True, finished=not failed)
+        if (fleet.dead or report.unfinished_deletes) and not failed:  # what dead workers left, deletes that failed
+            swept = sweep(self.store, stopped=True)
+            self.deletes["sweep"] += len(swept.deleted)
+            self.deletes["sweep: unfinished deletes finished"] += len(swept.finished_deletes)
+            report = audit(self.store, stopped=True, finished=True)
         alignment_ok = self.alignment_max < self.cfg.job.alignment_tolerance
         resumed = None if self.life is None else {
             "life": self.life.life, "from_checkpoint_step": self.life.checkpoint_step,

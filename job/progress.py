@@ -16,7 +16,8 @@ COLUMNS = ("step", "reward", "tokens", "kept", "kept MiB", "step KiB", "fetch s"
            "align err")
 """One line per trained step: ``kept`` counts chunks kept so far; ``step KiB`` the step file's size;
 ``fetch s`` the slowest rank's fetch; ``dropped`` the step's dropped micro batches; ``del o/t/e``
-chunks deleted so far by the orchestrator / the trainer / env workers; ``align err`` the max
+chunks deleted so far by the orchestrator / the trainer / env workers (``+N!``: N trainer deletes failed
+in this step's window and are retried: unfinished deletes); ``align err`` the max
 |recomputed - inference| logprob on on-policy tokens."""
 WIDTHS = (4, 6, 6, 5, 8, 8, 7, 7, 11, 9)
 
@@ -46,9 +47,11 @@ class StepRow:
         return cls(header.step, m["reward_mean"], int(m["num_tokens"]), kept_chunks, kept_bytes, step_file_bytes)
 
     def with_trainer(self, metrics: dict, deletes: tuple[int, int, int]) -> "StepRow":
-        """Add the trainer's side; ``deletes`` = chunks deleted so far by orchestrator, trainer, env workers."""
+        """Add the trainer's side; ``deletes`` = chunks deleted so far by orchestrator, trainer, env workers
+        (then ``+N!``: N trainer deletes of this step failed and will be retried)."""
+        failed = f" +{metrics['delete_failures']}!" if metrics.get("delete_failures") else ""
         return replace(self, fetch_s=metrics["fetch_seconds_max"], dropped=metrics["dropped_micro_batches"],
-                       deletes="/".join(map(str, deletes)), align_err=metrics["on_policy_max_abs_diff"])
+                       deletes="/".join(map(str, deletes)) + failed, align_err=metrics["on_policy_max_abs_diff"])
 
     def cells(self) -> list[str]:
         return [str(self.step), f"{self.reward:.3f}", str(self.tokens), str(self.kept_chunks),

@@ -16,6 +16,7 @@ stale episode) and ``shutdown`` (everything still queued).
 
 from __future__ import annotations
 
+import logging
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -32,6 +33,8 @@ from refpipe.storage.errors import EpisodeError
 from refpipe.storage.layout import ORCHESTRATOR_ACTOR
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.store import Store
+
+log = logging.getLogger(__name__)
 
 
 class OrchestratorConfig(BaseModel):
@@ -255,8 +258,14 @@ class Orchestrator:
                              f"incomplete group {group_id} holds an episode older than step {step} - {level}")
 
     def _delete(self, path: str, refs: list[PayloadRef], detail: str) -> None:
+        """Delete through the ledger; a delete that fails after the store's retries is the ledger's unfinished
+        delete (retried at its next delete and at ``shutdown``), not an error of the orchestrator."""
         if refs:
-            self.ledger.delete(refs, reason=f"orchestrator {path}: {detail}")
+            self.ledger.finish_unfinished()
+            result = self.ledger.delete(refs, reason=f"orchestrator {path}: {detail}")
+            if result.failed:
+                log.warning("orchestrator %s: %d deletes failed (retried later); first: %s", path, len(result.failed),
+                            next(iter(result.failed.values())))
             self.deleted[path] += len(refs)
             self._queued_refs.difference_update(r.branch_id for r in refs)
 

@@ -29,6 +29,8 @@ class StorageConfig(BaseModel):
     """Retries of a transient store error before giving up."""
     retry_backoff_s: float = Field(default=0.05, gt=0, le=60)
     """First retry backoff in seconds; doubles per retry (S3 SlowDown waits 8x longer)."""
+    s3_timeout_s: float = Field(default=15.0, gt=0, le=600)
+    """Seconds an S3 connect or read may wait before the request counts as lost (then retried: ``max_retries``)."""
     max_concurrent_fetches: int = Field(default=8, ge=1, le=256)
     """Threads one process uses to fetch chunks."""
 

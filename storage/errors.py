@@ -47,6 +47,18 @@ class KeyExistsError(StorageError, FileExistsError):
     """An exclusive put found the key already present."""
 
 
+class DeleteKeysError(StorageError):
+    """Some keys of a many-key delete could not be deleted (after the store's retries); the others were.
+
+    Attributes:
+        failed: key -> the classified error of that key (``TransientStorageError`` or ``StorageError``).
+    """
+
+    def __init__(self, message: str, failed: dict[str, StorageError]):
+        super().__init__(message)
+        self.failed = failed
+
+
 class DoubleDeleteError(StorageError):
     """A chunk was deleted a second time; names the first and the second holder.
 

@@ -14,6 +14,7 @@ or by the destinations the caller allocated, never by a size the ref merely decl
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +30,14 @@ from refpipe.storage.chunk import (
     decode_payload,
     view_array,
 )
-from refpipe.storage.errors import ChunkCorruptError, ChunkNotFoundError, KeyNotFoundError, RefpipeError
+from refpipe.storage.errors import (
+    ChunkCorruptError,
+    ChunkNotFoundError,
+    KeyExistsError,
+    KeyNotFoundError,
+    RefpipeError,
+    StorageError,
+)
 from refpipe.storage.layout import chunk_keys as layout_chunk_keys
 from refpipe.storage.layout import node_key
 from refpipe.storage.store import Store
@@ -38,15 +46,25 @@ from refpipe.storage.store import Store
 def put_chunk(store: Store, branch_id: str, chunk: EncodedChunk) -> str:
     """Write a chunk, then its ``zarr.json`` (the commit marker); return the node URI.
 
-    Both puts are exclusive, so a branch id is never written twice.
+    Both puts are exclusive, so a branch id is never written twice. When the commit marker's put
+    fails (after the store's retries), the chunk is removed again (best effort; the sweep removes an
+    incomplete keep left behind).
 
     Raises:
         KeyExistsError: a branch with this id was already kept in this run.
+        StorageError: a put failed (after the store's retries).
     """
     key = node_key(branch_id)
     data_key, meta_key = layout_chunk_keys(key)
     store.put(data_key, chunk.parts, exclusive=True)
-    store.put(meta_key, chunk.metadata, exclusive=True)
+    try:
+        store.put(meta_key, chunk.metadata, exclusive=True)
+    except KeyExistsError:
+        raise
+    except StorageError:  # not kept (no ref was returned): remove what this call wrote, best effort
+        with contextlib.suppress(StorageError):
+            store.delete_keys([meta_key, data_key])
+        raise
     return store.uri(key)
 
 
@@ -95,7 +113,8 @@ def fetch_arrays(store: Store, ref: PayloadRef, num_tokens: int | None = None,
 
     Raises:
         OutsideRunError: the ref points outside the run prefix (before any I/O).
-        ChunkNotFoundError: the chunk does not exist (never zeros).
+        ChunkNotFoundError: the chunk does not exist (never zeros): still missing after
+            ``max_retries`` re-reads with backoff (each counted in ``store.retries``).
         ChunkCorruptError: length, whole-chunk crc32c or (cut reads) a block crc32c mismatch.
         ValueError: ``num_tokens`` outside ``[0, ref.num_tokens]``; a destination of another
             dtype or shape, read-only or not C-contiguous.
@@ -104,12 +123,12 @@ def fetch_arrays(store: Store, ref: PayloadRef, num_tokens: int | None = None,
     if not 0 <= n <= ref.num_tokens:
         raise ValueError(f"num_tokens={n} for chunk {ref.uri}: expected 0..{ref.num_tokens}")
     data_key, _ = chunk_keys(store, ref)
-    try:
-        return _fetch(store, data_key, ref, n, dict(out or {}))
-    except ChunkNotFoundError:
-        raise
+    try:  # the ref says the chunk was kept: a 404 may be a stale cache or a lagging replica, so read again
+        return store.retrying(f"read {ref.uri}", lambda: _fetch(store, data_key, ref, n, dict(out or {})),
+                              retry=KeyNotFoundError)
     except KeyNotFoundError as e:
-        raise ChunkNotFoundError(str(e)) from e
+        raise ChunkNotFoundError(f"{store.uri(data_key)} does not exist (read {store.config.max_retries + 1} "
+                                 f"times)") from e
 
 
 def _fetch(store: Store, data_key: str, ref: PayloadRef, n: int, out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

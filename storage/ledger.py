@@ -41,7 +41,14 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from refpipe.storage.chunk import PayloadRef
-from refpipe.storage.errors import DoubleDeleteError, KeyExistsError, KeyNotFoundError, StorageError, UnknownRefError
+from refpipe.storage.errors import (
+    DeleteKeysError,
+    DoubleDeleteError,
+    KeyExistsError,
+    KeyNotFoundError,
+    StorageError,
+    UnknownRefError,
+)
 from refpipe.storage.fetch import chunk_keys
 from refpipe.storage.layout import branch_id_of, check_id, meta_key, segment_key, session_id, tombstone_key
 from refpipe.storage.store import Store
@@ -75,17 +82,33 @@ def read_segment(data: bytes) -> list[tuple[int, dict | ValueError]]:
 
 @dataclass
 class DeleteResult:
-    """Outcome of one ``Ledger.delete`` call."""
+    """Outcome of one ``Ledger.delete`` call: each ref in exactly one outcome (``outcome``)."""
 
     deleted: list[str] = field(default_factory=list)
-    """URIs this call deleted."""
+    """URIs this call deleted (claimed, by this call or by this holder's earlier unfinished call, and removed)."""
     double_deletes: list[DoubleDeleteError] = field(default_factory=list)
-    """Chunks another holder (or this one) had already deleted."""
+    """Chunks another holder (or this one, in an earlier finished delete) had already deleted."""
     unknown: list[UnknownRefError] = field(default_factory=list)
     """Refs that were never kept: no commit marker and no delete record."""
     already_released: list[str] = field(default_factory=list)
     """URIs this actor claimed in an earlier session (an earlier life of the same actor): already released,
     not a double delete; any objects the earlier life left are removed."""
+    failed: dict[str, StorageError] = field(default_factory=dict)
+    """URI -> the store error (after the store's retries) that stopped its claim or the removal of its objects:
+    an unfinished delete this ledger keeps and retries with the same claim (``finish_unfinished``)."""
+
+    def outcome(self, uri: str) -> str:
+        """``"deleted"``, ``"already_released"``, ``"double_delete"``, ``"unknown"`` or ``"failed"`` for a ref's URI
+        of this call."""
+        if uri in self.failed:
+            return "failed"
+        if uri in self.deleted:
+            return "deleted"
+        if uri in self.already_released:
+            return "already_released"
+        if any(uri in str(e) for e in self.double_deletes):
+            return "double_delete"
+        return "unknown"
 
 
 class _EarlierLife(NamedTuple):
@@ -101,6 +124,18 @@ class _Target(NamedTuple):
     uri: str
     meta_key: str
     keys: list[str]
+
+
+@dataclass
+class _Unfinished:
+    """A delete this holder started and has not finished: its target, reason and claim record (reused on retry)."""
+
+    target: _Target
+    reason: str
+    record: bytes
+    claim: str
+    claimed: bool = False
+    """The delete record is known to be this claim's (written, or read back)."""
 
 
 class Ledger:
@@ -140,12 +175,14 @@ class Ledger:
         self._seq = 0
         self._flushed_at = time.monotonic()
         self._lock = threading.Lock()
-        self._claims: dict[str, str] = {}  # branch id -> this session's claim whose chunk objects may remain
+        self._flush_lock = threading.Lock()
+        self._unfinished: dict[str, _Unfinished] = {}
         self.session = self._open()
 
     def _open(self) -> str:
         """Write the ``open`` segment under a fresh session id (the next millisecond on a clash),
-        then probe that the store honours exclusive puts by putting it again."""
+        then probe that the store honours exclusive puts by putting other bytes at its key (an exclusive
+        put of the same bytes by the same writer would count as that writer's own, applied, put)."""
         opened_ms = int(time.time() * 1000)
         event = {"event": "open", "actor": self.actor, "t": round(time.time(), 3), "pid": os.getpid(),
                  "host": socket.gethostname()}
@@ -158,7 +195,7 @@ class Ledger:
                 continue
             break
         try:
-            self._put_segment(session, 0, [event])
+            self._put_segment(session, 0, [{**event, "probe": True}])
         except KeyExistsError:
             self._seq = 1
             return session
@@ -175,13 +212,27 @@ class Ledger:
             self.flush()
 
     def flush(self) -> None:
-        """Write buffered events as one new segment object (one exclusive put); no-op when none are buffered."""
-        with self._lock:
-            events, self._events = self._events, []
-            seq, self._seq = self._seq, self._seq + (1 if events else 0)
-            self._flushed_at = time.monotonic()
-        if events:
-            self._put_segment(self.session, seq, events)
+        """Write buffered events as one new segment object (one exclusive put); no-op when none are buffered.
+
+        Raises:
+            StorageError: the put failed after the store's retries; the events stay buffered for the next flush
+                (same segment number: a put that was applied after all is recognised as this writer's).
+        """
+        with self._flush_lock:
+            with self._lock:
+                events, self._events = self._events, []
+                seq = self._seq
+                self._flushed_at = time.monotonic()
+            if not events:
+                return
+            try:
+                self._put_segment(self.session, seq, events)
+            except StorageError:
+                with self._lock:
+                    self._events[:0] = events
+                raise
+            with self._lock:
+                self._seq = seq + 1
 
     def _put_segment(self, session: str, seq: int, events: list[dict]) -> None:
         body = "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in events).encode()
@@ -196,7 +247,16 @@ class Ledger:
             self.ledger_seconds += seconds
 
     def close(self) -> None:
-        """Record a clean end of this session and flush: it no longer holds anything."""
+        """Retry unfinished deletes once more, record a clean end of this session and flush.
+
+        What is still unfinished is left to ``refpipe sweep`` (the delete records exist, or the
+        chunks are leaked and claimed there).
+        """
+        if self.unfinished:
+            try:
+                self.finish_unfinished()
+            except (DoubleDeleteError, UnknownRefError):
+                pass  # recorded as events; the audit reports them
         self.record("close")
         self.flush()
 
@@ -212,6 +272,12 @@ class Ledger:
         then the claimed chunks' objects are deleted (S3: batched ``DeleteObjects``),
         commit marker first, so a fetch after a delete is ``ChunkNotFoundError``.
 
+        A store error that outlasts the store's retries never raises: that ref's outcome is
+        ``failed`` (``DeleteResult.failed``), recorded as an ``unfinished_delete`` event and kept
+        by this ledger with its claim; ``delete`` of the same ref again, ``finish_unfinished`` and
+        ``close`` finish it with that claim (never a double delete of its own), and ``refpipe
+        sweep`` at the latest (the audit lists a claimed chunk still present as unfinished).
+
         Args:
             refs: chunks to delete.
             reason: why (the deletion path); stored in the delete record.
@@ -222,9 +288,6 @@ class Ledger:
             DoubleDeleteError: some chunks were already deleted; every other chunk was
                 deleted. ``.result`` holds the full ``DeleteResult``.
             UnknownRefError: some refs were never kept (and none double-deleted); ``.result`` as above.
-            StorageError: a claim or a delete failed (after the store's retries). The claims this
-                session wrote stay its own: ``delete`` of the same refs again finishes them (the
-                retry of a failed physical delete) instead of reporting a double delete.
         """
         targets = []
         for ref in refs:
@@ -266,77 +329,142 @@ class Ledger:
 
     def _delete_targets(self, targets: list[_Target], reason: str, max_concurrency: int) -> DeleteResult:
         result = DeleteResult()
+        seen: set[str] = set()
+        firsts, repeats = [], []
+        for t in targets:
+            (repeats if t.branch_id in seen else firsts).append(t)
+            seen.add(t.branch_id)
         started = time.perf_counter()
-        made: dict[str, str] = {}  # branch id -> claim of this call; kept by the session if the call fails
-        try:
-            with ThreadPoolExecutor(max_workers=max(1, min(max_concurrency, len(targets)))) as pool:
-                claims = list(pool.map(lambda t: self._claim(t, reason, made), targets))
-        except Exception:
-            with self._lock:
-                self._claims.update(made)
-            raise
-        finally:
-            self._add_seconds(time.perf_counter() - started)
-        doomed: list[str] = []
-        for target, problem in zip(targets, claims):
-            if problem is None:
-                doomed += target.keys
-                result.deleted.append(target.uri)
-            elif isinstance(problem, _EarlierLife):
-                doomed += target.keys
-                result.already_released.append(target.uri)
-                self.record("already_released", branch_id=target.branch_id, uri=target.uri, reason=reason,
-                            first_session=problem.session)
-            elif isinstance(problem, DoubleDeleteError):
-                result.double_deletes.append(problem)
-                self.record("double_delete", branch_id=target.branch_id, uri=target.uri, reason=reason,
-                            first=problem.first_holder)
-            else:
-                result.unknown.append(problem)
-                self.record("unknown_delete", branch_id=target.branch_id, uri=target.uri, reason=reason)
-        if result.double_deletes or result.unknown:
+        with ThreadPoolExecutor(max_workers=max(1, min(max_concurrency, len(firsts)))) as pool:
+            claims = list(pool.map(lambda t: self._claim(t, reason), firsts))
+        self._add_seconds(time.perf_counter() - started)
+        doomed = [t for t, problem in zip(firsts, claims) if problem is None or isinstance(problem, _EarlierLife)]
+        earlier = {t.uri for t, problem in zip(firsts, claims) if isinstance(problem, _EarlierLife)}
+        for target, problem in zip(firsts, claims):
+            self._note(target, problem, reason, result)
+        self._remove(doomed, result, earlier)
+        for target in repeats:  # the same chunk twice in one call: the second is a double delete
+            self._note(target, self._claim(target, reason), reason, result)
+        for target in firsts:
+            if target.uri in result.failed:
+                self.record("unfinished_delete", branch_id=target.branch_id, uri=target.uri, reason=reason,
+                            error=str(result.failed[target.uri]))
+        if result.double_deletes or result.unknown or result.failed:
             self.flush()  # on record before anything else can fail
-        try:
-            self.store.delete_keys(doomed)
-        except Exception:
-            with self._lock:
-                self._claims.update(made)
-            raise
-        with self._lock:
-            for target in targets:
-                self._claims.pop(target.branch_id, None)
         if result.double_deletes or result.unknown:
             self._raise_problems(result)
         return result
 
-    def _claim(self, target: _Target, reason: str,
-               made: dict[str, str]) -> DoubleDeleteError | UnknownRefError | _EarlierLife | None:
-        """Claim one chunk: None when this call won (or finishes this session's claim of it from an earlier
-        call that failed), else the problem (nothing deleted); ``_EarlierLife`` when this actor's earlier
-        session already claimed it. ``made``: this call's claims so far."""
-        tomb = tombstone_key(target.branch_id)
-        with self._lock:  # the same ref twice in one call: only its first target may take the earlier claim
-            earlier = None if target.branch_id in made else self._claims.get(target.branch_id)
-            claim = earlier or uuid.uuid4().hex
-            made.setdefault(target.branch_id, claim)
-        if not self.store.exists(target.meta_key):
-            return self._already_deleted(target, tomb, reason, earlier) or (None if earlier else UnknownRefError(
-                f"chunk {target.uri}: delete by {self.actor} ({reason}) refused: it was never kept "
-                f"(no commit marker, no delete record)"))
-        record = {"branch_id": target.branch_id, "uri": target.uri, "holder": self.actor, "reason": reason,
-                  "t": round(time.time(), 3), "session": self.session, "claim": claim}
+    def _note(self, target: _Target, problem: StorageError | _EarlierLife | None, reason: str,
+              result: DeleteResult) -> None:
+        """Add a claim's problem to ``result`` (and the double and unknown deletes, and earlier lives, to the log)."""
+        if isinstance(problem, _EarlierLife):
+            self.record("already_released", branch_id=target.branch_id, uri=target.uri, reason=reason,
+                        first_session=problem.session)
+        elif isinstance(problem, DoubleDeleteError):
+            result.double_deletes.append(problem)
+            self.record("double_delete", branch_id=target.branch_id, uri=target.uri, reason=reason,
+                        first=problem.first_holder)
+        elif isinstance(problem, UnknownRefError):
+            result.unknown.append(problem)
+            self.record("unknown_delete", branch_id=target.branch_id, uri=target.uri, reason=reason)
+        elif problem is not None:
+            result.failed[target.uri] = problem
+
+    def _remove(self, doomed: list[_Target], result: DeleteResult, earlier: set[str]) -> None:
+        """Delete the objects of claimed chunks (``earlier``: URIs an earlier life of this actor claimed); a chunk
+        with a key the store could not delete stays unfinished."""
+        failed: dict[str, StorageError] = {}
         try:
-            self.store.put(tomb, json.dumps(record).encode(), exclusive=True)
-        except KeyExistsError:
-            return self._already_deleted(target, tomb, reason, claim)
+            self.store.delete_keys([key for target in doomed for key in target.keys])
+        except DeleteKeysError as e:
+            failed = e.failed
+        except StorageError as e:
+            failed = {key: e for target in doomed for key in target.keys}
+        for target in doomed:
+            error = next((failed[k] for k in target.keys if k in failed), None)
+            if error is None:
+                (result.already_released if target.uri in earlier else result.deleted).append(target.uri)
+                with self._lock:
+                    self._unfinished.pop(target.branch_id, None)
+            else:
+                result.failed[target.uri] = error
+
+    @property
+    def unfinished(self) -> list[str]:
+        """URIs of this holder's unfinished deletes (claim or object removal failed), oldest first."""
+        with self._lock:
+            return [u.target.uri for u in self._unfinished.values()]
+
+    def finish_unfinished(self) -> DeleteResult:
+        """Retry this holder's unfinished deletes with their own claims (never a double delete of its own).
+
+        Called by the holders at their next delete (trainer release, orchestrator, keeper) and by ``close``.
+
+        Raises:
+            DoubleDeleteError: another holder claimed one meanwhile (``.result`` as in ``delete``).
+        """
+        with self._lock:
+            pending = list(self._unfinished.values())
+        result = DeleteResult()
+        for reason in dict.fromkeys(u.reason for u in pending):
+            part = self._delete_targets([u.target for u in pending if u.reason == reason], reason, 8)
+            result.deleted += part.deleted
+            result.failed.update(part.failed)
+        return result
+
+    def _claim(self, target: _Target, reason: str) -> StorageError | _EarlierLife | None:
+        """Claim one chunk: None when this holder holds the claim (this call's or its own earlier one), else the
+        problem: ``DoubleDeleteError``, ``UnknownRefError``, the store error that left the claim unresolved, or
+        ``_EarlierLife`` when this actor's earlier session claimed it (its objects are still removed)."""
+        with self._lock:
+            pending = self._unfinished.get(target.branch_id)
+        if pending is not None and pending.claimed:
+            return None
+        tomb = tombstone_key(target.branch_id)
+        try:
+            if pending is None and not self.store.exists(target.meta_key):
+                problem = self._already_deleted(target, tomb, reason, None)
+                if problem is not None or not self._appears(target.meta_key):
+                    return problem or UnknownRefError(
+                        f"chunk {target.uri}: delete by {self.actor} ({reason}) refused: it was never kept "
+                        f"(no commit marker, no delete record)")
+            if pending is None:
+                claim = uuid.uuid4().hex
+                record = {"branch_id": target.branch_id, "uri": target.uri, "holder": self.actor, "reason": reason,
+                          "t": round(time.time(), 3), "session": self.session, "claim": claim}
+                pending = _Unfinished(target, reason, json.dumps(record).encode(), claim)
+                with self._lock:
+                    self._unfinished[target.branch_id] = pending
+            try:
+                self.store.put(tomb, pending.record, exclusive=True)
+            except KeyExistsError:
+                problem = self._already_deleted(target, tomb, reason, pending.claim)
+                if problem is not None:
+                    with self._lock:
+                        self._unfinished.pop(target.branch_id, None)
+                    return problem
+        except StorageError as e:
+            return e
+        pending.claimed = True
         return None
+
+    def _appears(self, meta_key: str) -> bool:
+        """Whether a commit marker the ref says exists, missing at the first look and without a delete record,
+        shows up when looked for again (``max_retries`` times with backoff, counted: a stale cache or a lagging
+        replica may hide it at first)."""
+        for attempt in range(self.store.config.max_retries):
+            self.store.backoff(attempt)
+            if self.store.exists(meta_key):
+                return True
+        return False
 
     def _already_deleted(self, target: _Target, tomb: str, reason: str,
                          claim: str | None) -> DoubleDeleteError | _EarlierLife | None:
         """The double delete found at ``tomb``; None when there is no delete record, or it is
-        this very claim (a conditional PUT retried after its first attempt had succeeded);
-        ``_EarlierLife`` when this actor wrote it in an earlier session (a restarted holder
-        releasing again what its earlier life had released)."""
+        this holder's own claim (its put was applied, and the answer lost); ``_EarlierLife`` when
+        this actor wrote it in an earlier session (a restarted holder releasing again what its
+        earlier life had released)."""
         try:
             first = json.loads(self.store.get(tomb))
         except KeyNotFoundError:

@@ -1,9 +1,7 @@
-"""The store on S3 (or an S3-compatible endpoint: MinIO, Ceph RGW, moto) through s3fs.
+"""The store on S3 (or an S3-compatible endpoint: MinIO, Ceph RGW, SeaweedFS, moto) through s3fs.
 
-Errors are typed here: s3fs's translated ``OSError``s and the botocore/aiohttp errors it
-re-raises become ``StorageError`` / ``TransientStorageError`` (``S3Store.retrying`` is the
-one retry layer), ``FileNotFoundError`` becomes ``KeyNotFoundError`` and a failed
-``If-None-Match`` becomes ``KeyExistsError``.
+Every failure is classified by ``storage.s3_errors.classify`` (the one place for S3);
+``Store.retrying`` is the one retry layer (s3fs's and botocore's own retries are off).
 
 The s3fs filesystem is created per process (s3fs is not fork-safe): a store that crosses
 a fork rebuilds it on first use in the child, and pickling drops it.
@@ -11,33 +9,39 @@ a fork rebuilds it on first use in the child, and pickling drops it.
 
 from __future__ import annotations
 
-import asyncio
 import os
-import random
-import threading
-import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-import aiohttp
-import botocore.exceptions
+import crc32c
 import fsspec
-from refpipe.storage.errors import KeyExistsError, KeyNotFoundError, StorageError, TransientStorageError
+from refpipe.storage.errors import (
+    DeleteKeysError,
+    KeyExistsError,
+    KeyNotFoundError,
+    StorageError,
+    TransientStorageError,
+)
+from refpipe.storage.s3_errors import classify, error_code, is_transient_code
 from refpipe.storage.store import Store, buffers_of
 
 T = TypeVar("T")
-_RETRIES_LOCK = threading.Lock()
 _S3_DELETE_BATCH = 1000  # DeleteObjects takes at most 1,000 keys (AWS S3 API reference)
+WRITE_TOKEN = "refpipe-write"
+"""User metadata (``x-amz-meta-refpipe-write``) of every exclusive put: ``<writer>.<crc32c of the body>``."""
 
 
 class S3Store(Store):
     """A run prefix on S3 (or an S3-compatible endpoint) through s3fs.
 
     ``get_into`` is one GET copied into the buffers. ``put`` is one PUT; ``exclusive`` adds
-    ``If-None-Match: *`` (a 412 means the key exists; a 409 from a concurrent conditional PUT is
-    retried). ``delete`` sends ``DeleteObjects`` in batches of 1,000 and checks every key's
-    result, since s3fs's bulk ``rm`` drops per-key errors.
+    ``If-None-Match: *`` and a write token (``WRITE_TOKEN``): a 412 is followed by one HEAD, and
+    when the object carries this writer's token for these bytes, the put was this writer's own
+    earlier attempt whose answer was lost, so it succeeds. ``delete`` sends ``DeleteObjects`` in
+    batches of 1,000, checks every key's result (s3fs's bulk ``rm`` drops them), re-sends keys
+    with transient errors and falls back to one ``DELETE`` per key when the batch request is refused.
     """
 
     def __init__(self, prefix, config):
@@ -54,25 +58,8 @@ class S3Store(Store):
         return self._fs
 
     def __getstate__(self):
-        return {"prefix": self.prefix, "config": self.config, "_fs": None, "_pid": -1, "retries": 0}
-
-    def retrying(self, what: str, op: Callable[[], T]) -> T:
-        """Run ``op``, retrying ``TransientStorageError`` with exponential backoff and jitter.
-
-        Raises:
-            TransientStorageError: still failing after ``config.max_retries`` retries.
-        """
-        for attempt in range(self.config.max_retries + 1):
-            try:
-                return op()
-            except TransientStorageError as e:
-                if attempt == self.config.max_retries:
-                    raise TransientStorageError(f"{what}: gave up after {attempt + 1} attempts: {e}") from e
-                with _RETRIES_LOCK:
-                    self.retries += 1
-                slow = 8 if "SlowDown" in str(e) else 1
-                time.sleep(self.config.retry_backoff_s * slow * 2**attempt * (0.5 + random.random()))
-        raise AssertionError("unreachable")
+        return {"prefix": self.prefix, "config": self.config, "_fs": None, "_pid": -1, "retries": 0,
+                "idempotent_puts": 0}
 
     @property
     def fsspec_options(self) -> dict:
@@ -86,37 +73,52 @@ class S3Store(Store):
         return {"skip_instance_cache": True, "use_listings_cache": False, "client_kwargs": client_kwargs}
 
     def _new_fs(self):
-        # One retry layer, ``retrying`` (config.max_retries): s3fs and botocore each retry up to 5x
-        # by default, which multiplies into minutes against a dead endpoint.
+        # One retry layer, ``Store.retrying`` (config.max_retries): s3fs and botocore each retry up to 5x
+        # by default, which multiplies into minutes against a dead endpoint and resends writes below us.
+        timeout = self.config.s3_timeout_s
         fs = fsspec.core.url_to_fs(self.prefix.uri, **self.fsspec_options,
-                                   config_kwargs={"retries": {"total_max_attempts": 1, "mode": "standard"}})[0]
+                                   config_kwargs={"retries": {"total_max_attempts": 1, "mode": "standard"},
+                                                  "connect_timeout": timeout, "read_timeout": timeout})[0]
         fs.retries = 1
+        fs.connect_timeout = fs.read_timeout = timeout
         return fs
+
+    @property
+    def writer(self) -> str:
+        """This process's writer id (random; new after a fork or in an unpickled copy)."""
+        if getattr(self, "_writer_pid", None) != os.getpid():
+            self._writer, self._writer_pid = uuid.uuid4().hex[:16], os.getpid()
+        return self._writer
 
     def _split(self, key: str) -> tuple[str, str]:
         bucket, _, object_key = self.path(key).partition("/")
         return bucket, object_key
 
-    def _call(self, what: str, method: str, **kwargs):
-        """``call_s3`` with typed errors and retries; ``FileNotFoundError``/``FileExistsError`` pass through."""
-        return self.retrying(what, lambda: _typed(what, lambda: self.fs.call_s3(method, **kwargs)))
+    def _once(self, what: str, uri: str, op: Callable[[], T]) -> T:
+        """Run one s3fs call; raise its failure classified (``s3_errors.classify``)."""
+        try:
+            return op()
+        except Exception as e:
+            raise classify(what, uri, e) from e
+
+    def _call(self, what: str, uri: str, method: str, **kwargs):
+        """One S3 request through ``call_s3``, classified and retried."""
+        return self.retrying(what, lambda: self._once(what, uri, lambda: self.fs.call_s3(method, **kwargs)))
 
     def get(self, key, start=None, end=None):
-        path = self.path(key)
+        path, uri = self.path(key), self.uri(key)
         if start is not None and end is not None and end <= start:
             if not self.exists(key):  # an empty range needs no GET, but a missing key is still an error
-                raise KeyNotFoundError(f"{self.uri(key)} does not exist")
+                raise KeyNotFoundError(f"{uri} does not exist")
             return b""
-        what = f"GET {self.uri(key)}"
+        what = f"GET {uri}"
 
         def op():
             try:
                 # max_concurrency=1: one GET; s3fs otherwise sends a HEAD first to split large objects
-                return _typed(what, lambda: self.fs.cat_file(path, start=start, end=end, max_concurrency=1))
-            except FileNotFoundError as e:
-                raise KeyNotFoundError(f"{self.uri(key)} does not exist") from e
+                return self._once(what, uri, lambda: self.fs.cat_file(path, start=start, end=end, max_concurrency=1))
             except StorageError as e:
-                if _error_code(e.__cause__)[0] == "InvalidRange":
+                if error_code(e.__cause__)[0] == "InvalidRange":
                     return b""  # the range starts at or past the end: no bytes, as a file read returns
                 raise
 
@@ -134,40 +136,87 @@ class S3Store(Store):
 
     def put(self, key, data, *, exclusive=False):
         bucket, object_key = self._split(key)
-        match = {"IfNoneMatch": "*"} if exclusive else {}
+        uri, body = self.uri(key), b"".join(buffers_of(data))
+        if not exclusive:
+            self._call(f"PUT {uri}", uri, "put_object", Bucket=bucket, Key=object_key, Body=body)
+            return
+        token = f"{self.writer}.{crc32c.crc32c(body):08x}"
         try:
-            self._call(f"PUT {self.uri(key)}", "put_object", Bucket=bucket, Key=object_key,
-                       Body=b"".join(buffers_of(data)), **match)
-        except FileExistsError as e:
-            raise KeyExistsError(f"{self.uri(key)} already exists") from e
-        except FileNotFoundError as e:  # a PUT only misses when the bucket does
-            raise StorageError(f"PUT {self.uri(key)}: bucket {bucket!r} does not exist (create it first)") from e
-        except StorageError as e:
-            if _error_code(e.__cause__)[0] == "PreconditionFailed":  # a 412 s3fs did not recognise as If-None-Match
-                raise KeyExistsError(f"{self.uri(key)} already exists") from e
-            raise
+            self._call(f"PUT {uri}", uri, "put_object", Bucket=bucket, Key=object_key, Body=body, IfNoneMatch="*",
+                       Metadata={WRITE_TOKEN: token})
+        except KeyExistsError:
+            if self._token(key) != token:
+                raise
+            self.idempotent_puts += 1  # this writer's own earlier attempt was applied; its answer was lost
+
+    def _token(self, key: str) -> str | None:
+        """The write token of the object at ``key`` (one HEAD), or None."""
+        bucket, object_key = self._split(key)
+        uri = self.uri(key)
+        try:
+            head = self._call(f"HEAD {uri}", uri, "head_object", Bucket=bucket, Key=object_key)
+        except FileNotFoundError:
+            return None
+        return (head.get("Metadata") or {}).get(WRITE_TOKEN)
 
     def _delete_keys(self, keys):
+        failed: dict[str, StorageError] = {}
         for i in range(0, len(keys), _S3_DELETE_BATCH):
-            batch = keys[i : i + _S3_DELETE_BATCH]
-            bucket = self._split(batch[0])[0]
-            objects = [{"Key": self._split(k)[1]} for k in batch]
-            resp = self._call(
-                f"DeleteObjects under {self.prefix.uri}", "delete_objects",
-                Bucket=bucket, Delete={"Objects": objects, "Quiet": True},
-            )
-            errors = resp.get("Errors") or []
-            if errors:
-                first = errors[0]
-                raise StorageError(
-                    f"DeleteObjects under {self.prefix.uri}: {len(errors)} of {len(batch)} keys not deleted; "
-                    f"first: s3://{bucket}/{first.get('Key')}: {first.get('Code')} {first.get('Message')}"
-                )
+            failed.update(self._delete_batch(keys[i : i + _S3_DELETE_BATCH]))
+        if failed:
+            key, error = next(iter(failed.items()))
+            raise DeleteKeysError(f"delete under {self.prefix.uri}: {len(failed)} of {len(keys)} keys not deleted; "
+                                  f"first: {self.uri(key)}: {error}", failed)
+
+    def _delete_batch(self, batch: list[str]) -> dict[str, StorageError]:
+        """``DeleteObjects`` of up to 1,000 keys; keys with transient per-key errors are sent again (bounded).
+
+        Returns the keys not deleted with their errors. A refused request (a permanent error for the
+        whole batch, e.g. 400 ``MissingContentMD5``) falls back to one ``DELETE`` per key.
+        """
+        bucket = self._split(batch[0])[0]
+        by_object = {self._split(k)[1]: k for k in batch}
+        pending, failed = list(batch), {}
+        for attempt in range(self.config.max_retries + 1):
+            objects = [{"Key": self._split(k)[1]} for k in pending]
+            try:
+                resp = self._call(f"DeleteObjects under {self.prefix.uri}", self.prefix.uri, "delete_objects",
+                                  Bucket=bucket, Delete={"Objects": objects, "Quiet": True})
+            except TransientStorageError as e:
+                return {**failed, **{k: e for k in pending}}
+            except StorageError:
+                return {**failed, **self._delete_one_by_one(pending)}
+            pending = []
+            for error in resp.get("Errors") or []:
+                key = by_object.get(error.get("Key"), error.get("Key"))
+                code, message = str(error.get("Code")), error.get("Message")
+                what = f"DELETE {self.uri(key)}: {code} {message}"
+                if is_transient_code(code, None) and attempt < self.config.max_retries:
+                    pending.append(key)
+                else:
+                    failed[key] = (TransientStorageError if is_transient_code(code, None) else StorageError)(what)
+            if not pending:
+                return failed
+            self.backoff(attempt, "SlowDown" in str(resp.get("Errors")))
+        return failed
+
+    def _delete_one_by_one(self, keys: list[str]) -> dict[str, StorageError]:
+        """One ``DELETE`` per key (classified and retried each); the keys that failed, with their errors."""
+        failed = {}
+        for key in keys:
+            bucket, object_key = self._split(key)
+            try:
+                self._call(f"DELETE {self.uri(key)}", self.uri(key), "delete_object", Bucket=bucket, Key=object_key)
+            except FileNotFoundError:
+                continue  # already absent
+            except StorageError as e:
+                failed[key] = e
+        return failed
 
     def exists(self, key):
         bucket, object_key = self._split(key)
         try:
-            self._call(f"HEAD {self.uri(key)}", "head_object", Bucket=bucket, Key=object_key)
+            self._call(f"HEAD {self.uri(key)}", self.uri(key), "head_object", Bucket=bucket, Key=object_key)
         except FileNotFoundError:
             return False
         return True
@@ -177,8 +226,7 @@ class S3Store(Store):
         base = self.path(key_prefix) if key_prefix else self.prefix.path
         root = self.prefix.path + "/"
         try:
-            paths = _typed(f"LIST {self.uri(key_prefix) if key_prefix else self.prefix.uri}",
-                           lambda: self.fs.find(base))
+            paths = self._listing(key_prefix, lambda: self.fs.find(base))
         except FileNotFoundError:
             return []
         return sorted(p[len(root):] for p in paths if p.startswith(base + "/"))
@@ -186,16 +234,15 @@ class S3Store(Store):
     def list_sizes(self, key_prefix):
         key_prefix = key_prefix.rstrip("/")
         base = self.path(key_prefix) if key_prefix else self.prefix.path
-        what = f"LIST {self.uri(key_prefix) if key_prefix else self.prefix.uri}"
         try:
-            entries = _typed(what, lambda: self.fs.ls(base, detail=True))
+            entries = self._listing(key_prefix, lambda: self.fs.ls(base, detail=True))
         except FileNotFoundError:
             return {}
         sizes = {e["name"]: e["size"] for e in entries if e["type"] == "file"}
         directories = [e["name"] for e in entries if e["type"] == "directory"]
 
         def find(directory: str) -> dict:
-            return _typed(what, lambda: self.fs.find(directory, detail=True))
+            return self._listing(key_prefix, lambda: self.fs.find(directory, detail=True))
 
         # one listing per sub-directory (a shard of payloads/), in parallel: a LIST page holds 1,000 keys
         with ThreadPoolExecutor(max(1, min(self.config.max_concurrent_fetches, len(directories)))) as pool:
@@ -205,35 +252,7 @@ class S3Store(Store):
         return dict(sorted((name[len(root):], size) for name, size in sizes.items()
                            if name.startswith(base + "/")))
 
-
-_TRANSIENT_CODES = {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "Throttling",
-                    "ThrottlingException", "ConditionalRequestConflict", "OperationAborted"}
-
-
-def _error_code(e: BaseException | None) -> tuple[str, int | None]:
-    """``(S3 error code, HTTP status)`` of an s3fs error, read from the botocore error it translated."""
-    response = getattr(getattr(e, "__cause__", None), "response", None) or getattr(e, "response", None) or {}
-    return str(response.get("Error", {}).get("Code", "")), response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-
-
-def _typed(what: str, op: Callable[[], T]) -> T:
-    """Run an s3fs call; turn its errors into ``StorageError``/``TransientStorageError``.
-
-    ``FileNotFoundError`` and ``FileExistsError`` pass through for the caller to name.
-    Connection failures and timeouts (botocore/aiohttp errors that s3fs re-raises
-    after its own retries) are transient; so are throttling, 5xx and 409 conflicts.
-    """
-    try:
-        return op()
-    except (FileNotFoundError, FileExistsError):
-        raise
-    except OSError as e:
-        code, status = _error_code(e)
-        if code in _TRANSIENT_CODES or (status or 0) >= 500:
-            raise TransientStorageError(f"{what}: {code or status}: {e}") from e
-        raise StorageError(f"{what}: {code or status or type(e).__name__}: {e}") from e
-    except (botocore.exceptions.ConnectionError, botocore.exceptions.HTTPClientError, aiohttp.ClientError,
-            asyncio.TimeoutError) as e:
-        raise TransientStorageError(f"{what}: {type(e).__name__}: {e}") from e
-    except botocore.exceptions.BotoCoreError as e:
-        raise StorageError(f"{what}: {type(e).__name__}: {e}") from e
+    def _listing(self, key_prefix: str, op: Callable[[], T]) -> T:
+        """One s3fs listing under ``key_prefix``, classified and retried (a missing prefix: ``KeyNotFoundError``)."""
+        uri = self.uri(key_prefix) if key_prefix else self.prefix.uri
+        return self.retrying(f"LIST {uri}", lambda: self._once(f"LIST {uri}", uri, op))

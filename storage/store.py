@@ -4,7 +4,9 @@ Keys are relative to the run prefix (``storage.uri``; the layout of keys: ``stor
 Verbs, one per operation: ``get`` (optionally a byte range), ``get_into`` (a whole object into
 caller buffers), ``put`` (``exclusive=True`` is atomic or raises ``KeyExistsError``),
 ``delete_key`` / ``delete_keys`` (known keys), ``exists``, ``list_prefix`` and ``list_sizes``
-(listings: audits and inspection only). Nothing on the hot path lists or stats.
+(listings: audits and inspection only). Nothing on the hot path lists or stats. Every backend
+classifies its errors in one place and retries transient ones through ``Store.retrying`` (the one
+retry layer; docs/DESIGN.md, "Store errors").
 
 Backends: ``storage.local_store.LocalStore`` (a POSIX directory) and ``storage.s3_store.S3Store``;
 ``storage.backends.open_store`` picks one for a run's URI. A store is picklable and may cross a
@@ -14,14 +16,21 @@ fork (each backend rebuilds per-process state on first use in the child).
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from refpipe.storage.config import StorageConfig
+from refpipe.storage.errors import StorageError, TransientStorageError
 from refpipe.storage.uri import RunPrefix
 from typing_extensions import Buffer
 
 Data = Buffer | list[Buffer] | tuple[Buffer, ...]
 """What ``put`` writes: one bytes-like object (bytes, memoryview, a C-contiguous ndarray), or a list/tuple of them."""
+T = TypeVar("T")
+_RETRIES_LOCK = threading.Lock()
 
 
 def buffers_of(data: Data) -> list | tuple:
@@ -38,13 +47,42 @@ class Store(abc.ABC):
         config: the run's storage config (retries, backoff, concurrency, endpoint).
 
     Attributes:
-        retries: retries of transient errors by this store in this process (trainer metrics).
+        retries: retries by ``retrying`` in this process (trainer metrics).
+        idempotent_puts: exclusive puts that found this writer's own earlier, applied attempt (its answer
+            lost) and succeeded.
     """
 
     def __init__(self, prefix: RunPrefix, config: StorageConfig):
         self.prefix = prefix
         self.config = config
         self.retries = 0
+        self.idempotent_puts = 0
+
+    def retrying(self, what: str, op: Callable[[], T], retry: type[StorageError] = TransientStorageError) -> T:
+        """Run ``op``, retrying errors of type ``retry`` with exponential backoff and jitter: the one retry layer.
+
+        ``retry``: ``TransientStorageError`` (every backend verb), or ``KeyNotFoundError`` for a key a reference
+        says was kept (a stale cache or a lagging replica may not show it yet; ``storage.fetch``).
+
+        Raises:
+            TransientStorageError: still failing after ``config.max_retries`` retries (``retry`` itself for others).
+        """
+        for attempt in range(self.config.max_retries + 1):
+            try:
+                return op()
+            except retry as e:
+                if attempt == self.config.max_retries:
+                    if retry is TransientStorageError:
+                        raise TransientStorageError(f"{what}: gave up after {attempt + 1} attempts: {e}") from e
+                    raise
+                self.backoff(attempt, "SlowDown" in str(e))
+        raise AssertionError("unreachable")
+
+    def backoff(self, attempt: int, slow_down: bool = False) -> None:
+        """Count one retry and sleep before it: ``retry_backoff_s * 2**attempt`` with jitter, 8x for SlowDown."""
+        with _RETRIES_LOCK:
+            self.retries += 1
+        time.sleep(self.config.retry_backoff_s * (8 if slow_down else 1) * 2**attempt * (0.5 + random.random()))
 
     def path(self, key: str) -> str:
         """Backend path of a key (``<prefix.path>/<key>``; checked to be a clean key under the run prefix)."""
@@ -93,17 +131,20 @@ class Store(abc.ABC):
         """Delete one key; an absent key is not an error.
 
         Raises:
-            StorageError: the key could not be deleted (names it and the store's reason).
+            DeleteKeysError: the key could not be deleted (names it and the store's reason).
         """
         self.delete_keys([key])
 
     def delete_keys(self, keys: Sequence[str]) -> None:
         """Delete known keys (a list or tuple of them); keys already absent are not an error.
 
+        Transient errors are retried per key (``retrying``'s budget).
+
         Raises:
             TypeError: ``keys`` is a ``str`` (whose characters are not keys: use ``delete_key``).
             OutsideRunError: a key is not a clean key under the run prefix (nothing deleted).
-            StorageError: a key could not be deleted (names the key and the store's reason).
+            DeleteKeysError: some keys could not be deleted (``.failed``: key -> its classified error, naming the
+                key and the store's reason); every other key was deleted.
         """
         if isinstance(keys, (str, bytes)):
             raise TypeError(f"delete_keys({keys!r}): expected a sequence of keys, got a {type(keys).__name__} "
@@ -115,7 +156,7 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def _delete_keys(self, keys: list[str]) -> None:
-        """Delete checked keys (the backend's part of ``delete_keys``)."""
+        """Delete checked keys (the backend's part of ``delete_keys``; raises ``DeleteKeysError``)."""
 
     @abc.abstractmethod
     def exists(self, key: str) -> bool:

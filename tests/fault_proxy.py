@@ -2,8 +2,9 @@
 
 ``with FaultProxy(upstream_url, Fault("reset_after", "PUT", r"/c\\.0$")) as proxy:`` then point
 ``s3_endpoint_url`` at ``proxy.url``. Every request is forwarded unchanged except those a
-``Fault`` matches (HTTP method, a regex searched in the object key, at most ``times`` hits per
-key), which get the fault's kind:
+``Fault`` matches (HTTP method, a regex searched in the request's ``/bucket/key`` path, or in
+each ``/bucket/key`` a ``DeleteObjects`` (``POST``) names; at most ``times`` hits per key), which
+get the fault's kind:
 
 =====================  =======================================================================
 kind                   what the client sees (and whether the server applied the request)
@@ -16,6 +17,7 @@ kind                   what the client sees (and whether the server applied the 
 ``delay``              no answer for ``delay_s`` (past the client's timeout), then forwarded
 ``short_body``         forwarded; the answer's ``Content-Length`` is whole, its body half, then reset
 ``404``                ``404 NoSuchKey``, not forwarded
+``denied``             ``403 AccessDenied`` (permanent), not forwarded
 ``refuse_delete``      a ``DeleteObjects`` answered ``400 MissingContentMD5``, not forwarded
 ``key_error``          in a ``DeleteObjects``: the matching keys are reported as errors (``code``), the
                        others deleted (the proxy deletes them one by one with its own client)
@@ -47,9 +49,12 @@ _ERRORS = {
     "slowdown": (503, "SlowDown", "Please reduce your request rate."),
     "conflict": (409, "ConditionalRequestConflict", "A conflicting conditional operation is in progress."),
     "404": (404, "NoSuchKey", "The specified key does not exist."),
+    "denied": (403, "AccessDenied", "Access Denied"),
     "refuse_delete": (400, "MissingContentMD5", "Missing required header for this request: Content-MD5."),
 }
-KINDS = ("reset_before", "reset_after", "500_after", "slowdown", "conflict", "delay", "short_body", "404",
+_REQUEST_KINDS = ("reset_before", "reset_after", "500_after", "slowdown", "conflict", "delay", "short_body", "404",
+                  "denied")
+KINDS = ("reset_before", "reset_after", "500_after", "slowdown", "conflict", "delay", "short_body", "404", "denied",
          "refuse_delete", "key_error")
 
 
@@ -71,6 +76,11 @@ class Fault:
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"fault kind {self.kind!r}: expected one of {KINDS}")
+
+
+def _deleted_keys(body: bytes) -> list[str]:
+    """The object keys a ``DeleteObjects`` request body names."""
+    return [el.text or "" for el in ET.fromstring(body).iter() if el.tag.endswith("Key")]
 
 
 def _error_xml(code: str, message: str) -> bytes:
@@ -149,14 +159,16 @@ class FaultProxy:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 path, _, query = self.path.partition("?")
                 key = unquote(path)
-                if self.command == "POST" and "delete" in query.split("&"):
-                    return self._delete_objects(key, body)
-                fault = proxy.match(self.command, key)
+                is_delete_objects = self.command == "POST" and "delete" in query.split("&")
+                keys = [f"{key}/{k}" for k in _deleted_keys(body)] if is_delete_objects else [key]
+                fault = next((f for k in keys if (f := proxy.match(self.command, k, _REQUEST_KINDS))), None)
+                if fault is None and is_delete_objects:
+                    return self._delete_objects(key, keys, body)
                 proxy.log(self.command, key, fault and fault.kind)
                 kind = fault.kind if fault else None
                 if kind == "reset_before":
                     return self._reset()
-                if kind in ("slowdown", "conflict", "404"):
+                if kind in ("slowdown", "conflict", "404", "denied"):
                     return self._error(kind)
                 if kind == "delay":
                     time.sleep(fault.delay_s)
@@ -167,12 +179,10 @@ class FaultProxy:
                     return self._error(kind)
                 self._reply(status, headers, data, short=kind == "short_body")
 
-            def _delete_objects(self, bucket_path: str, body: bytes):
-                """``DeleteObjects``: refused whole, per-key errors, or forwarded."""
-                keys = [el.text or "" for el in ET.fromstring(body).iter() if el.tag.endswith("Key")]
-                refused = any(proxy.match("POST", f"{bucket_path}/{k}", ("refuse_delete",)) for k in keys)
-                failing = {} if refused else {k: f for k in keys
-                                              if (f := proxy.match("POST", f"{bucket_path}/{k}", ("key_error",)))}
+            def _delete_objects(self, bucket_path: str, paths: list[str], body: bytes):
+                """``DeleteObjects`` without a request-level fault: refused whole, per-key errors, or forwarded."""
+                refused = any(proxy.match("POST", p, ("refuse_delete",)) for p in paths)
+                failing = {} if refused else {p: f for p in paths if (f := proxy.match("POST", p, ("key_error",)))}
                 proxy.log("POST", bucket_path, "refuse_delete" if refused else ("key_error" if failing else None))
                 if refused:
                     return self._error("refuse_delete")
@@ -180,9 +190,10 @@ class FaultProxy:
                     return self._reply(*self._forward(body))
                 bucket = bucket_path.strip("/").partition("/")[0]
                 errors = []
-                for k in keys:
-                    if k in failing:
-                        errors.append(f"<Error><Key>{k}</Key><Code>{failing[k].code}</Code>"
+                for p in paths:
+                    k = p[len(bucket_path) + 1:]
+                    if p in failing:
+                        errors.append(f"<Error><Key>{k}</Key><Code>{failing[p].code}</Code>"
                                       f"<Message>injected</Message></Error>")
                     else:
                         proxy.upstream_client().delete_object(Bucket=bucket, Key=k)

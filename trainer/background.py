@@ -111,10 +111,10 @@ class BackgroundRelease:
     ``submit`` first waits for the previous release (at most one runs at a time, so a slow
     store shows up as exposed time instead of a growing queue), then starts this one: the
     deletes of step N run while step N+1 trains. A delete that fails (``StorageError``: the
-    store refused or kept failing after its retries) is recorded in the ledger as
-    ``delete_failed`` and retried before the next step's deletes, and once more at ``wait``;
-    the ledger keeps this session's claims, so a retry finishes its own claim instead of
-    reporting a double delete. A release that still fails at the end leaves its delete
+    store refused or kept failing after its retries: the ref's outcome in ``DeleteResult`` is
+    ``failed``) is recorded in the ledger as ``delete_failed`` and retried before the next step's
+    deletes, and once more at ``wait``; the ledger keeps this session's claims, so a retry
+    finishes its own claim instead of reporting a double delete. A release that still fails at the end leaves its delete
     records, and ``refpipe sweep`` finishes the deletes.
 
     Args:
@@ -162,19 +162,28 @@ class BackgroundRelease:
         except (DoubleDeleteError, UnknownRefError) as e:
             log.error("step %d dp_rank=%d release: %s", step, self.dp_rank, e)
             result = e.result
-        except StorageError as e:
-            log.error("step %d dp_rank=%d release failed (retried later): %s", step, self.dp_rank, e)
-            self.ledger.record("delete_failed", step=step, dp_rank=self.dp_rank, chunks=len(refs), error=str(e))
-            self.ledger.flush()
-            self._failed.append((step, refs))
-            with self._lock:
-                self._counts.failures += len(refs)
+        except StorageError as e:  # the ledger could not write its own events
+            self._failed_release(step, refs, e)
             return
-        self.ledger.record("release", step=step, dp_rank=self.dp_rank)
-        self.ledger.flush()
         with self._lock:
             self._counts.deletes += len(result.deleted)
             self._counts.problems += len(result.double_deletes) + len(result.unknown)
+        failed = [r for r in refs if r.uri in result.failed]
+        if failed:
+            self._failed_release(step, failed, result.failed[failed[0].uri])
+            return
+        self.ledger.record("release", step=step, dp_rank=self.dp_rank)
+        self.ledger.flush()
+
+    def _failed_release(self, step: int, refs: list[PayloadRef], error: StorageError) -> None:
+        """Record and keep for a retry the refs of step ``step`` whose delete failed (unfinished deletes)."""
+        log.error("step %d dp_rank=%d release: %d deletes failed (retried later): %s", step, self.dp_rank,
+                  len(refs), error)
+        self.ledger.record("delete_failed", step=step, dp_rank=self.dp_rank, chunks=len(refs), error=str(error))
+        self.ledger.flush()
+        self._failed.append((step, refs))
+        with self._lock:
+            self._counts.failures += len(refs)
 
     def shutdown(self) -> None:
         """Wait for the release under way, retry failed deletes once, stop the thread."""
