@@ -19,13 +19,14 @@ import pytest
 import torch
 from audit_helpers import NUM_COMPLETION, NUM_PROMPT, keep, make_keeper, publish
 from fault_proxy import Fault, FaultProxy
-from refpipe.job.weights import LATEST_KEY, publish_weights, weights_key
+from refpipe.job.weights import publish_weights
 from refpipe.pipeline.audit import audit
-from refpipe.pipeline.step_file import StepFile, step_key
+from refpipe.pipeline.step_file import StepFile
+from refpipe.storage.backends import open_store
 from refpipe.storage.errors import ChunkNotFoundError, TransientStorageError
 from refpipe.storage.fetch import chunk_keys, fetch_arrays
-from refpipe.storage.ledger import Ledger, tombstone_key
-from refpipe.storage.store import open_store
+from refpipe.storage.layout import LATEST_WEIGHTS_KEY, step_key, tombstone_key, weights_key
+from refpipe.storage.ledger import Ledger
 
 WRITE_FAULTS = ["reset_before", "reset_after", "500_after", "slowdown", "conflict", "delay"]
 READ_FAULTS = ["reset_before", "reset_after", "500_after", "slowdown", "delay", "short_body", "404"]
@@ -126,7 +127,7 @@ def test_weights_put(run, kind):
     publish_weights(store, model, 0)
     _settle(proxy)
     _assert_write_recovered(store, kind)
-    assert direct.list_prefix("weights") == [LATEST_KEY, weights_key(0)]
+    assert direct.list_prefix("weights") == [LATEST_WEIGHTS_KEY, weights_key(0)]
 
 
 @pytest.mark.parametrize("kind", READ_FAULTS)
