@@ -41,7 +41,7 @@ from refpipe.pipeline.audit import AuditReport, audit, sweep
 from refpipe.pipeline.orchestrator import Orchestrator
 from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.backends import open_store
-from refpipe.storage.errors import ConfigError, KeyExistsError, KeyNotFoundError, RefpipeError
+from refpipe.storage.errors import ConfigError, KeyExistsError, KeyNotFoundError, RefpipeError, TransientStorageError
 from refpipe.storage.layout import (
     CONFIG_KEY,
     FINISH_METRICS_KEY,
@@ -262,7 +262,11 @@ class Launcher:
         self.orchestrator.void_stale(self.next_step)
         if self.orchestrator.ready_groups < cfg.orchestrator.groups_per_step:
             return False
-        header = self.orchestrator.build_step(self.next_step)
+        try:
+            header = self.orchestrator.build_step(self.next_step)
+        except TransientStorageError as e:  # its groups stay queued: built again (the same bytes) next round
+            self.console.log(f"[yellow]step {self.next_step}: publishing failed ({e}); trying again")
+            return False
         if header is None:
             return False
         nbytes = self.store.list_sizes(STEPS_PREFIX)[step_key(self.next_step)]

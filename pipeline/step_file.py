@@ -182,7 +182,9 @@ def encode_step_file(header: StepHeader, streams: Mapping[tuple[int, int], Mappi
     """
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as zf:
-        zf.writestr(HEADER_MEMBER, header.model_dump_json())
+        # members dated 1980-01-01 (ZipInfo's default), not now: the same step encodes to the same bytes, so a
+        # publish retried after a lost answer is recognised as this writer's own (the store's write token)
+        zf.writestr(zipfile.ZipInfo(HEADER_MEMBER), header.model_dump_json())
         for mb in header.micro_batches:
             arrays = streams.get((mb.dp_rank, mb.index), {})
             for name, dtype in STREAMS.items():
@@ -191,7 +193,7 @@ def encode_step_file(header: StepHeader, streams: Mapping[tuple[int, int], Mappi
                     got = None if a is None else f"{a.dtype.str} {list(a.shape)}"
                     raise StepFileError(f"step {header.step} dp_rank={mb.dp_rank} micro batch {mb.index}: stream "
                                         f"{name!r} is {got}: expected {dtype} [{mb.num_tokens}]")
-                with zf.open(member_name(mb.dp_rank, mb.index, name), "w") as f:
+                with zf.open(zipfile.ZipInfo(member_name(mb.dp_rank, mb.index, name)), "w") as f:
                     np.lib.format.write_array(f, np.ascontiguousarray(a), allow_pickle=False)
     return buf.getvalue()
 
