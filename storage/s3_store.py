@@ -9,13 +9,13 @@ a fork rebuilds it on first use in the child, and pickling drops it.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-import crc32c
 import fsspec
 from refpipe.storage.errors import (
     DeleteKeysError,
@@ -30,7 +30,7 @@ from refpipe.storage.store import Store, buffers_of
 T = TypeVar("T")
 _S3_DELETE_BATCH = 1000  # DeleteObjects takes at most 1,000 keys (AWS S3 API reference)
 WRITE_TOKEN = "refpipe-write"
-"""User metadata (``x-amz-meta-refpipe-write``) of every exclusive put: ``<writer>.<crc32c of the body>``."""
+"""User metadata (``x-amz-meta-refpipe-write``) of every exclusive put: ``<writer>.<blake2b-64 of the body>``."""
 
 
 class S3Store(Store):
@@ -140,7 +140,8 @@ class S3Store(Store):
         if not exclusive:
             self._call(f"PUT {uri}", uri, "put_object", Bucket=bucket, Key=object_key, Body=body)
             return
-        token = f"{self.writer}.{crc32c.crc32c(body):08x}"
+        # not crc32c: a chunk ends with its own crc32c, and the crc32c of any such body is one constant
+        token = f"{self.writer}.{hashlib.blake2b(body, digest_size=8).hexdigest()}"
         try:
             self._call(f"PUT {uri}", uri, "put_object", Bucket=bucket, Key=object_key, Body=body, IfNoneMatch="*",
                        Metadata={WRITE_TOKEN: token})

@@ -19,6 +19,7 @@ from refpipe.storage import local_store as store_module
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import (
+    DeleteKeysError,
     KeyExistsError,
     KeyNotFoundError,
     OutsideRunError,
@@ -388,10 +389,13 @@ class TestS3Store(StoreConformance):
         config = backend.config.model_copy(update={"s3_endpoint_url": f"http://127.0.0.1:{port}", "max_retries": 1,
                                               "retry_backoff_s": 0.001})
         store = open_store(config)
-        for verb in (lambda: store.get("k"), lambda: store.put("k", b"x", exclusive=True),
-                     lambda: store.delete_key("k")):
+        for verb in (lambda: store.get("k"), lambda: store.put("k", b"x", exclusive=True)):
             with pytest.raises(TransientStorageError, match="gave up after 2 attempts.*EndpointConnectionError"):
                 verb()
+        with pytest.raises(DeleteKeysError, match="1 of 1 keys not deleted") as info:
+            store.delete_key("k")
+        assert list(info.value.failed) == ["k"] and isinstance(info.value.failed["k"], TransientStorageError)
+        assert "gave up after 2 attempts" in str(info.value.failed["k"])
 
     def test_retrying_retries_transient_errors_only(self, backend: Backend):
         store = open_store(backend.config.model_copy(update={"retry_backoff_s": 0.001, "max_retries": 3}))
