@@ -69,7 +69,8 @@ def test_main_job_trains_through_refpipe_and_ends_clean(request, backend):
         config = request.getfixturevalue("s3_config" if backend == "moto" else "seaweed_config")
         with FaultProxy(config.s3_endpoint_url, Fault("reset_after", "PUT", r"/g000000-a0-0/c\.0$"),
                         Fault("refuse_delete", "POST", "", times=None)) as proxy:
-            cfg = small_config(config.model_copy(update={"s3_endpoint_url": proxy.url}))
+            # no DCP checkpoints: torch's fsspec writer talks to S3 through its own s3fs client, not refpipe's store
+            cfg = small_config(config.model_copy(update={"s3_endpoint_url": proxy.url}), checkpoint_every_steps=0)
             code, summary, text = run_job(cfg)
             assert code == 0, text
             assert_clean_end(cfg, summary)
