@@ -20,11 +20,12 @@ import multiprocessing as mp
 import os
 import queue
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from refpipe.job.config import RunConfig
 from refpipe.job.model import EOS_ID, MoELM
+from refpipe.job.report import peak_rss_bytes
 from refpipe.job.rollout import SampledBranch, sample_branches
 from refpipe.job.task import Problem, make_problems, reward
 from refpipe.job.weights import latest_version, load_weights
@@ -66,6 +67,8 @@ class GroupResult:
     """Chunks the worker discarded itself (stopping, or the group failed: it never reaches the orchestrator)."""
     failed: str | None = None
     """Why the group failed (a store error while keeping it; nothing of it is kept), else None."""
+    peak_rss_bytes: int = field(default_factory=peak_rss_bytes)
+    """The worker process's peak RSS when it sent this result (for ``summary.json``)."""
 
 
 def env_worker_main(config_json: str, worker: int, requests: mp.Queue, results: mp.Queue, stop: mp.Event) -> None:

@@ -34,6 +34,7 @@ from refpipe.job.config import RunConfig
 from refpipe.job.env_worker import GroupRequest, GroupResult, env_worker_main
 from refpipe.job.model import MoELM
 from refpipe.job.progress import ProgressView, StepRow
+from refpipe.job.report import RunCosts, StepCost
 from refpipe.job.resume import LifeStart
 from refpipe.job.task import warm_start
 from refpipe.job.weights import point_latest, publish_weights
@@ -45,6 +46,7 @@ from refpipe.storage.errors import ConfigError, KeyExistsError, KeyNotFoundError
 from refpipe.storage.layout import (
     CONFIG_KEY,
     FINISH_METRICS_KEY,
+    REPORT_KEY,
     STEPS_PREFIX,
     SUMMARY_KEY,
     env_worker_actor,
@@ -94,6 +96,9 @@ class Launcher:
         """Steps to train again -> the ``life`` of their metrics from an earlier life (not this life's)."""
         self.lives = Counter()
         """This life's ``replayed`` and ``skipped`` steps and ``reclaimed`` chunks (``refpipe run --resume``)."""
+        self.costs = RunCosts()
+        self.shipped_nbytes: dict[int, int] = {}  # step -> bytes of its chunks, until its release is counted
+        self.released_nbytes = 0
 
     def run(self) -> int:
         """Run the job; return the process exit code (0: audit clean and alignment within tolerance)."""
@@ -241,6 +246,7 @@ class Launcher:
             request = fleet.in_flight[result.worker].pop(result.request_id, None)
             self.kept_chunks += result.kept_chunks
             self.kept_bytes += result.kept_bytes
+            self.costs.process_rss(f"env_worker_{result.worker}", result.peak_rss_bytes)
             self.deletes["env worker discard"] += result.discarded
             if result.failed and request is not None and not fleet.stop.is_set():
                 self.console.log(f"[yellow]group {request.group_id} attempt {request.attempt} failed on env worker "
@@ -271,6 +277,7 @@ class Launcher:
             return False
         nbytes = self.store.list_sizes(STEPS_PREFIX)[step_key(self.next_step)]
         self.rows[self.next_step] = StepRow.from_header(header, nbytes, self.kept_chunks, self.kept_bytes)
+        self.shipped_nbytes[self.next_step] = sum(ref.nbytes for ref in header.refs)
         self.rewards.append(header.metrics["reward_mean"])
         self.next_step += 1
         return True
@@ -291,9 +298,21 @@ class Launcher:
             self.alignment_tokens += metrics["on_policy_tokens"]
             deletes = (sum(self.orchestrator.deleted.values()), self.deletes["trainer"],
                        self.deletes["env worker discard"])
-            self.view.step_done(self.rows.pop(self.trained).with_trainer(metrics, deletes))
+            row = self.rows.pop(self.trained)
+            self.view.step_done(row.with_trainer(metrics, deletes))
+            self.record_cost(self.trained, row.reward, metrics, deletes)
             self.trained, progressed = self.trained + 1, True
         return progressed
+
+    def record_cost(self, step: int, reward: float, metrics: dict, deletes: tuple[int, int, int]) -> None:
+        """One ``StepCost``: step ``s``'s metrics count the release of step ``s - 1`` (run in the background)."""
+        self.released_nbytes += self.shipped_nbytes.pop(step - 1, 0)
+        in_flight = self.kept_bytes - self.orchestrator.deleted_nbytes - self.released_nbytes
+        self.costs.steps.append(StepCost(
+            step=step, reward=reward, exposed_data_seconds=metrics["exposed_data_seconds_max"],
+            fetch_seconds=metrics["fetch_seconds_max"], step_wait_seconds=metrics["step_wait_seconds_max"],
+            kept_bytes_in_flight=in_flight,
+            deletes=dict(zip(("orchestrator", "trainer", "env worker discard"), deletes))))
 
     def finish(self, fleet: Fleet, *, failure: str | None) -> int:
         """Audit the run, sweep what dead workers and failed deletes left (audited again), print the summary;
@@ -303,7 +322,7 @@ class Launcher:
         for a restart, and ``refpipe sweep`` is left to the user.
         """
         self.poll_trainer()  # steps the trainer finished while the fleet was stopping
-        self.deletes["trainer"] += self._finish_deletes()
+        self.trainer_finished()
         failed = failure is not None
         report: AuditReport = audit(self.store, stopped=True, finished=not failed)
         if (fleet.dead or report.unfinished_deletes) and not failed:  # what dead workers left, deletes that failed
@@ -323,17 +342,21 @@ class Launcher:
                    "deletes": dict(self.deletes), "retained_chunks": report.retained,
                    "alignment_max_abs_diff": self.alignment_max,
                    "alignment_on_policy_tokens": self.alignment_tokens,
-                   "alignment_ok": alignment_ok, "dead_env_workers": sorted(fleet.dead), "audit": report.model_dump()}
+                   "alignment_ok": alignment_ok, "dead_env_workers": sorted(fleet.dead), "audit": report.model_dump(),
+                   **self.costs.summary()}
         self.store.put(SUMMARY_KEY, json.dumps(summary, indent=2).encode())
+        self.store.put(REPORT_KEY, self.costs.plot(f"run {self.store.prefix.uri}"))
         return 0 if report.clean and alignment_ok and not failed else 1
 
-
-    def _finish_deletes(self) -> int:
-        """Chunks the trainer deleted after its last step's metrics (0 if it did not finish)."""
+    def trainer_finished(self) -> None:
+        """Count the trainer's last release and its ranks' peak RSS (nothing if it did not finish)."""
         try:
-            return json.loads(self.store.get(FINISH_METRICS_KEY))["deletes"]
+            finished = json.loads(self.store.get(FINISH_METRICS_KEY))
         except KeyNotFoundError:
-            return 0
+            return
+        self.deletes["trainer"] += finished["deletes"]
+        for rank, nbytes in enumerate(finished["peak_rss_bytes"]):
+            self.costs.process_rss(f"trainer_rank_{rank}", nbytes)
 
 
 def start_fleet(cfg: RunConfig, config_path: str, *, resume: bool = False) -> Fleet:

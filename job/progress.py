@@ -12,14 +12,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-COLUMNS = ("step", "reward", "tokens", "kept", "kept MiB", "step KiB", "fetch s", "dropped", "del o/t/e",
+COLUMNS = ("step", "reward", "tokens", "kept", "kept MiB", "step KiB", "exposed s", "dropped", "del o/t/e",
            "align err")
 """One line per trained step: ``kept`` counts chunks kept so far; ``step KiB`` the step file's size;
-``fetch s`` the slowest rank's fetch; ``dropped`` the step's dropped micro batches; ``del o/t/e``
+``exposed s`` the slowest rank's data-path seconds on the critical path (the fetch itself
+runs while the previous step trains); ``dropped`` the step's dropped micro batches; ``del o/t/e``
 chunks deleted so far by the orchestrator / the trainer / env workers (``+N!``: N trainer deletes failed
 in this step's window and are retried: unfinished deletes); ``align err`` the max
 |recomputed - inference| logprob on on-policy tokens."""
-WIDTHS = (4, 6, 6, 5, 8, 8, 7, 7, 11, 9)
+WIDTHS = (4, 6, 6, 5, 8, 8, 9, 7, 11, 9)
 
 
 def _line(cells) -> str:
@@ -36,7 +37,7 @@ class StepRow:
     kept_chunks: int
     kept_bytes: int
     step_file_bytes: int
-    fetch_s: float = 0.0
+    exposed_s: float = 0.0
     dropped: int = 0
     deletes: str = ""
     align_err: float = 0.0
@@ -50,12 +51,12 @@ class StepRow:
         """Add the trainer's side; ``deletes`` = chunks deleted so far by orchestrator, trainer, env workers
         (then ``+N!``: N trainer deletes of this step failed and will be retried)."""
         failed = f" +{metrics['delete_failures']}!" if metrics.get("delete_failures") else ""
-        return replace(self, fetch_s=metrics["fetch_seconds_max"], dropped=metrics["dropped_micro_batches"],
+        return replace(self, exposed_s=metrics["exposed_data_seconds_max"], dropped=metrics["dropped_micro_batches"],
                        deletes="/".join(map(str, deletes)) + failed, align_err=metrics["on_policy_max_abs_diff"])
 
     def cells(self) -> list[str]:
         return [str(self.step), f"{self.reward:.3f}", str(self.tokens), str(self.kept_chunks),
-                f"{self.kept_bytes / 2**20:.2f}", f"{self.step_file_bytes / 1024:.1f}", f"{self.fetch_s:.3f}",
+                f"{self.kept_bytes / 2**20:.2f}", f"{self.step_file_bytes / 1024:.1f}", f"{self.exposed_s:.3f}",
                 str(self.dropped), self.deletes, f"{self.align_err:.1e}"]
 
 

@@ -27,18 +27,20 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from refpipe.job.config import RunConfig, load_config
 from refpipe.job.loss import policy_loss
 from refpipe.job.model import MoELM
+from refpipe.job.report import peak_rss_bytes
 from refpipe.job.weights import load_weights, publish_weights
 from refpipe.storage.backends import open_store
 from refpipe.storage.errors import KeyNotFoundError, ReplayMismatchError
 from refpipe.storage.layout import FINISH_METRICS_KEY, metrics_key, step_key
 from refpipe.storage.store import Store
 from refpipe.trainer.checkpoint import apply_training_state, load_checkpoint, save_checkpoint, training_state
-from refpipe.trainer.dist import init_process_group
+from refpipe.trainer.dist import gather_rank_values, init_process_group
 from refpipe.trainer.pause import pause_point
 from refpipe.trainer.resume import ResumePlan, plan_resume
 from refpipe.trainer.step import TrainerRank
@@ -205,8 +207,10 @@ def main(config_path: str, *, resume: bool = False) -> None:
             metrics["life"] = rank.ledger.session
             publish_step_metrics(store, step, {**metrics, **asdict(policy.stats)})
     finished = rank.finish()
+    rss = gather_rank_values(np.array([peak_rss_bytes()], np.float64))[:, 0]
     if dist.get_rank() == 0:
-        store.put(FINISH_METRICS_KEY, finished.model_dump_json().encode())
+        store.put(FINISH_METRICS_KEY, json.dumps({**finished.model_dump(),
+                                                  "peak_rss_bytes": [int(b) for b in rss]}).encode())
     rank.close()
     dist.destroy_process_group()
 

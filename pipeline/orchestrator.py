@@ -100,6 +100,8 @@ class Orchestrator:
         self.ledger = Ledger(store, ORCHESTRATOR_ACTOR)
         self.deleted: Counter[str] = Counter()
         self.filtered: Counter[str] = Counter()
+        self.deleted_nbytes = 0
+        """Bytes of the chunks deleted so far (all paths)."""
         self.eval_rewards: list[tuple[str, float]] = []
         self._pending: dict[str, list[Episode]] = {}
         self._ready: deque[_ReadyGroup] = deque()
@@ -267,6 +269,7 @@ class Orchestrator:
                 log.warning("orchestrator %s: %d deletes failed (retried later); first: %s", path, len(result.failed),
                             next(iter(result.failed.values())))
             self.deleted[path] += len(refs)
+            self.deleted_nbytes += sum(r.nbytes for r in refs)
             self._queued_refs.difference_update(r.branch_id for r in refs)
 
 

@@ -9,8 +9,9 @@ Keys are relative to the run prefix (``storage.uri.RunPrefix``)::
     steps/step_<N:08d>.npz                         step file of trainer step N
     config.json                                    the resolved run config (the main job)
     summary.json                                   the run summary (the main job)
+    report.png                                     the run's per-step costs, plotted (the main job)
     metrics/trainer_step_<N:08d>.json              trainer metrics of step N (the main job)
-    metrics/trainer_finish.json                    counts of the trainer's last release (the main job)
+    metrics/trainer_finish.json                    the trainer's last release and peak RSS (the main job)
     weights/policy_<V:08d>.pt, weights/latest.json policy weights (the main job)
     checkpoints/step_<N:08d>/                      trainer checkpoint covering step N (``trainer.checkpoint``):
         __<rank>_0.distcp, .metadata               torch.distributed.checkpoint's files
@@ -184,7 +185,11 @@ def metrics_key(step: int) -> str:
 
 
 FINISH_METRICS_KEY = "metrics/trainer_finish.json"
-"""Counts of the trainer's last release (``TrainerRank.finish``; written by rank 0 after the last step)."""
+"""Counts of the trainer's last release (``TrainerRank.finish``) and every rank's peak RSS in bytes
+(``peak_rss_bytes``, by rank); written by rank 0 after the last step."""
+
+REPORT_KEY = "report.png"
+"""``<run>/report.png``: the run's per-step costs (written by the launcher at the end)."""
 
 
 def weights_key(version: int) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ class Prepared:
     fetched: FetchedStep
     prefetched: bool
     """Whether the fetch ran in the background while the previous step trained."""
+    found_at: float
+    """``time.monotonic()`` when the step file had been read (the end of waiting for it to appear)."""
 
 
 class Prefetch:
@@ -79,7 +82,8 @@ class Prefetch:
             except Exception as e:  # noqa: BLE001 -- the caller's own load raises it on its main thread
                 log.info("prefetch of step %d ended: %s: %s", step, type(e).__name__, e)
                 return
-            self._result = Prepared(step_file, self._fetch(step_file), prefetched=True)
+            found_at = time.monotonic()
+            self._result = Prepared(step_file, self._fetch(step_file), prefetched=True, found_at=found_at)
             return
 
     def take(self, step: int) -> Prepared | None:

@@ -26,6 +26,9 @@ class TrainerConfig(BaseModel):
     collective_timeout_s: float = Field(default=600.0, gt=0)
     """Timeout of every collective of the trainer's process group (``init_process_group(timeout=...)``):
     a rank whose peer died or hangs raises after this many seconds instead of waiting forever."""
+    prefetch_next_step: bool = True
+    """Fetch and assemble step N+1 on a background thread while step N trains (a rank then holds up to
+    two steps of its arrays in host memory); false: fetch each step when it starts."""
     release: Literal["after_step", "after_checkpoint"] = "after_step"
     """When a DP rank deletes a trained step's chunks: right after the step (``after_step``), or once a
     checkpoint covering the step is durable (``after_checkpoint``), so every step after the last

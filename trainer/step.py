@@ -54,11 +54,14 @@ class StepMetrics(BaseModel):
     fetch_seconds_max: float
     """Wall seconds of a rank's fetch (with the assembly pipelined into it), max over ranks."""
     exposed_data_seconds_mean: float
-    """Wall seconds of ``run_step`` outside ``train`` and before the metrics all-gather (waiting for the step
-    file and the fetch, the failure all-reduce, stand-ins, tensors, waiting for the previous release), mean
-    over ranks: the data path's time on the critical path."""
+    """Wall seconds of ``run_step`` outside ``train`` and before the metrics all-gather, less
+    ``step_wait_seconds`` (waiting for the fetch, the failure all-reduce, stand-ins, tensors, waiting for
+    the previous release), mean over ranks: the data path's time on the critical path."""
     exposed_data_seconds_max: float
     """As ``exposed_data_seconds_mean``, max over ranks."""
+    step_wait_seconds_max: float
+    """Seconds a rank's ``run_step`` waited for the step file to appear (the orchestrator was behind; not a
+    data-path cost), max over ranks."""
     prefetched_ranks: int
     """Ranks whose data of this step was fetched in the background while the previous step trained."""
     failed_fetches: int
@@ -148,26 +151,29 @@ class TrainerRank:
         prepared = self.prefetch.take(step) or self.load_and_fetch(step)
         header, dp_rank = prepared.step_file.header, self.topology.dp_rank
         dropped = self.agree_failures(header, prepared.fetched)
-        self.prefetch.start(step + 1)
+        if self.config.prefetch_next_step:
+            self.prefetch.start(step + 1)
         assembled = self.stand_in_dropped(prepared.step_file, prepared.fetched, dropped[dp_rank])
         hashes = ["" if mb.dropped else micro_batch_hash(mb) for mb in assembled]
         batches = [to_torch(mb) for mb in assembled]
         del assembled
-        exposed_s = time.monotonic() - started
+        wait_s = max(0.0, prepared.found_at - started)
+        exposed_s = time.monotonic() - started - wait_s
         train(batches)
         del batches
         resumed = time.monotonic()
         if self.policy is not None:
             self.policy.trained(header)
         exposed_s += time.monotonic() - resumed
-        return self.metrics(header, prepared, dropped, exposed_s, hashes)
+        return self.metrics(header, prepared, dropped, exposed_s, wait_s, hashes)
 
     def load_and_fetch(self, step: int) -> Prepared:
         """(a)+(b) on the main thread: wait for step ``step``'s file, then fetch this rank's micro batches."""
         step_file = wait_for_step(self.store, step, timeout_s=self.config.step_timeout_s,
                                   poll_s=self.config.step_poll_s)
         self.check_step(step_file)
-        return Prepared(step_file, self.fetch(step_file), prefetched=False)
+        found_at = time.monotonic()
+        return Prepared(step_file, self.fetch(step_file), prefetched=False, found_at=found_at)
 
     def _read_step(self, step: int) -> StepFile:
         """The prefetch's load: read step ``step``'s file once (``KeyNotFoundError`` if not there yet)."""
@@ -231,12 +237,12 @@ class TrainerRank:
         return [retries, counts.deletes, counts.problems, counts.failures]
 
     def metrics(self, header: StepHeader, prepared: Prepared, dropped: np.ndarray, exposed_s: float,
-                hashes: list[str]) -> StepMetrics:
+                wait_s: float, hashes: list[str]) -> StepMetrics:
         """(h) Gather every rank's counters and micro batch hashes (world all-gathers) into the step's metrics."""
         fetched = prepared.fetched
-        local = np.array([fetched.seconds, exposed_s, prepared.prefetched, fetched.chunks, fetched.nbytes,
+        local = np.array([fetched.seconds, exposed_s, wait_s, prepared.prefetched, fetched.chunks, fetched.nbytes,
                           len(fetched.errors), *self._local_release_counts()], np.float64)
-        seconds, exposed, prefetched, chunks, nbytes, errors, *release = gather_rank_values(local).T
+        seconds, exposed, wait, prefetched, chunks, nbytes, errors, *release = gather_rank_values(local).T
         every_rank: list[list[str]] = [[] for _ in range(self.topology.world_size)]
         dist.all_gather_object(every_rank, hashes)
         metrics = StepMetrics(
@@ -244,7 +250,8 @@ class TrainerRank:
             fetched_chunks=int(chunks.sum()), fetched_bytes=int(nbytes.sum()),
             fetch_seconds_mean=float(seconds.mean()), fetch_seconds_max=float(seconds.max()),
             exposed_data_seconds_mean=float(exposed.mean()), exposed_data_seconds_max=float(exposed.max()),
-            prefetched_ranks=int(prefetched.sum()), failed_fetches=int(errors.sum()),
+            step_wait_seconds_max=float(wait.max()), prefetched_ranks=int(prefetched.sum()),
+            failed_fetches=int(errors.sum()),
             micro_batch_hashes=every_rank[::self.config.model_parallel_size], **_release_metrics(release))
         log.info("step %d trainer metrics: %s", header.step, metrics.model_dump())
         return metrics

@@ -82,6 +82,21 @@ def test_main_job_trains_through_refpipe_and_ends_clean(request, backend):
     assert deletes["orchestrator eval"] >= cfg.orchestrator.group_size
     assert sum(deletes.values()) == summary["audit"]["deleted"]
     assert "audit clean; alignment ok" in text
+    assert_costs(cfg, summary)
+
+
+def assert_costs(cfg: RunConfig, summary: dict) -> None:
+    """summary.json's costs: every process's peak RSS, per-step exposed seconds and bytes in flight; report.png."""
+    rss = summary["peak_rss_bytes"]
+    assert {"orchestrator", "trainer_rank_0", "trainer_rank_1"} <= set(rss) <= {
+        "orchestrator", "trainer_rank_0", "trainer_rank_1", "env_worker_0", "env_worker_1"}
+    assert all(nbytes > 50 * 2**20 for nbytes in rss.values())  # every process holds torch and a model
+    assert [s["step"] for s in summary["steps"]] == list(range(cfg.job.num_steps))
+    assert len(summary["exposed_data_seconds_per_step"]) == cfg.job.num_steps
+    assert all(seconds > 0 for seconds in summary["exposed_data_seconds_per_step"])
+    in_flight = summary["kept_bytes_in_flight_per_step"]
+    assert min(in_flight) > 0 and summary["peak_kept_bytes_in_flight"] == max(in_flight)
+    assert open_store(cfg.storage).get("report.png")[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_after_checkpoint_release_and_retained_steps_end_clean(local_config):

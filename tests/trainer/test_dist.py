@@ -168,7 +168,8 @@ def test_two_dp_ranks_of_two_peers_train_identical_bytes_and_survive_faults(tmp_
                   "fetched_bytes": m0["fetched_bytes"], "fetch_seconds_mean": m0["fetch_seconds_mean"],
                   "fetch_seconds_max": m0["fetch_seconds_max"], "prefetched_ranks": 0,
                   "exposed_data_seconds_mean": m0["exposed_data_seconds_mean"],
-                  "exposed_data_seconds_max": m0["exposed_data_seconds_max"], "failed_fetches": 0, "retries": 0,
+                  "exposed_data_seconds_max": m0["exposed_data_seconds_max"],
+                  "step_wait_seconds_max": m0["step_wait_seconds_max"], "failed_fetches": 0, "retries": 0,
                   "deletes": 0, "delete_problems": 0, "delete_failures": 0, "skipped": False,
                   "micro_batch_hashes": m0["micro_batch_hashes"]}
     assert m0["fetch_seconds_max"] >= m0["fetch_seconds_mean"] > 0
