@@ -1,4 +1,5 @@
-"""Keep, fetch and delete of branches: refpipe vs the same bytes as raw files (one per field), in one run.
+"""Keep, fetch and delete of branches: refpipe vs the same bytes as raw files (one per field, and one per
+branch), in one run.
 
 Both sides work on the same directory (``--dir``, default a fresh temp dir on /tmp) or,
 with ``--s3-endpoint URL`` / ``--s3-moto``, the same S3 bucket:
@@ -10,6 +11,8 @@ with ``--s3-endpoint URL`` / ``--s3-moto``, the same S3 bucket:
   ``open(path, "rb").read()`` + ``np.frombuffer`` on 8 threads, removed with ``os.remove``.
   On S3: one object per field through the same client (``S3Store.put``/``get``, one
   request each), removed with batched ``DeleteObjects``.
+- one file: the minimum a keep can do -- the branch's bytes as one raw file (``os.writev``),
+  read back with one ``read`` and cut into fields, removed with ``os.remove`` (S3: one object).
 
 Branch shape: 4,096 tokens = 1,024 prompt + 3,072 completion; ``routed_experts``
 [4096, 48, 8] uint8, ``topk_ids``/``topk_logprobs`` [3072, 128] int32/float32,
@@ -25,11 +28,12 @@ check); entries created = distinct paths created (``O_CREAT`` opens, ``mkdir``, 
 S3 requests through botocore's ``request-created`` event on each side's s3fs client.
 
 Last line: one JSON object with ``keep_time_ratio``, ``fetch_throughput_ratio``,
-``delete_time_ratio`` (refpipe over raw; throughput refpipe/raw), ``objects_per_branch``,
+``delete_time_ratio`` (refpipe over raw; throughput refpipe/raw), ``keep_time_vs_one_file``,
+``fetch_throughput_vs_one_file``, ``delete_time_vs_one_file`` (the same over one file), ``objects_per_branch``,
 ``ledger_overhead_ratio`` (``Ledger.ledger_seconds`` over refpipe's keep + delete time),
 and per-branch filesystem ops / entries created (and S3 requests by kind) per phase.
-Targets: keep <= 1.5, fetch >= 0.9, delete <= 1.5, <= 3 entries created per branch,
-no S3 GET/LIST in keep and no LIST in fetch, ledger overhead <= 0.1.
+Targets: keep <= 1.5, fetch >= 0.9, delete <= 1.5, keep vs one file <= 1.5, fetch vs one file >= 0.95,
+<= 3 entries created per branch, no S3 GET/LIST in keep and no LIST in fetch, ledger overhead <= 0.1.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ from refpipe.storage.store import Store  # noqa: E402
 PROMPT_TOKENS, COMPLETION_TOKENS = 1024, 3072
 FIELDS = FieldsConfig(num_layers=48, top_k=8, num_experts=128, logprobs_k=128, support_width=20)
 PHASES = ("keep", "fetch", "delete")
-SIDES = ("refpipe", "raw")
+SIDES = ("refpipe", "raw", "one_file")
 
 
 def base_fields() -> dict[str, np.ndarray]:
@@ -187,6 +191,70 @@ class RawObjects:
         self.store.delete_keys([f"b{i:06d}.{name}" for i in batch for name in names])
 
 
+class OneFile:
+    """The minimum a keep can do on a directory: the branch's bytes as one raw file (``os.writev`` of the
+    fields), read back whole (one ``read``) and cut into fields with ``np.frombuffer``, removed with
+    ``os.remove``: no metadata, no checksum, no atomicity, no exactly-once."""
+
+    def __init__(self, root: str, threads: int):
+        self.root, self.threads = root, threads
+
+    def _path(self, i: int) -> str:
+        return f"{self.root}/{i % 256:02x}/b{i:06d}"
+
+    def keep(self, i: int, fields: dict[str, np.ndarray]) -> None:
+        path = self._path(i)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.writev(fd, [a.reshape(-1).view(np.uint8) for a in fields.values()])
+        finally:
+            os.close(fd)
+
+    def fetch(self, batch: list[int], specs: dict) -> list[dict[str, np.ndarray]]:
+        def one(i: int) -> dict[str, np.ndarray]:
+            with open(self._path(i), "rb") as f:
+                data = f.read()
+            return _cut(data, specs)
+
+        with ThreadPoolExecutor(self.threads) as pool:
+            return list(pool.map(one, batch))
+
+    def delete(self, batch: list[int], names) -> None:
+        for i in batch:
+            os.remove(self._path(i))
+
+
+class OneObject:
+    """``OneFile`` on S3: one object per branch (one PUT, one GET), batched deletes."""
+
+    def __init__(self, store: Store, threads: int):
+        self.store, self.threads = store, threads
+
+    def keep(self, i: int, fields: dict[str, np.ndarray]) -> None:
+        self.store.put(f"b{i:06d}", [a.reshape(-1).view(np.uint8) for a in fields.values()])
+
+    def fetch(self, batch: list[int], specs: dict) -> list[dict[str, np.ndarray]]:
+        with ThreadPoolExecutor(self.threads) as pool:
+            return list(pool.map(lambda i: _cut(self.store.get(f"b{i:06d}"), specs), batch))
+
+    def delete(self, batch: list[int], names) -> None:
+        self.store.delete_keys([f"b{i:06d}" for i in batch])
+
+
+def _cut(data: bytes, specs: dict) -> dict[str, np.ndarray]:
+    """The fields of one branch's concatenated bytes (``specs``: name -> (dtype, shape), in order)."""
+    out, offset = {}, 0
+    for name, (dtype, shape) in specs.items():
+        count = int(np.prod(shape))
+        out[name] = np.frombuffer(data, dtype, count, offset).reshape(shape)
+        offset += count * np.dtype(dtype).itemsize
+    return out
+
+
 class Refpipe:
     """The refpipe side: ``Keeper.keep``, ``fetch_many`` (whole chunks), ``Ledger.delete``."""
 
@@ -260,11 +328,15 @@ def report(args, res: dict, counter, backend: str) -> dict:
     n, sec = args.branches, res["seconds"]
     gib = n * res["branch_nbytes"] / 2**30
     ratio = {p: sec["refpipe", p] / sec["raw", p] for p in PHASES}
+    vs_one = {p: sec["refpipe", p] / sec["one_file", p] for p in PHASES}
     summary = {
         "backend": backend, "branches": n, "mib_per_branch": round(res["branch_nbytes"] / 2**20, 3),
         "keep_time_ratio": round(ratio["keep"], 3),
         "fetch_throughput_ratio": round(1 / ratio["fetch"], 3),
         "delete_time_ratio": round(ratio["delete"], 3),
+        "keep_time_vs_one_file": round(vs_one["keep"], 3),
+        "fetch_throughput_vs_one_file": round(1 / vs_one["fetch"], 3),
+        "delete_time_vs_one_file": round(vs_one["delete"], 3),
         "ledger_overhead_ratio": round((res["ledger_seconds"]["keep"] + res["ledger_seconds"]["delete"])
                                        / (sec["refpipe", "keep"] + sec["refpipe", "delete"]), 4),
         "objects_per_branch": round(res["objects"] / n, 3),
@@ -273,10 +345,12 @@ def report(args, res: dict, counter, backend: str) -> dict:
         "fetch_gib_per_s": {s: round(gib / sec[s, "fetch"], 3) for s in SIDES},
     }
     print(f"{n} branches x {res['branch_nbytes'] / 2**20:.2f} MiB ({gib:.2f} GiB per side), backend {backend}")
-    print(f"{'phase':7s} {'refpipe s':>10s} {'raw s':>9s} {'ratio':>7s}   per branch: refpipe | raw")
+    print(f"{'phase':7s} {'refpipe s':>10s} {'raw s':>9s} {'1-file s':>9s} {'vs raw':>9s} {'vs 1-file':>10s}   "
+          f"per branch: refpipe | raw | one file")
     for p in PHASES:
-        shown = f"{1 / ratio[p]:.3f} thr" if p == "fetch" else f"{ratio[p]:.3f}"
-        print(f"{p:7s} {sec['refpipe', p]:10.3f} {sec['raw', p]:9.3f} {shown:>9s}   {_counts(counter, p, n)}")
+        shown = [f"{1 / r[p]:.3f} thr" if p == "fetch" else f"{r[p]:.3f}" for r in (ratio, vs_one)]
+        print(f"{p:7s} {sec['refpipe', p]:10.3f} {sec['raw', p]:9.3f} {sec['one_file', p]:9.3f} {shown[0]:>9s} "
+              f"{shown[1]:>10s}   {_counts(counter, p, n)}")
     print(f"ledger (record/flush/claims): keep {res['ledger_seconds']['keep']:.3f} s, "
           f"delete {res['ledger_seconds']['delete']:.3f} s; objects per branch {summary['objects_per_branch']}")
     summary.update(_count_summary(counter, n))
@@ -356,13 +430,16 @@ def run_local(args) -> dict:
     config = StorageConfig(root=os.path.join(workdir, "refpipe"), run_id=f"bench_{uuid.uuid4().hex[:8]}")
     raw_root = os.path.join(workdir, "raw", config.run_id)
     store = open_store(config)
-    counter = FsCounter({"refpipe": store.prefix.path + "/", "raw": raw_root + "/"})
-    sides = {"refpipe": Refpipe(store, config, args.threads), "raw": RawFiles(raw_root, args.threads)}
+    one_root = os.path.join(workdir, "one_file", config.run_id)
+    counter = FsCounter({"refpipe": store.prefix.path + "/", "raw": raw_root + "/", "one_file": one_root + "/"})
+    sides = {"refpipe": Refpipe(store, config, args.threads), "raw": RawFiles(raw_root, args.threads),
+             "one_file": OneFile(one_root, args.threads)}
     try:
         res = run(args, sides, counter)
     finally:
         shutil.rmtree(os.path.join(workdir, "refpipe", config.run_id), ignore_errors=True)
         shutil.rmtree(raw_root, ignore_errors=True)
+        shutil.rmtree(one_root, ignore_errors=True)
         if not args.dir:
             shutil.rmtree(workdir, ignore_errors=True)
     return {"dir": workdir, "filesystem": _fstype(workdir), **report(args, res, counter, "local")}
@@ -381,10 +458,12 @@ def run_s3(args) -> dict:
     boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
     config = StorageConfig(root=f"s3://{bucket}/refpipe", run_id="bench", s3_endpoint_url=endpoint)
     raw_store = open_store(StorageConfig(root=f"s3://{bucket}/raw", run_id="bench", s3_endpoint_url=endpoint))
+    one_store = open_store(StorageConfig(root=f"s3://{bucket}/one", run_id="bench", s3_endpoint_url=endpoint))
     try:
         store = open_store(config)
-        counter = S3Counter({"refpipe": store, "raw": raw_store})
-        sides = {"refpipe": Refpipe(store, config, args.threads), "raw": RawObjects(raw_store, args.threads)}
+        counter = S3Counter({"refpipe": store, "raw": raw_store, "one_file": one_store})
+        sides = {"refpipe": Refpipe(store, config, args.threads), "raw": RawObjects(raw_store, args.threads),
+                 "one_file": OneObject(one_store, args.threads)}
         res = run(args, sides, counter)
     finally:
         if moto:

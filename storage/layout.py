@@ -5,7 +5,7 @@ Keys are relative to the run prefix (``storage.uri.RunPrefix``)::
     payloads/<shard>/<branch_id>/c.0               a branch's chunk (``storage.chunk``)
     payloads/<shard>/<branch_id>/zarr.json         its commit marker, written last
     ledger/events/<actor>/<pid>-<ms>-<seq>.jsonl   one ledger segment of a session ``<pid>-<ms>``
-    ledger/deletes/<shard>/<branch_id>.json        a chunk's delete record (tombstone)
+    ledger/deletes/<shard>/<sub>/<branch_id>.json  a chunk's delete record (tombstone), two levels of 256
     steps/step_<N:08d>.npz                         step file of trainer step N
     config.json                                    the resolved run config (the main job)
     summary.json                                   the run summary (the main job)
@@ -51,7 +51,7 @@ ID_RULE = "1-128 of [A-Za-z0-9._-], not starting with . - or _"
 _ID_RE = re.compile(_ID)
 _SHARD = r"[0-9a-f]{2}"
 _NODE = re.compile(rf"(?P<node>{PAYLOADS_PREFIX}/[^/]+/(?P<branch_id>[^/]+))/(?P<name>[^/]+)")
-_TOMBSTONE = re.compile(rf"{DELETES_PREFIX}/{_SHARD}/(?P<branch_id>{_ID})\.json")
+_TOMBSTONE = re.compile(rf"{DELETES_PREFIX}/{_SHARD}/{_SHARD}/(?P<branch_id>{_ID})\.json")
 _SEGMENT = re.compile(rf"{EVENTS_PREFIX}/(?P<actor>{_ID})/(?P<session>\d+-\d+)-(?P<seq>\d+)\.jsonl")
 _STEP = re.compile(rf"{STEPS_PREFIX}/step_(?P<step>\d+)\.npz")
 _DRAWN = re.compile(rf"(?P<writer>{_ID})-[0-9a-f]{{32}}")
@@ -128,13 +128,18 @@ def drawn_writer(branch_id: str) -> str | None:
 
 
 def tombstone_key(branch_id: str) -> str:
-    """Key of a chunk's delete record: ``ledger/deletes/<shard>/<branch_id>.json``.
+    """Key of a chunk's delete record: ``ledger/deletes/<shard>/<subshard>/<branch_id>.json``.
+
+    Two hex digits each of a hash of the branch id: 65,536 leaf directories, so a run of 10M chunks
+    keeps ~150 records per directory (one level of 256 would hold ~39,000) and no directory of the
+    tree exceeds 256 entries until ~17M chunks.
 
     Raises:
         ConfigError: not a valid branch id.
     """
     check_id(branch_id, "branch_id")
-    return f"{DELETES_PREFIX}/{_shard(branch_id)}/{branch_id}.json"
+    digest = hashlib.blake2b(branch_id.encode(), digest_size=2).hexdigest()
+    return f"{DELETES_PREFIX}/{digest[:2]}/{digest[2:]}/{branch_id}.json"
 
 
 def parse_tombstone_key(key: str) -> str | None:

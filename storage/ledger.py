@@ -5,7 +5,7 @@ Layout under the run prefix (keys built and parsed by ``storage.layout``):
     ledger/events/<actor>/<pid>-<ms>-<seq>.jsonl   one session's events, one JSON object per
                                                    line, written as whole segments (``<pid>-<ms>``
                                                    is the session: one ``Ledger`` instance)
-    ledger/deletes/<shard>/<branch_id>.json        a chunk's delete record (its tombstone)
+    ledger/deletes/<aa>/<bb>/<branch_id>.json      a chunk's delete record (its tombstone)
 
 Every actor (env-server worker, orchestrator, trainer DP rank) writes only its own
 segments, each with one exclusive put, so there is no shared file to append to and

@@ -16,7 +16,7 @@ from refpipe.storage.errors import (
     UnknownRefError,
 )
 from refpipe.storage.fetch import fetch_arrays, put_chunk
-from refpipe.storage.layout import parse_segment_key, tombstone_key
+from refpipe.storage.layout import node_key, parse_segment_key, parse_tombstone_key, tombstone_key
 from refpipe.storage.ledger import SEGMENT_MAX_EVENTS, Ledger
 from refpipe.storage.local_store import LocalStore
 from refpipe.storage.s3_store import S3Store
@@ -199,3 +199,12 @@ def test_an_actors_earlier_life_delete_is_already_released_anothers_is_a_double_
         Ledger(store, "trainer_dp1").delete(refs[:1], reason="trained step 0")
     with pytest.raises(DoubleDeleteError, match="second delete from trainer_dp0"):
         second_life.delete(refs[2:], reason="again in the same session")
+
+
+def test_delete_records_fan_out_over_two_levels_of_256():
+    """At 10M chunks one level of 256 directories would hold ~39,000 records each; two levels hold ~150."""
+    assert tombstone_key("b00000001") == "ledger/deletes/54/ba/b00000001.json"
+    assert parse_tombstone_key("ledger/deletes/54/ba/b00000001.json") == node_key("b00000001")
+    assert parse_tombstone_key("ledger/deletes/54/b00000001.json") is None  # the one-level layout: a stray key
+    leaves = {tombstone_key(f"b{i:08d}").rpartition("/")[0] for i in range(20_000)}
+    assert len(leaves) > 16_000 and len({leaf.rpartition("/")[0] for leaf in leaves}) == 256

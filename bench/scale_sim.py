@@ -1,0 +1,130 @@
+"""Metadata at scale: the lifecycle of N tiny chunks (keep, ship, release, audit) on a local directory.
+
+For each N (``--sizes``, default 10,000 and 100,000; 1,000,000 with ``--sizes 10000,100000,1000000``):
+keep N branches of 1 prompt + 1 completion token with routing only (``[2, 1, 1]`` uint8, one
+env worker through the real keep path), ship them in steps of 1,024 (one step file each, one
+DP rank), release each step through the trainer's ledger (``Ledger.delete``: commit-marker
+check, exclusive delete record, unlinks), then audit the finished run (``pipeline.audit.audit``).
+Prints per N the seconds of each phase, the largest directory (entries) and where it is, and
+the audit seconds per chunk. Last line: one JSON object with ``max_entries_per_dir`` (at the
+largest N), ``max_entries_per_dir_at_10M`` (extrapolated: the largest directory grows linearly
+with N), and ``audit_seconds_growth`` (audit seconds per chunk at the largest N over the
+smallest: 1.0 means the audit costs the same per chunk at every size).
+
+Usage: ``.venv/bin/python bench/scale_sim.py [--sizes 10000,100000] [--tmp /tmp]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from refpipe.pipeline.audit import audit
+from refpipe.pipeline.fields import FieldsConfig
+from refpipe.pipeline.keep import Branch, Keeper
+from refpipe.pipeline.step_file import SCHEMA_VERSION, MicroBatchRecord, SequenceRecord, StepHeader, publish_step_file
+from refpipe.storage.backends import open_store
+from refpipe.storage.config import StorageConfig
+from refpipe.storage.ledger import Ledger
+from refpipe.storage.store import Store
+
+FIELDS = FieldsConfig(num_layers=1, top_k=1, num_experts=2, logprobs_k=1, support_width=1)
+PER_STEP = 1024
+TOKENS = 2
+
+
+def keep_all(store: Store, storage: StorageConfig, n: int) -> list:
+    """Keep ``n`` tiny branches (one env worker); return their refs."""
+    ledger = Ledger(store, "env_worker_0")
+    keeper = Keeper(store, ledger, FIELDS, storage)
+    routing = np.zeros((TOKENS, 1, 1), np.uint8)
+    refs = [keeper.keep(Branch(1, 1, {"routed_experts": routing}, branch_id=f"b{i:08d}")) for i in range(n)]
+    ledger.close()
+    return refs
+
+
+def ship_and_release(store: Store, refs: list) -> None:
+    """One step file per ``PER_STEP`` refs (one micro batch per ref, DP rank 0), each released after."""
+    ledger = Ledger(store, "trainer_dp0")
+    streams = {"input_ids": np.zeros(TOKENS, np.int32), "loss_mask": np.ones(TOKENS, bool),
+               "advantages": np.zeros(TOKENS, np.float32), "inference_logprobs": np.zeros(TOKENS, np.float32),
+               "position_ids": np.arange(TOKENS, dtype=np.int32), "temperatures": np.ones(TOKENS, np.float32)}
+    for step, first in enumerate(range(0, len(refs), PER_STEP)):
+        step_refs = refs[first:first + PER_STEP]
+        records = [MicroBatchRecord(dp_rank=0, index=i, num_padding_tokens=0, has_routing=True,
+                                    sequences=[SequenceRecord(num_tokens=TOKENS, env_name="sim", ref=i)])
+                   for i in range(len(step_refs))]
+        header = StepHeader(schema_version=SCHEMA_VERSION, run_uri=store.prefix.uri, step=step, seq_len=TOKENS,
+                            dp_world_size=1, micro_batches=records, refs=step_refs, owners=[0] * len(step_refs),
+                            fields=FIELDS)
+        publish_step_file(store, header, {(0, r.index): streams for r in records})
+        ledger.delete(step_refs, reason=f"trained step {step}")
+        ledger.record("release", step=step, dp_rank=0)
+    ledger.close()
+
+
+def largest_directory(root: str) -> tuple[int, str]:
+    """(entries, path relative to ``root``) of the directory with the most entries under ``root``."""
+    best = (0, ".")
+    for directory, dirs, files in os.walk(root):
+        best = max(best, (len(dirs) + len(files), os.path.relpath(directory, root)))
+    return best
+
+
+def simulate(tmp: str, n: int) -> dict:
+    """The whole lifecycle of ``n`` chunks in a fresh run; its timings and largest directory."""
+    run_dir = tempfile.mkdtemp(prefix="refpipe-scale-", dir=tmp)
+    try:
+        storage = StorageConfig(root=run_dir, run_id="sim")
+        store = open_store(storage)
+        row: dict = {"chunks": n}
+        started = time.perf_counter()
+        refs = keep_all(store, storage, n)
+        row["keep_s"] = round(time.perf_counter() - started, 2)
+        started = time.perf_counter()
+        ship_and_release(store, refs)
+        row["ship_release_s"] = round(time.perf_counter() - started, 2)
+        started = time.perf_counter()
+        report = audit(store, finished=True)
+        row["audit_s"] = round(time.perf_counter() - started, 3)
+        if not report.clean or report.deleted != n:
+            raise SystemExit(f"N={n}: audit not clean: {report.violations[:3]} deleted={report.deleted}")
+        row["audit_us_per_chunk"] = round(row["audit_s"] / n * 1e6, 2)
+        row["max_entries_per_dir"], row["largest_dir"] = largest_directory(store.prefix.path)
+        return row
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="10000,100000", help="comma-separated chunk counts, ascending")
+    parser.add_argument("--tmp", default="/tmp")
+    args = parser.parse_args()
+    try:
+        sizes = [int(x) for x in args.sizes.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or any(n < PER_STEP for n in sizes) or sizes != sorted(sizes):
+        raise SystemExit(f"--sizes {args.sizes!r}: expected ascending integers >= {PER_STEP}, comma-separated")
+    Path(args.tmp).mkdir(parents=True, exist_ok=True)
+    rows = []
+    for n in sizes:
+        rows.append(simulate(args.tmp, n))
+        print(json.dumps(rows[-1]), flush=True)
+    first, last = rows[0], rows[-1]
+    print(json.dumps({"bench": "scale_sim", "sizes": sizes, "max_entries_per_dir": last["max_entries_per_dir"],
+                      "largest_dir": last["largest_dir"],
+                      "max_entries_per_dir_at_10M": round(last["max_entries_per_dir"] * 10_000_000 / last["chunks"]),
+                      "audit_seconds": [r["audit_s"] for r in rows],
+                      "audit_seconds_growth": round(last["audit_us_per_chunk"] / first["audit_us_per_chunk"], 2)}))
+
+
+if __name__ == "__main__":
+    main()
