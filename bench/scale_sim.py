@@ -7,9 +7,14 @@ DP rank), release each step through the trainer's ledger (``Ledger.delete``: com
 check, exclusive delete record, unlinks), then audit the finished run (``pipeline.audit.audit``).
 Prints per N the seconds of each phase, the largest directory (entries) and where it is, and
 the audit seconds per chunk. Last line: one JSON object with ``max_entries_per_dir`` (at the
-largest N), ``max_entries_per_dir_at_10M`` (extrapolated: the largest directory grows linearly
-with N), and ``audit_seconds_growth`` (audit seconds per chunk at the largest N over the
-smallest: 1.0 means the audit costs the same per chunk at every size).
+largest N), ``max_entries_per_dir_at_10M`` and its directory (each kind of directory's largest
+extrapolated linearly from the smallest and largest N), and ``audit_seconds_growth`` (audit
+seconds per chunk at the largest N over the smallest: 1.0 means the audit costs the same per
+chunk at every size; the audit reads every delete record's listing, so it stays linear in N).
+
+Feasibility: on the shared 2-core machine this project is measured on, the lifecycle runs at
+~100-200 chunks/s (keep ~5 ms, release ~5 ms per chunk, CPU-bound), so 1M chunks would take
+2-3 hours; the default stops at 100,000 and 10M is extrapolated.
 
 Usage: ``.venv/bin/python bench/scale_sim.py [--sizes 10000,100000] [--tmp /tmp]``.
 """
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -69,11 +75,31 @@ def ship_and_release(store: Store, refs: list) -> None:
     ledger.close()
 
 
-def largest_directory(root: str) -> tuple[int, str]:
-    """(entries, path relative to ``root``) of the directory with the most entries under ``root``."""
-    best = (0, ".")
+SHARD = re.compile(r"[0-9a-f]{2}")
+
+
+def directory_classes(root: str) -> dict[str, int]:
+    """Directory class -> the most entries any directory of that class holds under ``root``. A class is a
+    path with its hash shards written ``<xx>`` (``ledger/deletes/<xx>/<xx>``, ``payloads``, ``steps``); a
+    class whose entries are all shard directories (a fan-out level: at most 256) ends in ``/*``."""
+    classes: dict[str, int] = {}
     for directory, dirs, files in os.walk(root):
-        best = max(best, (len(dirs) + len(files), os.path.relpath(directory, root)))
+        name = re.sub(r"(?<=/)[0-9a-f]{2}(?=/|$)", "<xx>", os.path.relpath(directory, root))
+        if dirs and not files and all(SHARD.fullmatch(d) for d in dirs):
+            name += "/*"
+        classes[name] = max(classes.get(name, 0), len(dirs) + len(files))
+    return classes
+
+
+def extrapolate(first: dict, last: dict, n: int) -> tuple[int, str]:
+    """(entries, class) of the largest directory at ``n`` chunks: each class's largest directory extrapolated
+    linearly from the smallest and largest simulated N (an upper bound: the max of hashed shards grows slower)."""
+    n0, n1 = first["chunks"], last["chunks"]
+    best = (0, "")
+    for name, e1 in last["classes"].items():
+        e0 = first["classes"].get(name, 0)
+        entries = round(e1 + (e1 - e0) * (n - n1) / (n1 - n0)) if n1 > n0 else e1
+        best = max(best, (min(entries, 256) if name.endswith("/*") else entries, name.removesuffix("/*")))
     return best
 
 
@@ -96,7 +122,8 @@ def simulate(tmp: str, n: int) -> dict:
         if not report.clean or report.deleted != n:
             raise SystemExit(f"N={n}: audit not clean: {report.violations[:3]} deleted={report.deleted}")
         row["audit_us_per_chunk"] = round(row["audit_s"] / n * 1e6, 2)
-        row["max_entries_per_dir"], row["largest_dir"] = largest_directory(store.prefix.path)
+        row["classes"] = directory_classes(store.prefix.path)
+        row["max_entries_per_dir"], row["largest_dir"] = max((e, name) for name, e in row["classes"].items())
         return row
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -117,11 +144,12 @@ def main() -> None:
     rows = []
     for n in sizes:
         rows.append(simulate(args.tmp, n))
-        print(json.dumps(rows[-1]), flush=True)
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "classes"}), flush=True)
     first, last = rows[0], rows[-1]
+    at_10m, at_10m_dir = extrapolate(first, last, 10_000_000)
     print(json.dumps({"bench": "scale_sim", "sizes": sizes, "max_entries_per_dir": last["max_entries_per_dir"],
-                      "largest_dir": last["largest_dir"],
-                      "max_entries_per_dir_at_10M": round(last["max_entries_per_dir"] * 10_000_000 / last["chunks"]),
+                      "largest_dir": last["largest_dir"], "max_entries_per_dir_at_10M": at_10m,
+                      "largest_dir_at_10M": at_10m_dir,
                       "audit_seconds": [r["audit_s"] for r in rows],
                       "audit_seconds_growth": round(last["audit_us_per_chunk"] / first["audit_us_per_chunk"], 2)}))
 

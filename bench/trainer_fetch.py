@@ -49,7 +49,6 @@ from pathlib import Path
 
 import numpy as np
 from _args import positive_int  # noqa: E402  (bench/ is sys.path[0] when run as a script)
-from refpipe.job.report import peak_rss_bytes
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.pipeline.step_file import (
@@ -137,6 +136,8 @@ def timed(wall_s: list[float]):
 
 def peak_rss_mib() -> float:
     """This process's peak resident set size so far (``VmHWM``), in MiB."""
+    from refpipe.job.report import peak_rss_bytes  # ranks only: matplotlib is slow to import
+
     return peak_rss_bytes() / 2**20
 
 
