@@ -83,7 +83,7 @@ def base_fields() -> dict[str, np.ndarray]:
 
 def vary(fields: dict[str, np.ndarray], i: int) -> None:
     """Make branch ``i`` distinct by a few bytes (in place)."""
-    fields["routed_experts"][0, 0, 0] = i % FIELDS.num_experts
+    fields["routed_experts"][0, 0] = (np.arange(FIELDS.top_k) + i) % FIELDS.num_experts  # still distinct ids
     fields["topk_ids"][0, 0] = i
     fields["topk_logprobs"][0, 0] = -i * 1e-3
     fields["sample_support"][0, 0] = i
