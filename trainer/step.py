@@ -283,7 +283,8 @@ class TrainerRank:
         counts = gather_rank_values(np.array(self._local_release_counts(), np.float64)).T
         return StepMetrics(step=step, micro_batches=0, dropped_micro_batches=0, fetched_chunks=0, fetched_bytes=0,
                            fetch_seconds_mean=0.0, fetch_seconds_max=0.0, exposed_data_seconds_mean=0.0,
-                           exposed_data_seconds_max=0.0, prefetched_ranks=0, failed_fetches=0, skipped=True,
+                           exposed_data_seconds_max=0.0, step_wait_seconds_max=0.0, prefetched_ranks=0,
+                           failed_fetches=0, skipped=True,
                            micro_batch_hashes=[], **_release_metrics(counts))
 
     def finish(self) -> ReleaseMetrics:
