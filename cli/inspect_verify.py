@@ -1,6 +1,6 @@
 """``refpipe verify``: read every chunk a step file references and check it against its reference.
 
-For each ref: it lies inside the run, its chunk exists, the whole chunk has the
+For each ref: its chunk exists in the run as opened (``PayloadRef.key``), the whole chunk has the
 ref's length and crc32c (``storage.fetch.fetch_arrays`` with ``num_tokens=None``),
 the decoded arrays have the ref's dtypes and shapes, and the chunk's
 ``zarr.json`` field table agrees with the ref. Every token stream of the step
@@ -10,15 +10,12 @@ code 1 if any problem.
 
 from __future__ import annotations
 
-import io
-import zipfile
 from typing import Annotated, Optional
 
 import typer
 from refpipe.cli.inspect_common import (
     EXIT_PROBLEMS,
     S3_ENDPOINT_HELP,
-    StepTarget,
     clean_errors,
     deleted_by,
     load_step,
@@ -26,25 +23,11 @@ from refpipe.cli.inspect_common import (
     parallel_map,
 )
 from refpipe.cli.text import printable
-from refpipe.pipeline.step_file import HEADER_MEMBER, StepFile, StepHeader, check_step
+from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.chunk import PayloadRef, read_attributes
-from refpipe.storage.errors import ChunkCorruptError, KeyNotFoundError, OutsideRunError, StepFileError
+from refpipe.storage.errors import ChunkCorruptError, KeyNotFoundError, StepFileError
 from refpipe.storage.fetch import chunk_keys, fetch_arrays
 from refpipe.storage.store import Store
-
-
-def _load(target: StepTarget) -> StepFile:
-    """The step file; one whose only fault is refs outside the run is loaded without that check,
-    so each such ref becomes a problem line of its own."""
-    try:
-        return load_step(target)
-    except StepFileError as e:
-        if not isinstance(e.__cause__, OutsideRunError):
-            raise
-    zf = zipfile.ZipFile(io.BytesIO(target.store.get(target.key)))
-    header = StepHeader.model_validate_json(zf.read(HEADER_MEMBER))
-    check_step(header, target.step, target.uri)
-    return StepFile(header, zf, target.uri)
 
 
 def _stream_problems(step: StepFile) -> list[str]:
@@ -59,42 +42,43 @@ def _stream_problems(step: StepFile) -> list[str]:
 
 def _metadata_problems(store: Store, ref: PayloadRef, meta_key: str) -> list[str]:
     """Compare the chunk's ``zarr.json`` field table and token counts with the ref."""
+    uri = store.uri(ref.key)
     try:
         attrs = read_attributes(store.get(meta_key))
         stored = {name: (a["dtype"], tuple(a["shape"]), a["domain"], a["offset"])
                   for name, a in attrs["arrays"].items()}
     except KeyError as e:
-        return [f"corrupt {ref.uri}: zarr.json unreadable: no key {e}"]
+        return [f"corrupt {uri}: zarr.json unreadable: no key {e}"]
     except (ValueError, TypeError, AttributeError) as e:
-        return [f"corrupt {ref.uri}: zarr.json unreadable: {e}"]
+        return [f"corrupt {uri}: zarr.json unreadable: {e}"]
     expected = {lay.name: (lay.dtype.str, lay.shape, lay.domain, lay.offset) for lay in ref.layout()}
-    problems = [f"mismatch {ref.uri}: array {name} is {stored.get(name)} (dtype, shape, domain, offset) in "
+    problems = [f"mismatch {uri}: array {name} is {stored.get(name)} (dtype, shape, domain, offset) in "
                 f"zarr.json, {want} in the reference" for name, want in expected.items() if stored.get(name) != want]
-    problems += [f"mismatch {ref.uri}: zarr.json has array {name} the reference does not list"
+    problems += [f"mismatch {uri}: zarr.json has array {name} the reference does not list"
                  for name in stored.keys() - expected.keys()]
     for key in ("branch_id", "num_prompt_tokens", "num_completion_tokens"):
         if attrs.get(key) != getattr(ref, key):
-            problems.append(f"mismatch {ref.uri}: {key} is {attrs.get(key)!r} in zarr.json, "
+            problems.append(f"mismatch {uri}: {key} is {attrs.get(key)!r} in zarr.json, "
                             f"{getattr(ref, key)!r} in the reference")
     return problems
 
 
 def verify_chunk(store: Store, ref: PayloadRef) -> list[str]:
-    """Problems of one referenced chunk, one line each (empty: the chunk is intact)."""
+    """Problems of one referenced chunk, one line each (empty: the chunk is intact), naming it by its
+    URI in the run as opened."""
+    uri = store.uri(ref.key)
     try:
         _, meta_key = chunk_keys(store, ref)
         arrays = fetch_arrays(store, ref, None)
         problems = _metadata_problems(store, ref, meta_key)
-    except OutsideRunError as e:
-        return [f"outside the run: {e}"]
     except KeyNotFoundError:
-        return [f"missing {ref.uri}: {deleted_by(store, ref) or 'no delete record'}"]
+        return [f"missing {uri}: {deleted_by(store, ref) or 'no delete record'}"]
     except (ChunkCorruptError, ValueError, KeyError) as e:
-        return [f"corrupt {ref.uri}: {e}"]
+        return [f"corrupt {uri}: {e}"]
     for name, spec in ref.arrays.items():
         a = arrays[name]
         if a.dtype.str != spec.dtype or a.shape != tuple(spec.shape):
-            problems.append(f"mismatch {ref.uri}: array {name} decoded as {a.dtype.str} {list(a.shape)}, "
+            problems.append(f"mismatch {uri}: array {name} decoded as {a.dtype.str} {list(a.shape)}, "
                             f"reference says {spec.dtype} {list(spec.shape)}")
     return problems
 
@@ -106,11 +90,11 @@ def verify_step(
 ) -> None:
     """Read every chunk the step file references; check checksum, dtype and shape against each reference.
 
-    Prints one line per problem (missing, corrupt, mismatch, outside the run, corrupt step file), then a summary.
+    Prints one line per problem (missing, corrupt, mismatch, corrupt step file), then a summary.
     Exit codes: 0 all intact; 1 problems found; 2 the step file cannot be read at all.
     """
     target = open_step(step_uri, s3_endpoint_url)
-    step = _load(target)
+    step = load_step(target)
     refs = step.header.refs
     problems = _stream_problems(step)
     for chunk_problems in parallel_map(target.store, lambda ref: verify_chunk(target.store, ref), refs,

@@ -30,7 +30,13 @@ from refpipe.cli.ledger import audit_run, sweep_run  # noqa: E402  (ledger audit
 
 app.command("audit")(audit_run)
 app.command("sweep")(sweep_run)
-from refpipe.cli.run import run_job, train_rank  # noqa: E402  (the main job)
+from refpipe.cli.run import env_server, init_run, orchestrate, run_job, train_rank  # noqa: E402  (the main job)
 
 app.command("run")(run_job)
+app.command("init")(init_run)
+app.command("orchestrate")(orchestrate)
+app.command("env-server")(env_server)
 app.command("train")(train_rank)
+
+if __name__ == "__main__":
+    app()

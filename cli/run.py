@@ -1,7 +1,9 @@
-"""``refpipe run`` and ``refpipe train``: the main job (a new run, or the next life of one) and one trainer rank."""
+"""The main job's commands: ``run`` (one machine; ``--resume`` for a later life), ``init``, and one per
+role (``orchestrate``, ``env-server``, ``train``)."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import Optional
 
@@ -61,11 +63,80 @@ def _resume_config(run_uri: str, config: Optional[Path], s3_endpoint_url: Option
     return cfg
 
 
-def train_rank(config: Path = typer.Argument(..., help="The run's resolved config.json (fixed run_id)."),
+def _fail(console: Console, e: Exception) -> None:
+    console.print(f"[red]error:[/] {e}", soft_wrap=True, highlight=False)
+    raise typer.Exit(2) from None
+
+
+def init_run(config: Path = typer.Option(Path("configs/local.toml"), "--config", "-c",
+                                         help="Run config (TOML); see configs/ and the README's config reference."),
+             ) -> None:
+    """Prepare a run for its roles: write <run>/config.json (absolute root), the env servers' auth key and the
+    warm-started weights; print the commands that start the orchestrator, the env servers and the trainer."""
+    from refpipe.job.config import load_config
+    from refpipe.job.launcher import Launcher
+    from refpipe.job.roles import start_commands
+
+    console = Console()
+    try:
+        launcher = Launcher(load_config(config), console)
+        launcher.prepare()
+    except RefpipeError as e:
+        _fail(console, e)
+    uri = launcher.store.prefix.uri
+    console.print(f"run {uri} is ready; start each role, on any node that reaches the run (in any order):",
+                  soft_wrap=True, highlight=False)
+    for command in start_commands(launcher.cfg, uri):
+        console.print(f"  {command}", soft_wrap=True, highlight=False, markup=False)
+
+
+RUN_HELP = "The run URI (<root>/<run_id>, a path or file:// or s3:// URI), as this node reaches it."
+S3_HELP = "S3 endpoint URL (default: AWS_ENDPOINT_URL or AWS)."
+
+
+def orchestrate(run: str = typer.Argument(..., metavar="RUN_URI", help=RUN_HELP),
+                s3_endpoint_url: Optional[str] = typer.Option(None, help=S3_HELP)) -> None:
+    """The orchestrator of a run prepared by `refpipe init`: connects to every env-server replica, builds the
+    step files, ends with the ledger audit (exit 0 only if clean and the alignment check passed)."""
+    from refpipe.job.launcher import Launcher
+    from refpipe.job.roles import open_run
+
+    console = Console()
+    try:
+        cfg, _ = open_run(run, s3_endpoint_url)
+        code = Launcher(cfg, console).orchestrate()
+    except (RefpipeError, TimeoutError) as e:
+        _fail(console, e)
+    except KeyboardInterrupt:
+        console.print("[red]interrupted before the run started[/]", highlight=False)
+        raise typer.Exit(130) from None
+    raise typer.Exit(code)
+
+
+def env_server(run: str = typer.Argument(..., metavar="RUN_URI", help=RUN_HELP),
+               replica: int = typer.Option(..., "--replica", help="This replica's index: 0 .. job.num_env_workers-1."),
+               host: str = typer.Option(socket.gethostname(), help="Address to listen on and to publish "
+                                        "(default: this host's name)."),
+               s3_endpoint_url: Optional[str] = typer.Option(None, help=S3_HELP)) -> None:
+    """One env-server replica of a run prepared by `refpipe init`: listens, publishes <run>/envs/<replica>.address,
+    serves the orchestrator's group requests until it stops."""
+    from refpipe.job.env_worker import serve_replica
+
+    try:
+        serve_replica(run, replica, host, s3_endpoint_url)
+    except RefpipeError as e:
+        _fail(Console(stderr=True), e)
+
+
+def train_rank(run: str = typer.Argument(..., metavar="RUN_URI", help=RUN_HELP),
+               s3_endpoint_url: Optional[str] = typer.Option(None, help=S3_HELP),
                resume: bool = typer.Option(False, "--resume", help="A later life: start from the newest complete "
                                                                    "checkpoint (see `refpipe run --resume`)."),
                ) -> None:
     """One trainer rank of a run (torchrun environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
     from refpipe.job.train_rank import main
 
-    main(str(config), resume=resume)
+    try:
+        main(run, s3_endpoint_url, resume=resume)
+    except RefpipeError as e:
+        _fail(Console(stderr=True), e)

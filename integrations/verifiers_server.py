@@ -26,6 +26,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
+import re
+import socket
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
@@ -43,7 +46,6 @@ from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import RefpipeError
-from refpipe.storage.layout import env_worker_actor
 from refpipe.storage.ledger import Ledger
 from verifiers.v1.configs.env import EnvConfig
 from verifiers.v1.serve.delta import DeltaStreamer, TraceSummary, dump, pack
@@ -66,10 +68,18 @@ class RefpipeServeConfig(BaseModel):
     """The run's storage (where branches are kept)."""
     fields: FieldsConfig
     """The run's field shapes: ``num_layers``, ``top_k``, ``num_experts`` and/or ``sampling_mask``."""
-    actor: str = env_worker_actor(0)
-    """Ledger actor name; unique per worker process."""
+    actor: str = Field(default_factory=lambda: default_env_actor(os.getpid()))
+    """Ledger actor name, unique per worker process (a second live session of one actor is refused).
+    Default ``env_<host>_<pid>``: never shared by two processes; set ``env_<host>_<replica>`` to keep one
+    name across restarts of a replica."""
     max_concurrent_keeps: int = Field(default=4, ge=1, le=64)
     """Threads this worker uses to keep and delete branches (each run uses one at a time)."""
+
+
+def default_env_actor(replica: int) -> str:
+    """``env_<host>_<replica>`` with the host name cut to the actor alphabet (``[A-Za-z0-9._-]``)."""
+    host = re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname()).strip(".-")[:100] or "host"
+    return f"env_{host}_{replica}"
 
 
 @dataclass

@@ -31,9 +31,11 @@ class JobConfig(BaseModel):
     num_steps: int = Field(default=16, ge=1)
     """Trainer steps (optimizer steps) of the run."""
     num_env_workers: int = Field(default=2, ge=1)
-    """Env-server worker processes (replicas); each episode goes to the one with the fewest in flight."""
+    """Env-server replicas (``refpipe env-server --replica 0..N-1``); each group goes to the one with the fewest in
+    flight."""
     trainer_world_size: int = Field(default=2, ge=1)
-    """Trainer ranks ``refpipe run`` launches on this machine (torch.distributed, gloo)."""
+    """Trainer ranks (torch.distributed world size): what ``refpipe run`` starts, and what torchrun's
+    ``--nnodes x --nproc-per-node`` must give."""
     eval_every_steps: int = Field(default=4, ge=0)
     """Send one eval group every this many steps (0 = never); eval episodes are never trained."""
     warm_start_steps: int = Field(default=60, ge=0)

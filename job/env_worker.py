@@ -1,11 +1,12 @@
-"""Env-server worker processes: sample groups with the MoE policy and keep their side channels.
+"""Env-server replicas: sample groups with the MoE policy and keep their side channels.
 
-Each worker is its own process (spawned, so s3fs and torch start fresh in it). It
-takes ``GroupRequest``s from its own queue, loads the newest published weights,
-samples ``group_size`` branches of one task problem, keeps each branch's arrays
-through refpipe and sends back ``Episode``s that carry only ``PayloadRef``s.
-A group finished after the launcher asked the workers to stop never reaches the
-orchestrator: the worker discards its chunks itself.
+Each replica is its own process (``refpipe env-server RUN_URI --replica I``, on any
+node that reaches the run). It takes ``GroupRequest``s from the orchestrator over a
+``multiprocessing.connection`` (authenticated with the run's key), loads the newest published
+weights, samples ``group_size`` branches of one task problem, keeps each branch's arrays
+through refpipe and sends back ``Episode``s that carry only ``PayloadRef``s. A group
+finished after the orchestrator asked the replicas to stop never reaches it: the replica
+discards its chunks itself.
 
 A group whose keep fails with a store error (after the store's retries) does not end the
 worker: it discards the branches of the group it kept and answers ``failed``; the launcher
@@ -15,25 +16,26 @@ collide with an earlier attempt's.
 
 from __future__ import annotations
 
+import json
 import logging
-import multiprocessing as mp
 import os
-import queue
-import signal
+import socket
+from collections import deque
 from dataclasses import dataclass, field
+from multiprocessing.connection import AuthenticationError, Connection, Listener
 
 import torch
 from refpipe.job.config import RunConfig
 from refpipe.job.model import EOS_ID, MoELM
 from refpipe.job.report import peak_rss_bytes
+from refpipe.job.roles import authkey, exit_with_launcher, open_run
 from refpipe.job.rollout import SampledBranch, sample_branches
 from refpipe.job.task import Problem, make_problems, reward
 from refpipe.job.weights import latest_version, load_weights
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.pipeline.samples import BranchResult, Episode
-from refpipe.storage.backends import open_store
-from refpipe.storage.errors import StorageError
-from refpipe.storage.layout import env_worker_actor
+from refpipe.storage.errors import ConfigError, StorageError
+from refpipe.storage.layout import address_key, env_worker_actor
 from refpipe.storage.ledger import Ledger
 from refpipe.trainer.pause import pause_point
 
@@ -71,38 +73,94 @@ class GroupResult:
     """The worker process's peak RSS when it sent this result (for ``summary.json``)."""
 
 
-def env_worker_main(config_json: str, worker: int, requests: mp.Queue, results: mp.Queue, stop: mp.Event) -> None:
-    """Process entry: serve group requests until a ``None`` request, ``stop`` is set, or the launcher is gone.
+def serve_replica(run_uri: str, replica: int, host: str, s3_endpoint_url: str | None = None) -> None:
+    """``refpipe env-server``: one env-server replica of the run at ``run_uri``, until stopped.
 
-    Ctrl-C is the launcher's to handle (it sets ``stop``); a worker whose launcher died (SIGKILL)
-    exits at its next look, leaving its chunks to ``refpipe sweep --stopped``.
+    Opens the run (``job.roles.open_run``) and the replica's ledger session, binds a
+    ``multiprocessing.connection.Listener`` on ``host`` (port chosen by the OS), and only then
+    publishes ``envs/<replica>.address``; serves the first orchestrator that authenticates with
+    the run's auth key until it sends ``None`` or goes away; closes the ledger session, then the
+    connection (so the orchestrator's end-of-file means the session is closed).
+
+    Raises:
+        ConfigError: not a run, or ``replica`` not in ``0 .. job.num_env_workers - 1``.
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    launcher = os.getppid()
+    exit_with_launcher()
     torch.set_num_threads(1)
-    logging.basicConfig(level=logging.WARNING)
-    cfg = RunConfig.model_validate_json(config_json)
-    store = open_store(cfg.storage)
-    ledger = Ledger(store, env_worker_actor(worker))
+    logging.basicConfig(level=logging.WARNING, format=f"[env-server {replica}] %(message)s")
+    cfg, store = open_run(run_uri, s3_endpoint_url)
+    if not 0 <= replica < cfg.job.num_env_workers:
+        raise ConfigError(f"--replica {replica}: expected 0 .. {cfg.job.num_env_workers - 1} "
+                          f"(job.num_env_workers = {cfg.job.num_env_workers})")
+    key = authkey(store)
+    ledger = Ledger(store, env_worker_actor(replica))
+    with Listener((host, 0), authkey=key) as listener:
+        address = {"host": host, "port": listener.address[1], "pid": os.getpid(), "hostname": socket.gethostname()}
+        store.put(address_key(replica), json.dumps(address).encode())
+        conn = _accept(listener)
+    with conn:
+        serve(conn, cfg, store, ledger, replica)
+        ledger.close()
+
+
+def _accept(listener: Listener) -> Connection:
+    """The first connection that authenticates (a wrong key is logged and refused)."""
+    while True:
+        try:
+            return listener.accept()
+        except (AuthenticationError, OSError) as e:
+            log.warning("refused a connection: %s", e)
+
+
+def serve(conn: Connection, cfg: RunConfig, store, ledger: Ledger, replica: int) -> None:
+    """Answer ``GroupRequest``s in order until a ``None`` request or end-of-file.
+
+    A group finished once the orchestrator asked to stop (or went away) never reaches it: its
+    chunks are discarded here, and the discard is reported when the orchestrator still listens.
+    """
     keeper = Keeper(store, ledger, cfg.fields, cfg.storage)
     model, version = MoELM(cfg.model).eval(), -1
-    while not stop.is_set() and os.getppid() == launcher:
-        try:
-            request = requests.get(timeout=0.2)
-        except queue.Empty:
-            continue
+    pending: deque[GroupRequest] = deque()
+    while True:
+        request = pending.popleft() if pending else _recv(conn)
         if request is None:
-            break
+            return
         version = _refresh_weights(store, model, version)
-        result = run_group(model, keeper, cfg, request, worker=worker, version=version)
-        if stop.is_set():
+        result = run_group(model, keeper, cfg, request, worker=replica, version=version)
+        if _drain(conn, pending) or not _send(conn, result):
             keeper.discard([e.branches[0].ref for e in result.episodes], reason="env server stopping: "
                            f"group {request.group_id} will never reach the orchestrator")
-            results.put(GroupResult(worker, request.request_id, [], version, result.kept_chunks, result.kept_bytes,
-                                    discarded=len(result.episodes)))
-            break
-        results.put(result)
-    ledger.close()
+            _send(conn, GroupResult(replica, request.request_id, [], version, result.kept_chunks, result.kept_bytes,
+                                    discarded=len(result.episodes) + result.discarded))
+            return
+
+
+def _recv(conn: Connection) -> GroupRequest | None:
+    try:
+        return conn.recv()
+    except (EOFError, OSError):
+        return None
+
+
+def _send(conn: Connection, result: GroupResult) -> bool:
+    try:
+        conn.send(result)
+        return True
+    except OSError:
+        return False
+
+
+def _drain(conn: Connection, pending: deque) -> bool:
+    """Queue every request already sent; True once a stop (``None``) or end-of-file is among them."""
+    try:
+        while conn.poll(0):
+            request = conn.recv()
+            if request is None:
+                return True
+            pending.append(request)
+    except (EOFError, OSError):
+        return True
+    return False
 
 
 def _refresh_weights(store, model: MoELM, version: int) -> int:

@@ -1,55 +1,54 @@
-"""``refpipe run``: the main job on one machine — env workers, orchestrator, trainer ranks.
+"""The orchestrator role (``refpipe orchestrate``) and ``refpipe run``, its one-machine composition.
 
-The launcher process is the orchestrator. It warm-starts the policy and publishes
-weights version 0, spawns ``job.num_env_workers`` env-server workers and
-``job.trainer_world_size`` trainer ranks (``job.train_rank`` with torchrun's
-environment), then loops over named steps until every step was trained:
+``Launcher.orchestrate`` is the orchestrator of a run that ``refpipe init`` prepared: it
+connects to the ``job.num_env_workers`` env-server replicas (``job.fleet``), then loops over
+named steps until every step was trained:
 
     check processes -> dispatch group requests -> collect episodes -> build a step -> show progress
 
-Then it stops the workers, shuts the orchestrator down, sweeps what dead workers
-left behind, and ends with the ledger audit. The exit code is non-zero when the
-audit or the alignment check fails.
+Then it stops the replicas, shuts the orchestrator down, sweeps what dead replicas left
+behind, and ends with the ledger audit. The exit code is non-zero when the audit or the
+alignment check fails.
+
+``Launcher.run`` (``refpipe run``) is the same on one machine: it initialises the run
+(``job.roles.write_run_config``, warm start, weights version 0), starts the env-server replicas
+and the trainer ranks as subprocesses running the commands an operator would start
+(``job.roles.start_local_roles``), and orchestrates in its own process.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing as mp
-import os
-import queue
 import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 from refpipe.job.config import RunConfig
-from refpipe.job.env_worker import GroupRequest, GroupResult, env_worker_main
+from refpipe.job.env_worker import GroupRequest, GroupResult
+from refpipe.job.fleet import Fleet, connect_fleet, stop_fleet
 from refpipe.job.model import MoELM
 from refpipe.job.progress import ProgressView, StepRow
 from refpipe.job.report import RunCosts, StepCost
 from refpipe.job.resume import LifeStart
+from refpipe.job.roles import start_local_roles, write_run_config
 from refpipe.job.task import warm_start
 from refpipe.job.weights import point_latest, publish_weights
 from refpipe.pipeline.audit import AuditReport, audit, sweep
 from refpipe.pipeline.orchestrator import Orchestrator
 from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.backends import open_store
-from refpipe.storage.errors import ConfigError, KeyExistsError, KeyNotFoundError, RefpipeError, TransientStorageError
+from refpipe.storage.errors import ConfigError, KeyNotFoundError, RefpipeError, TransientStorageError
 from refpipe.storage.layout import (
     CONFIG_KEY,
     FINISH_METRICS_KEY,
     REPORT_KEY,
     STEPS_PREFIX,
     SUMMARY_KEY,
-    env_worker_actor,
     metrics_key,
     step_key,
 )
@@ -62,19 +61,6 @@ MAX_GROUP_ATTEMPTS = 3
 
 class RunError(RefpipeError, RuntimeError):
     """The main job could not go on (a trainer rank died, no env worker left, a step timed out)."""
-
-
-@dataclass
-class Fleet:
-    """The processes of a run and the requests each env worker has in flight."""
-
-    workers: list[mp.Process]
-    requests: list[mp.Queue]
-    results: mp.Queue
-    stop: mp.Event
-    trainers: list[subprocess.Popen]
-    in_flight: list[dict[int, GroupRequest]] = field(default_factory=list)
-    dead: set[int] = field(default_factory=set)
 
 
 class Launcher:
@@ -101,15 +87,36 @@ class Launcher:
         self.released_nbytes = 0
 
     def run(self) -> int:
-        """Run the job; return the process exit code (0: audit clean and alignment within tolerance)."""
+        """``refpipe run``: initialise the run, start the replicas and trainer ranks here, orchestrate;
+        return the process exit code (0: audit clean and alignment within tolerance)."""
         with _sigterm_as_interrupt():  # SIGTERM before the fleet exists ends like Ctrl-C (KeyboardInterrupt)
-            config_path = self.prepare_resume() if self.resume else self.prepare()
+            if self.resume:
+                self.prepare_resume()
+            else:
+                self.prepare()
+            env_procs, trainers = start_local_roles(self.cfg, self.store.prefix.uri, _free_port(), resume=self.resume)
+            return self.orchestrate(env_procs, trainers)
+
+    def orchestrate(self, env_procs: list | None = None, trainers: list | None = None) -> int:
+        """``refpipe orchestrate``: connect to the replicas, drive the run, audit it; return the exit code.
+
+        ``env_procs``/``trainers``: the subprocesses ``run`` started (watched, stopped); none when the
+        roles run elsewhere, in which case the trainer's end is read from the run.
+        """
+        with _sigterm_as_interrupt():
             try:
-                fleet = start_fleet(self.cfg, config_path, resume=self.resume)
-                self.orchestrator = Orchestrator(self.cfg.orchestrator, self.store, fields=self.cfg.fields)
-                failure = self.drive(fleet)
-            finally:
-                os.unlink(config_path)
+                fleet = connect_fleet(self.store, self.cfg.job.num_env_workers, self.cfg.job.step_deadline_s,
+                                      env_procs or [], trainers or [])
+            except (TimeoutError, KeyboardInterrupt) as e:
+                for proc in (env_procs or []) + (trainers or []):
+                    proc.kill()
+                if isinstance(e, TimeoutError):
+                    raise RunError(str(e)) from e
+                raise
+            self.orchestrator = Orchestrator(self.cfg.orchestrator, self.store, fields=self.cfg.fields)
+            failure = self.drive(fleet)
+        if not trainers and failure is None:
+            self._wait_for_trainer_finish()
         return self.finish(fleet, failure=failure)
 
     def drive(self, fleet: Fleet) -> str | None:
@@ -129,14 +136,14 @@ class Launcher:
             self.deletes.update({f"orchestrator {k}": v for k, v in self.orchestrator.deleted.items()})
         return failure
 
-    def prepare(self) -> str:
-        """Write the resolved config next to the data and publish the warm-started weights (version 0)."""
-        text = self.cfg.model_dump_json(indent=2)
-        try:
-            self.store.put(CONFIG_KEY, text.encode(), exclusive=True)
-        except KeyExistsError as e:
-            raise ConfigError(f"run {self.store.prefix.uri} already exists: choose another storage.run_id "
-                              f'(or "auto")') from e
+    def prepare(self) -> None:
+        """``refpipe init``: write the resolved config and the auth key next to the data, then publish the
+        warm-started weights (version 0).
+
+        Raises:
+            ConfigError: the run already exists (nothing is written).
+        """
+        self.cfg = write_run_config(self.cfg, self.store)
         torch.set_num_threads(1)
         model = MoELM(self.cfg.model)
         with self.console.status(f"warm start: {self.cfg.job.warm_start_steps} supervised steps"):
@@ -144,11 +151,10 @@ class Launcher:
         if losses:
             self.console.log(f"warm start done: loss {losses[0]:.3f} -> {losses[-1]:.3f} nats/token")
         publish_weights(self.store, model, 0)
-        self.console.log(f"run {self.store.prefix.uri}: {self.cfg.job.num_env_workers} env workers, "
+        self.console.log(f"run {self.store.prefix.uri}: {self.cfg.job.num_env_workers} env-server replicas, "
                          f"{self.cfg.job.trainer_world_size} trainer ranks, {self.cfg.job.num_steps} steps")
-        return self.temp_config(text)
 
-    def prepare_resume(self) -> str:
+    def prepare_resume(self) -> None:
         """A later life (``job.resume``): reclaim what dead sessions kept but never shipped (refused while another
         life of the run is alive on this host), point env workers at the checkpoint's weights, save the
         resumed config, and go on numbering after the last published step."""
@@ -159,8 +165,7 @@ class Launcher:
             raise ConfigError(f"refusing to resume: another life of the run is still running: {e}") from e
         self.lives["reclaimed"] = len(swept.deleted) + len(swept.removed_incomplete) + len(swept.finished_deletes)
         point_latest(self.store, life.policy_version)
-        text = self.cfg.model_dump_json(indent=2)
-        self.store.put(CONFIG_KEY, text.encode())
+        self.store.put(CONFIG_KEY, self.cfg.model_dump_json(indent=2).encode())
         self.life, self.trained, self.next_step = life, life.checkpoint_step + 1, life.published
         sizes = self.store.list_sizes(STEPS_PREFIX)
         for step in range(self.trained, life.published):
@@ -172,21 +177,13 @@ class Launcher:
                          + "; ".join(f"{k} {len(v)}" for k, v in life.classes.items())
                          + f"; steps {self.trained}..{life.published - 1} trained again; "
                          f"{self.lives['reclaimed']} chunks reclaimed from dead sessions", highlight=False)
-        return self.temp_config(text)
-
-    def temp_config(self, text: str) -> str:
-        """Write the resolved config to a temp file for the trainer ranks; return its path."""
-        fd, path = tempfile.mkstemp(prefix=f"refpipe-{self.cfg.storage.run_id}-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        return path
 
     def loop(self, fleet: Fleet) -> None:
         """Until every step is trained: check, dispatch, collect, build, show."""
         deadline = time.monotonic() + self.cfg.job.step_deadline_s
         with self.view:
             while self.trained < self.cfg.job.num_steps:
-                check_fleet(fleet, self.console, self.redispatch)
+                check_trainers(fleet)
                 self.dispatch(fleet)
                 self.collect(fleet, timeout_s=0.1)
                 progressed = self.build_step() | self.poll_trainer()
@@ -212,19 +209,34 @@ class Launcher:
             self.next_request += 1
 
     def send(self, fleet: Fleet, request: GroupRequest) -> None:
-        live = [w for w in range(len(fleet.workers)) if w not in fleet.dead]
-        if not live:
-            raise RunError("every env worker died; see the log above")
-        worker = min(live, key=lambda w: len(fleet.in_flight[w]))
-        fleet.in_flight[worker][request.request_id] = request
-        fleet.requests[worker].put(request)
+        """Send to the live replica with the fewest groups in flight (a replica whose connection is gone
+        is declared dead and the next one tried)."""
+        while True:
+            live = [w for w in fleet.live() if w not in fleet.dead]
+            if not live:
+                raise RunError("every env-server replica died; see the log above")
+            worker = min(live, key=lambda w: len(fleet.in_flight[w]))
+            fleet.in_flight[worker][request.request_id] = request
+            if fleet.send(worker, request):
+                return
+            fleet.close(worker)
+            self.lost(fleet, worker)
+
+    def lost(self, fleet: Fleet, worker: int) -> None:
+        """A replica's connection ended: while running, it died (its groups go to the others)."""
+        if fleet.stopping or worker in fleet.dead:
+            return
+        fleet.dead.add(worker)
+        self.console.log(f"[yellow]env-server replica {worker} is gone (connection closed); its "
+                         f"{len(fleet.in_flight[worker])} groups in flight go to the other replicas")
+        self.redispatch(fleet, worker)
 
     def redispatch(self, fleet: Fleet, worker: int) -> None:
         """A worker died: send its in-flight groups to the others as new attempts (fresh branch ids: the dead
         attempt's chunks are swept, exactly once, at the end)."""
-        for request in fleet.in_flight[worker].values():
-            self.resend(fleet, request, f"env worker {worker} died")
-        fleet.in_flight[worker].clear()
+        requests, fleet.in_flight[worker] = list(fleet.in_flight[worker].values()), {}
+        for request in requests:
+            self.resend(fleet, request, f"env-server replica {worker} died")
 
     def resend(self, fleet: Fleet, request: GroupRequest, why: str) -> None:
         """Send ``request`` again as its next attempt, at most ``MAX_GROUP_ATTEMPTS`` in all.
@@ -237,27 +249,26 @@ class Launcher:
         self.send(fleet, replace(request, attempt=request.attempt + 1))
 
     def collect(self, fleet: Fleet, timeout_s: float) -> None:
-        """Submit every group result that arrived to the orchestrator."""
-        try:
-            result: GroupResult = fleet.results.get(timeout=timeout_s)
-        except queue.Empty:
-            return
-        while True:
-            request = fleet.in_flight[result.worker].pop(result.request_id, None)
-            self.kept_chunks += result.kept_chunks
-            self.kept_bytes += result.kept_bytes
-            self.costs.process_rss(f"env_worker_{result.worker}", result.peak_rss_bytes)
-            self.deletes["env worker discard"] += result.discarded
-            if result.failed and request is not None and not fleet.stop.is_set():
-                self.console.log(f"[yellow]group {request.group_id} attempt {request.attempt} failed on env worker "
-                                 f"{result.worker} ({result.failed}); sending it again")
-                self.resend(fleet, request, result.failed)
-            for episode in result.episodes:
-                self.orchestrator.submit(episode)
-            try:
-                result = fleet.results.get_nowait()
-            except queue.Empty:
-                return
+        """Submit every group result that arrived to the orchestrator; note replicas that went away."""
+        results, ended = fleet.receive(timeout_s)
+        for result in results:
+            self.take(fleet, result)
+        for worker in ended:
+            self.lost(fleet, worker)
+
+    def take(self, fleet: Fleet, result: GroupResult) -> None:
+        """Count one replica's answer, re-send a failed group, submit its episodes."""
+        request = fleet.in_flight[result.worker].pop(result.request_id, None)
+        self.kept_chunks += result.kept_chunks
+        self.kept_bytes += result.kept_bytes
+        self.costs.process_rss(f"env_worker_{result.worker}", result.peak_rss_bytes)
+        self.deletes["env worker discard"] += result.discarded
+        if result.failed and request is not None and not fleet.stopping:
+            self.console.log(f"[yellow]group {request.group_id} attempt {request.attempt} failed on env worker "
+                             f"{result.worker} ({result.failed}); sending it again")
+            self.resend(fleet, request, result.failed)
+        for episode in result.episodes:
+            self.orchestrator.submit(episode)
 
     def build_step(self) -> bool:
         """Publish the next step once enough groups are ready and the trainer is close enough (it published
@@ -326,7 +337,7 @@ class Launcher:
         failed = failure is not None
         report: AuditReport = audit(self.store, stopped=True, finished=not failed)
         if (fleet.dead or report.unfinished_deletes) and not failed:  # what dead workers left, deletes that failed
-            swept = sweep(self.store, stopped=True)
+            swept = sweep(self.store)  # dead sessions judged by heartbeats: safe while remote roles are closing
             self.deletes["sweep"] += len(swept.deleted)
             self.deletes["sweep: unfinished deletes finished"] += len(swept.finished_deletes)
             report = audit(self.store, stopped=True, finished=True)
@@ -348,6 +359,14 @@ class Launcher:
         self.store.put(REPORT_KEY, self.costs.plot(f"run {self.store.prefix.uri}"))
         return 0 if report.clean and alignment_ok and not failed else 1
 
+
+    def _wait_for_trainer_finish(self) -> None:
+        """Roles started elsewhere: wait (up to ``job.step_deadline_s``) until rank 0 wrote the trainer's
+        finish metrics, i.e. every rank finished its last release, before the final sweep and audit."""
+        deadline = time.monotonic() + self.cfg.job.step_deadline_s
+        while not self.store.exists(FINISH_METRICS_KEY) and time.monotonic() < deadline:
+            time.sleep(0.5)
+
     def trainer_finished(self) -> None:
         """Count the trainer's last release and its ranks' peak RSS (nothing if it did not finish)."""
         try:
@@ -359,54 +378,11 @@ class Launcher:
             self.costs.process_rss(f"trainer_rank_{rank}", nbytes)
 
 
-def start_fleet(cfg: RunConfig, config_path: str, *, resume: bool = False) -> Fleet:
-    """Spawn the env workers and the trainer ranks (torchrun's environment, gloo on loopback)."""
-    ctx = mp.get_context("spawn")
-    results, stop = ctx.Queue(), ctx.Event()
-    requests = [ctx.Queue() for _ in range(cfg.job.num_env_workers)]
-    config_json = cfg.model_dump_json()
-    workers = [ctx.Process(target=env_worker_main, args=(config_json, i, requests[i], results, stop), daemon=True,
-                           name=env_worker_actor(i)) for i in range(cfg.job.num_env_workers)]
-    for w in workers:
-        w.start()
-    port = _free_port()
-    trainers = []
-    for rank in range(cfg.job.trainer_world_size):
-        env = {**os.environ, "REFPIPE_LAUNCHER_PID": str(os.getpid()), "RANK": str(rank), "LOCAL_RANK": str(rank),
-               "WORLD_SIZE": str(cfg.job.trainer_world_size),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        trainers.append(subprocess.Popen([sys.executable, "-m", "refpipe.job.train_rank", config_path,
-                                          *(["--resume"] if resume else [])], env=env,
-                                         start_new_session=True))  # Ctrl-C is the launcher's; it stops them
-    return Fleet(workers, requests, results, stop, trainers, [{} for _ in workers])
-
-
-def check_fleet(fleet: Fleet, console: Console, redispatch) -> None:
-    """Raise if a trainer rank failed; re-dispatch the groups of env workers that died."""
+def check_trainers(fleet: Fleet) -> None:
+    """Raise if a trainer rank this process started failed."""
     for rank, proc in enumerate(fleet.trainers):
         if proc.poll() not in (None, 0):
             raise RunError(f"trainer rank {rank} exited with code {proc.returncode}; see its log above")
-    for w, proc in enumerate(fleet.workers):
-        if w not in fleet.dead and not proc.is_alive():
-            fleet.dead.add(w)
-            console.log(f"[yellow]env worker {w} died (exit code {proc.exitcode}); its "
-                        f"{len(fleet.in_flight[w])} groups in flight go to the other workers")
-            redispatch(fleet, w)
-
-
-def stop_fleet(fleet: Fleet, collect, *, failed: bool) -> None:
-    """Stop the workers (late groups are discarded by them or queued for the orchestrator's shutdown)
-    and wait for the trainers (killed if the run failed)."""
-    fleet.stop.set()
-    for proc in fleet.workers:
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
-    collect(fleet, timeout_s=0.5)
-    for proc in fleet.trainers:
-        if failed:
-            proc.kill()
-        proc.wait(timeout=120)
 
 
 @contextlib.contextmanager

@@ -1,8 +1,9 @@
 """One trainer rank of the main job: the refpipe data path plus the MoE policy update.
 
-Launched by ``refpipe run`` (one process per rank, with the environment torchrun sets:
-``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), or on several nodes by
-``torchrun ... -m refpipe.job.train_rank <resolved config.json>`` with the same code.
+Started as ``torchrun --nnodes N --nproc-per-node M -m refpipe.job.train_rank RUN_URI``
+on the training nodes, or by ``refpipe run`` with the same command and the environment torchrun
+sets (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``). Each rank reads the run
+config from ``RUN_URI`` as its node reaches the run (``job.roles.open_run``).
 
 Per step ``s`` every rank, in order: ``TrainerRank.run_step`` (load the step file, fetch
 its micro batches' chunks, all-reduce failures, assemble) calls ``train``: forward
@@ -19,24 +20,23 @@ metrics (``metrics/trainer_step_<s>.json``). After the last step every rank call
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
 import sys
-import threading
-import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from refpipe.job.config import RunConfig, load_config
+from refpipe.job.config import RunConfig
 from refpipe.job.loss import policy_loss
 from refpipe.job.model import MoELM
 from refpipe.job.report import peak_rss_bytes
+from refpipe.job.roles import exit_with_launcher, open_run
 from refpipe.job.weights import load_weights, publish_weights
-from refpipe.storage.backends import open_store
-from refpipe.storage.errors import KeyNotFoundError, ReplayMismatchError
+from refpipe.storage.errors import ConfigError, KeyNotFoundError, ReplayMismatchError
 from refpipe.storage.layout import FINISH_METRICS_KEY, metrics_key, step_key
 from refpipe.storage.store import Store
 from refpipe.trainer.checkpoint import apply_training_state, load_checkpoint, save_checkpoint, training_state
@@ -156,21 +156,6 @@ def publish_step_metrics(store: Store, step: int, metrics: dict) -> None:
     store.put(metrics_key(step), json.dumps(metrics).encode())
 
 
-def _exit_with_launcher() -> None:
-    """Started by ``refpipe run`` (``REFPIPE_LAUNCHER_PID`` set): exit when the launcher is gone (SIGKILLed),
-    instead of waiting for step files that will never come. Under torchrun nothing is watched."""
-    launcher = int(os.environ.get("REFPIPE_LAUNCHER_PID", "0"))
-    if not launcher:
-        return
-
-    def watch() -> None:
-        while os.getppid() == launcher:
-            time.sleep(1.0)
-        os._exit(3)
-
-    threading.Thread(target=watch, daemon=True, name="launcher-watch").start()
-
-
 def checkpoint_due(cfg: RunConfig, step: int) -> bool:
     """Whether the checkpoint of step ``step`` is written: every ``job.checkpoint_every_steps`` steps, and after the
     last step (so ``release = "after_checkpoint"`` ends with nothing held)."""
@@ -178,19 +163,26 @@ def checkpoint_due(cfg: RunConfig, step: int) -> bool:
     return bool(every) and ((step + 1) % every == 0 or step == cfg.job.num_steps - 1)
 
 
-def main(config_path: str, *, resume: bool = False) -> None:
+def main(run_uri: str, s3_endpoint_url: str | None = None, *, resume: bool = False) -> None:
     """Rank entry (torchrun environment). Trains ``job.num_steps`` steps, publishing weights after each.
 
     ``resume``: a later life of the run (``trainer.resume``): start from the newest complete checkpoint
     (or the warm start), finish the releases it covers, republish its weights, then replay or skip the
     steps after it.
+
+    Raises:
+        ConfigError: not a run, or ``WORLD_SIZE`` is not ``orchestrator.dp_world_size x
+            trainer.model_parallel_size`` of the run's config.
     """
-    _exit_with_launcher()
+    exit_with_launcher()
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, format=f"[trainer rank {os.environ.get('RANK')}] %(message)s")
-    cfg = load_config(config_path)
-    init_process_group(cfg.trainer, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-    store = open_store(cfg.storage)
+    cfg, store = open_run(run_uri, s3_endpoint_url)
+    world_size, expected = int(os.environ["WORLD_SIZE"]), cfg.job.trainer_world_size
+    if world_size != expected:
+        raise ConfigError(f"WORLD_SIZE={world_size} (torchrun --nnodes x --nproc-per-node): run {store.prefix.uri} "
+                          f"expects {expected} ranks (orchestrator.dp_world_size x trainer.model_parallel_size)")
+    init_process_group(cfg.trainer, rank=int(os.environ["RANK"]), world_size=world_size)
     model = MoELM(cfg.model)
     policy = PolicyTrainer(cfg, model)
     rank = TrainerRank(store, cfg.fields, cfg.storage, cfg.trainer)
@@ -272,5 +264,22 @@ def check_replay(store: Store, step: int, hashes: list[list[str]]) -> None:
                                   f"{hashes} differ from the first time's {first}; stopping")
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """``python -m refpipe.job.train_rank RUN_URI [--s3-endpoint-url URL] [--resume]``; a bad run or world size
+    is one ``error:`` line and exit code 2."""
+    parser = argparse.ArgumentParser(prog="refpipe.job.train_rank", description=__doc__.splitlines()[0])
+    parser.add_argument("run", metavar="RUN_URI", help="the run (<root>/<run_id>) as this node reaches it")
+    parser.add_argument("--s3-endpoint-url", default=None, help="S3 endpoint (default: the AWS environment)")
+    parser.add_argument("--resume", action="store_true", help="a later life: start from the newest complete "
+                                                              "checkpoint (see `refpipe run --resume`)")
+    args = parser.parse_args(argv)
+    try:
+        main(args.run, args.s3_endpoint_url, resume=args.resume)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], resume="--resume" in sys.argv[2:])
+    sys.exit(cli())

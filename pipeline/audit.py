@@ -26,8 +26,10 @@ Who accounts for a present chunk (its holder), in this order:
    writer's latest session); else a live ``orchestrator`` session, which may still hold
    it in its queue (a restarted env server loses nothing).
 
-A session is live from its ``open`` event until its ``close`` event or until a newer
-session of the same actor opens (a restart). ``stopped=True`` declares that no process
+A session is live while its heartbeat changes (``storage.liveness``: judged by the
+auditor's clock, so it works for sessions on any host; an audit of a run with a stale
+session waits up to that session's heartbeat timeout, 15 s by default); a closed session
+is dead at once. ``stopped=True`` declares that no process
 of the run is running: every session is dead, but untrained step files still hold their
 chunks for a restarted trainer. ``finished=True`` (implies stopped) declares the run
 over: anything still outstanding is then a violation.
@@ -36,22 +38,22 @@ Leaked: present, no delete record, no holder. The sweep deletes exactly those (c
 each through ``Ledger.delete_nodes``), finishes unfinished deletes, and never touches a
 chunk of an untrained step file; ``sweep(retained=True)`` deletes the retained chunks too.
 
-``stopped`` is the user's declaration; the sweep checks it where it can: it refuses while
-an unclosed session opened on this host has a live pid (its ``open`` event records pid and
-host). Sessions opened on other hosts cannot be checked.
+``stopped`` is the user's declaration; the sweep checks it: it refuses while a session
+of the run is live by its heartbeat, on any host. A plain sweep (not ``stopped``) never
+deletes a chunk a live session holds.
 """
 
 from __future__ import annotations
 
-import os
 import socket
 from collections import Counter
 
 from pydantic import BaseModel, ConfigDict, computed_field
 from refpipe.pipeline.audit_scan import RunScan, committed, scan_run
 from refpipe.storage.errors import ConfigError, DoubleDeleteError, StepFileError, UnknownRefError
-from refpipe.storage.layout import ORCHESTRATOR_ACTOR, SWEEP_ACTOR, session_opened_ms
+from refpipe.storage.layout import ORCHESTRATOR_ACTOR, SWEEP_ACTOR
 from refpipe.storage.ledger import DeleteResult, Ledger
+from refpipe.storage.liveness import live_sessions
 from refpipe.storage.store import Store
 from rich.progress import Progress
 
@@ -137,40 +139,26 @@ class SweepResult(BaseModel):
     """Leaked chunks someone else deleted during the sweep (double or unknown deletes)."""
 
 
-def _live_sessions(scan: RunScan, stopped: bool) -> set[tuple[str, str]]:
-    if stopped:
-        return set()
-    latest = {actor: max(sessions, key=session_opened_ms) for actor, sessions in scan.sessions.items()}
-    return {(actor, s) for actor, s in latest.items() if (actor, s) not in scan.closed}
+def _live_sessions(store: Store, scan: RunScan) -> set[tuple[str, str]]:
+    """The unclosed sessions whose heartbeat is live (may wait, see ``storage.liveness.live_sessions``)."""
+    unclosed = [(actor, s) for actor, sessions in scan.sessions.items() for s in sessions
+                if (actor, s) not in scan.closed]
+    return live_sessions(store, unclosed)
 
 
-def _pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` (> 0) exists on this host and has not exited (a zombie, exited but not
-    yet reaped, has ``/proc/<pid>/stat`` state ``Z``; without procfs, existence is all we know)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by another user
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rpartition(b")")[2].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
-
-
-def _refuse_if_running(store: Store, scan: RunScan) -> None:
-    """Raise ``ConfigError`` when an unclosed session was opened on this host by a process still alive."""
+def _refuse_if_running(store: Store, live: set[tuple[str, str]], scan: RunScan) -> None:
+    """Raise ``ConfigError`` when a session of the run is live (its heartbeat changes), on any host."""
     host = socket.gethostname()
-    running = [f"{actor} (pid {pid} on this host)" for (actor, session), (pid, opened_on) in sorted(scan.opens.items())
-               if (actor, session) not in scan.closed and opened_on == host and _pid_alive(pid)]
+    running = []
+    for actor, session in sorted(live):
+        pid, opened_on = scan.opens.get((actor, session), ("?", "?"))
+        running.append(f"{actor} (pid {pid} on {'this host' if opened_on == host else opened_on})")
     if running:
         one = len(running) == 1
+        them = "that process is" if one else "those processes are"
         raise ConfigError(
             f"refusing to sweep {store.prefix.uri} as stopped: {', '.join(running)} {'is' if one else 'are'} still "
-            f"running; stop the run first, or pass --force if {'that pid is' if one else 'those pids are'} not part "
-            f"of the run (a pid reused by an unrelated process looks alive too)")
+            f"running (heartbeat live); stop the run first, or pass --force if {them} not part of the run")
 
 
 def _step_nodes(store: Store, scan: RunScan) -> tuple[dict[str, int], dict[str, str], set[str]]:
@@ -180,7 +168,7 @@ def _step_nodes(store: Store, scan: RunScan) -> tuple[dict[str, int], dict[str, 
     protected: dict[str, str] = {}
     borrowed: set[str] = set()
     for step, header in sorted(scan.steps.items()):
-        nodes = [store.prefix.key_of(ref.uri) for ref in header.refs]
+        nodes = [ref.key for ref in header.refs]
         released = all(scan.released.get(owner, -1) >= step for owner in set(header.owners))
         for node, owner in zip(nodes, header.owners):
             shipped.setdefault(node, step)
@@ -214,14 +202,15 @@ def _holder(node: str, keys: list[str], scan: RunScan, live: set[tuple[str, str]
 
 
 def judge(scan: RunScan, store: Store, *, stopped: bool = False, finished: bool = False,
-          abandoned: bool = False) -> AuditReport:
+          abandoned: bool = False, live: set[tuple[str, str]] | None = None) -> AuditReport:
     """Turn a scan into the audit report (module doc: holders, liveness, violations).
 
     ``abandoned`` (implies ``stopped``): the run will never be resumed, so untrained step files
-    hold nothing and their chunks count as leaked.
+    hold nothing and their chunks count as leaked. ``live``: the live sessions when already
+    judged (else read from their heartbeats here, unless stopped).
     """
     stopped = stopped or finished or abandoned
-    live = _live_sessions(scan, stopped)
+    live = set() if stopped else _live_sessions(store, scan) if live is None else live
     shipped, protected, borrowed = _step_nodes(store, scan)
     if abandoned:
         protected = {}
@@ -302,26 +291,27 @@ def sweep(store: Store, *, stopped: bool = False, dry_run: bool = False, abandon
     unless the run is abandoned.
 
     Args:
-        stopped: as ``audit``: no process of the run is running. Checked for the sessions opened on
-            this host (refused while one is unclosed and its pid alive); for sessions on other hosts
-            it is the caller's declaration.
+        stopped: as ``audit``: no process of the run is running. Checked by the sessions'
+            heartbeats (refused while one is live, on any host).
         dry_run: list what would be deleted; write nothing.
         abandon: the run is stopped and will never be resumed: chunks of untrained step files are
             deleted too, so ``audit --finished`` is clean afterwards. Implies ``stopped``.
-        force: skip the live-pid check of ``stopped`` (a recorded pid was reused by a process
-            outside the run).
+        force: skip the liveness check (``stopped``/``abandon`` even while a session's heartbeat
+            is live, e.g. a process outside the run reuses the actor's name; without them, live
+            sessions then hold nothing either).
         retained: also delete the chunks retained for inspection (``trainer.retain_steps``), each
             exactly once; afterwards ``show``/``verify`` report them as deleted.
 
     Raises:
-        ConfigError: ``stopped`` or ``abandon`` while an unclosed session of the run has a live
-            pid on this host (nothing deleted).
+        ConfigError: ``stopped`` or ``abandon`` while a session of the run is live by its heartbeat
+            (nothing deleted).
         StepFileError: a step file is unreadable, so the chunks it may still hold are unknown.
     """
     scan = scan_run(store, progress)
-    if (stopped or abandon) and not force:
-        _refuse_if_running(store, scan)
-    report = judge(scan, store, stopped=stopped, abandoned=abandon)
+    live = _live_sessions(store, scan) if not force else set()
+    if stopped or abandon:
+        _refuse_if_running(store, live, scan)
+    report = judge(scan, store, stopped=stopped, abandoned=abandon, live=live)
     if report.unreadable_step_files:
         raise StepFileError(f"refusing to sweep {store.prefix.uri}: {len(report.unreadable_step_files)} unreadable "
                             f"step files may reference chunks; first: {report.unreadable_step_files[0]}")

@@ -134,7 +134,7 @@ def scan_run(store: Store, progress: Progress | None = None) -> RunScan:
 
 
 def _recheck_deletes(store: Store, scan: RunScan, progress: Progress | None) -> None:
-    named = set(scan.keeps) | {store.prefix.key_of(ref.uri) for h in scan.steps.values() for ref in h.refs}
+    named = set(scan.keeps) | {ref.key for h in scan.steps.values() for ref in h.refs}
     gone = sorted(n for n in named if n not in scan.nodes and n not in scan.tombstoned)
     found = _parallel(store, lambda n: store.exists(tombstone_key(branch_id_of(n))), gone, progress,
                       "checking delete records")
@@ -207,7 +207,7 @@ def _take_event(scan: RunScan, actor: str, session: str, event: dict | ValueErro
 
 def _scan_writers(store: Store, scan: RunScan, progress: Progress | None) -> None:
     """Writers of unshipped chunks without a keep event: from a drawn branch id, else ``zarr.json``."""
-    shipped = {store.prefix.key_of(ref.uri) for h in scan.steps.values() for ref in h.refs}
+    shipped = {ref.key for h in scan.steps.values() for ref in h.refs}
     unnamed = []
     for node, keys in scan.nodes.items():
         if node in scan.keeps or node in shipped or node in scan.tombstoned:

@@ -190,7 +190,9 @@ def check_episode(episode: Episode, prefix: RunPrefix) -> None:
     """Validate an episode before the orchestrator acts on it (no I/O, nothing deleted).
 
     Raises:
-        OutsideRunError: a ref lies outside the run prefix (names the episode and branch).
+        OutsideRunError: a ref was kept in another run (the run id in its URI is not this run's;
+            the rest of the URI is the env server's view of the run and may differ), or its URI
+            names another chunk than its branch id (names the episode and branch).
         EpisodeError: no branches; a token array of the wrong dtype or shape; a non-positive
             temperature or negative policy version; rewards that are not finite or not one per
             branch; a ref whose prompt/completion token counts disagree with the branch's tokens;
@@ -225,10 +227,10 @@ def _check_branch(branch: BranchResult, what: str, prefix: RunPrefix) -> None:
                            f"{branch.policy_version}: expected >= 1 token, temperature > 0, policy_version >= 0")
     if branch.ref is None:
         return
-    try:
-        prefix.key_of(branch.ref.uri)
-    except OutsideRunError as e:
-        raise OutsideRunError(f"{what}: ref {branch.ref.branch_id}: {e}") from e
+    kept_in = branch.ref.uri.removesuffix("/" + branch.ref.key).rpartition("/")[2]
+    if kept_in != prefix.run_id:
+        raise OutsideRunError(f"{what}: ref {branch.ref.branch_id} was kept in run {kept_in!r} ({branch.ref.uri}): "
+                              f"expected run {prefix.run_id!r} (an env server of another run?)")
     got = (branch.ref.num_prompt_tokens, branch.ref.num_completion_tokens)
     if got != (len(branch.prompt_ids), c):
         raise EpisodeError(f"{what}: ref {branch.ref.uri} holds {got[0]} prompt + {got[1]} completion tokens: "

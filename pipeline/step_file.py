@@ -28,7 +28,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from refpipe.pipeline.fields import FIELDS, FieldsConfig, trailing_shape
 from refpipe.storage.chunk import PayloadRef
-from refpipe.storage.errors import OutsideRunError, StepFileError
+from refpipe.storage.errors import StepFileError
 from refpipe.storage.layout import step_key
 from refpipe.storage.store import Store
 
@@ -96,7 +96,9 @@ class StepHeader(BaseModel):
 
     schema_version: int
     run_uri: str
-    """The run prefix URI this step belongs to."""
+    """Provenance: the run prefix URI as the orchestrator saw it. Readers resolve the step's refs
+    against the run as they opened it (``PayloadRef.key``), so this may differ (a symlink, another
+    mount path, a copy of the run) and is never compared."""
     step: int = Field(ge=0)
     seq_len: int = Field(ge=1)
     """Token budget of every micro batch."""
@@ -227,18 +229,18 @@ class StepFile:
 
         Raises:
             KeyNotFoundError: the step file does not exist (yet).
-            StepFileError: truncated, foreign, unknown schema version, another run, a ref
-                outside the run prefix, a ref whose arrays disagree with ``header.fields``, or a
-                header whose ``step`` is not ``step``.
+            StepFileError: truncated, foreign, unknown schema version, a ref whose URI names
+                another chunk than its branch id, a ref whose arrays disagree with ``header.fields``,
+                or a header whose ``step`` is not ``step``.
         """
         key = step_key(step)
-        step_file = cls.from_bytes(store.get(key), store, store.uri(key))
+        step_file = cls.from_bytes(store.get(key), store.uri(key))
         check_step(step_file.header, step, step_file.uri)
         return step_file
 
     @classmethod
-    def from_bytes(cls, data: bytes, store: Store, uri: str) -> "StepFile":
-        """Validate a step file's bytes against ``store``'s run (see ``read``)."""
+    def from_bytes(cls, data: bytes, uri: str) -> "StepFile":
+        """Validate a step file's bytes (see ``read``); ``uri`` names it in errors."""
         try:
             zf = zipfile.ZipFile(io.BytesIO(data))
             raw = json.loads(zf.read(HEADER_MEMBER))
@@ -251,7 +253,6 @@ class StepFile:
             header = StepHeader.model_validate(raw)
         except ValidationError as e:
             raise StepFileError(f"step file {uri}: invalid header: {e}") from e
-        _check_run(header, store, uri)
         return cls(header, zf, uri)
 
     def streams(self, dp_rank: int, index: int) -> dict[str, np.ndarray]:
@@ -282,16 +283,6 @@ def check_step(header: StepHeader, step: int, uri: str) -> None:
     """Raise ``StepFileError`` unless the header of the file at ``uri`` (named for ``step``) holds step ``step``."""
     if header.step != step:
         raise StepFileError(f"step file {uri}: header says step {header.step}, expected step {step}")
-
-
-def _check_run(header: StepHeader, store: Store, uri: str) -> None:
-    if header.run_uri != store.prefix.uri:
-        raise StepFileError(f"step file {uri}: belongs to run {header.run_uri!r}, expected {store.prefix.uri!r}")
-    for ref in header.refs:
-        try:
-            store.prefix.key_of(ref.uri)
-        except OutsideRunError as e:
-            raise StepFileError(f"step file {uri}: references a chunk outside the run: {e}") from e
 
 
 __all__ = ["MicroBatchRecord", "SequenceRecord", "StepFile", "StepHeader", "STREAMS",

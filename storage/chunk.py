@@ -30,8 +30,8 @@ import crc32c  # CRC-32C like zarr's codec (google-crc32c); releases the GIL and
 import numcodecs
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from refpipe.storage.errors import ChunkCorruptError
-from refpipe.storage.layout import META_NAME
+from refpipe.storage.errors import ChunkCorruptError, ConfigError, OutsideRunError
+from refpipe.storage.layout import META_NAME, node_key
 from zarr.codecs import BytesCodec, Crc32cCodec, ZstdCodec
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.dtype import parse_dtype
@@ -75,17 +75,25 @@ class ArrayLayout(NamedTuple):
 
 
 class PayloadRef(BaseModel):
-    """What keep returns: where a branch's chunk is and how to cut it, without reading it.
+    """What keep returns: which branch's chunk to read and how to cut it, without reading it.
 
-    Serialised as JSON it is a few hundred bytes for four fields.
+    Run-relative: the chunk's identity is ``branch_id``; its key under the run prefix is
+    ``node_key(branch_id)`` (``key``), and every reader resolves it against the run as *it*
+    opened it (any mount path, a copy of the run, a copied S3 prefix). ``uri`` records where
+    the writer saw the chunk (provenance only); it must end in ``/<key>``, so the two can never
+    name different chunks. Serialised as JSON it is a few hundred bytes for four fields.
+
+    Raises:
+        ValueError (pydantic ``ValidationError``): ``uri`` does not end in ``/<node_key(branch_id)>``
+            or has ``.``/``..`` segments, or ``branch_id`` is not a valid id.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     uri: str
-    """URI of the branch's Zarr array node (``<run>/payloads/<shard>/<branch_id>``)."""
+    """Provenance: URI of the branch's Zarr array node as its writer saw it (``<run>/payloads/<shard>/<branch_id>``)."""
     branch_id: str
-    """Unique id of the branch within the run."""
+    """Unique id of the branch within the run; names the chunk (``key``)."""
     num_prompt_tokens: int = Field(ge=0)
     """Prompt tokens of the branch."""
     num_completion_tokens: int = Field(ge=0)
@@ -112,6 +120,24 @@ class PayloadRef(BaseModel):
             raise ValueError(f"nbytes={self.nbytes}: expected {layout_arrays(self.arrays)[1] + 4} for the "
                              f"declared arrays (payload, 64-byte aligned, + 4 crc bytes)")
         return self
+
+    @model_validator(mode="after")
+    def _uri_names_the_branch(self) -> "PayloadRef":
+        check_ref_uri(self.uri, self.branch_id)
+        return self
+
+    @property
+    def key(self) -> str:
+        """The chunk's node key under the run prefix, derived from ``branch_id``.
+
+        Raises:
+            OutsideRunError: ``uri`` names another chunk (a ref built without validation,
+                e.g. by ``model_copy``); nothing is read or deleted.
+        """
+        try:
+            return check_ref_uri(self.uri, self.branch_id)
+        except (ConfigError, ValueError) as e:
+            raise OutsideRunError(f"ref {self.branch_id!r}: {e}") from None
 
     @property
     def num_tokens(self) -> int:
@@ -160,6 +186,23 @@ def block_crcs(a: np.ndarray, block_rows: int) -> tuple[int, ...]:
     flat = a.reshape(-1).view(np.uint8)
     step = block_rows * a.itemsize * math.prod(a.shape[1:])
     return tuple(crc32c.crc32c(flat[i * step : (i + 1) * step]) for i in range(-(-a.shape[0] // block_rows)))
+
+
+def check_ref_uri(uri: str, branch_id: str) -> str:
+    """Return ``node_key(branch_id)`` if ``uri`` ends in ``/<that key>`` and has no ``.``/``..`` segments.
+
+    The rest of the URI (scheme, root, run id) is the writer's view of the run and is not checked:
+    a run may be read through another mount path or as a copy.
+
+    Raises:
+        ValueError: ``uri`` names another chunk than ``branch_id`` (DESIGN.md, run-relative refs).
+        ConfigError: ``branch_id`` is not a valid id.
+    """
+    key = node_key(branch_id)
+    if not uri.endswith("/" + key) or any(seg in (".", "..") for seg in uri.split("/")):
+        raise ValueError(f"ref uri {uri!r} does not name branch {branch_id!r}: expected a URI ending in /{key} "
+                         f"(the key is derived from the branch id), without . or .. segments")
+    return key
 
 
 class EncodedChunk(NamedTuple):

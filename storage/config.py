@@ -33,6 +33,17 @@ class StorageConfig(BaseModel):
     """Seconds an S3 connect or read may wait before the request counts as lost (then retried: ``max_retries``)."""
     max_concurrent_fetches: int = Field(default=8, ge=1, le=256)
     """Threads one process uses to fetch chunks."""
+    heartbeat_interval_s: float = Field(default=5.0, gt=0, le=600)
+    """Seconds between rewrites of a ledger session's heartbeat (``storage.liveness``)."""
+    heartbeat_timeout_s: float = Field(default=15.0, gt=0, le=3600)
+    """A session whose heartbeat did not change for this long (by the reader's clock) is dead; >= 2 intervals."""
+
+    @model_validator(mode="after")
+    def _timeout_spans_beats(self) -> "StorageConfig":
+        if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
+            raise ValueError(f"heartbeat_timeout_s={self.heartbeat_timeout_s}: expected >= 2 x heartbeat_interval_s "
+                             f"({self.heartbeat_interval_s}), or one late beat reads as death")
+        return self
 
     @model_validator(mode="after")
     def _run_prefix(self) -> "StorageConfig":

@@ -69,12 +69,13 @@ def put_chunk(store: Store, branch_id: str, chunk: EncodedChunk) -> str:
 
 
 def chunk_keys(store: Store, ref: PayloadRef) -> tuple[str, str]:
-    """``(data_key, meta_key)`` of a ref, confined to the store's run prefix.
+    """``(data_key, meta_key)`` of a ref in the store's run: derived from its branch id (``PayloadRef.key``),
+    so confined to the run prefix whatever path the writer saw the run under.
 
     Raises:
-        OutsideRunError: the ref's URI is not under the run prefix.
+        OutsideRunError: the ref's URI names another chunk than its branch id (nothing is read).
     """
-    return layout_chunk_keys(store.prefix.key_of(ref.uri))
+    return layout_chunk_keys(ref.key)
 
 
 def rows_for(lay: ArrayLayout, ref: PayloadRef, num_tokens: int, counts: np.ndarray | None) -> int:
@@ -112,7 +113,7 @@ def fetch_arrays(store: Store, ref: PayloadRef, num_tokens: int | None = None,
         counts cover.
 
     Raises:
-        OutsideRunError: the ref points outside the run prefix (before any I/O).
+        OutsideRunError: the ref's URI names another chunk than its branch id (before any I/O).
         ChunkNotFoundError: the chunk does not exist (never zeros): still missing after
             ``max_retries`` re-reads with backoff (each counted in ``store.retries``).
         ChunkCorruptError: length, whole-chunk crc32c or (cut reads) a block crc32c mismatch.

@@ -6,6 +6,7 @@ Keys are relative to the run prefix (``storage.uri.RunPrefix``)::
     payloads/<shard>/<branch_id>/zarr.json         its commit marker, written last
     ledger/events/<actor>/<pid>-<ms>-<seq>.jsonl   one ledger segment of a session ``<pid>-<ms>``
     ledger/deletes/<shard>/<sub>/<branch_id>.json  a chunk's delete record (tombstone), two levels of 256
+    ledger/heartbeats/<actor>/<session>.json       a session's heartbeat (``storage.liveness``)
     steps/step_<N:08d>.npz                         step file of trainer step N
     config.json                                    the resolved run config (the main job)
     summary.json                                   the run summary (the main job)
@@ -16,6 +17,7 @@ Keys are relative to the run prefix (``storage.uri.RunPrefix``)::
     checkpoints/step_<N:08d>/                      trainer checkpoint covering step N (``trainer.checkpoint``):
         __<rank>_0.distcp, .metadata               torch.distributed.checkpoint's files
         commit.json                                refpipe's commit marker, written last
+    envs/authkey, envs/<replica>.address           env-server auth key and addresses (the main job)
 
 ``shard`` is two hex digits of a hash of the branch id (256 directories). Branch ids, actor
 names and run ids are 1-128 of ``[A-Za-z0-9._-]`` not starting with ``.``, ``-`` or ``_``;
@@ -35,6 +37,8 @@ PAYLOADS_PREFIX = "payloads"
 STEPS_PREFIX = "steps"
 EVENTS_PREFIX = "ledger/events"
 DELETES_PREFIX = "ledger/deletes"
+HEARTBEATS_PREFIX = "ledger/heartbeats"
+AUTHKEY_KEY = "envs/authkey"
 DATA_NAME = "c.0"
 """Name of a node's chunk object (``.`` chunk key separator, one chunk)."""
 META_NAME = "zarr.json"
@@ -53,6 +57,7 @@ _SHARD = r"[0-9a-f]{2}"
 _NODE = re.compile(rf"(?P<node>{PAYLOADS_PREFIX}/[^/]+/(?P<branch_id>[^/]+))/(?P<name>[^/]+)")
 _TOMBSTONE = re.compile(rf"{DELETES_PREFIX}/{_SHARD}/{_SHARD}/(?P<branch_id>{_ID})\.json")
 _SEGMENT = re.compile(rf"{EVENTS_PREFIX}/(?P<actor>{_ID})/(?P<session>\d+-\d+)-(?P<seq>\d+)\.jsonl")
+_HEARTBEAT = re.compile(rf"{HEARTBEATS_PREFIX}/(?P<actor>{_ID})/(?P<session>\d+-\d+)\.json")
 _STEP = re.compile(rf"{STEPS_PREFIX}/step_(?P<step>\d+)\.npz")
 _DRAWN = re.compile(rf"(?P<writer>{_ID})-[0-9a-f]{{32}}")
 
@@ -163,6 +168,17 @@ def segment_key(actor: str, session: str, seq: int) -> str:
     return f"{EVENTS_PREFIX}/{actor}/{session}-{seq:06d}.jsonl"
 
 
+def heartbeat_key(actor: str, session: str) -> str:
+    """Key of a session's heartbeat: ``ledger/heartbeats/<actor>/<session>.json``."""
+    return f"{HEARTBEATS_PREFIX}/{actor}/{session}.json"
+
+
+def parse_heartbeat_key(key: str) -> tuple[str, str] | None:
+    """``(actor, session)`` of a heartbeat key, or None for any other key."""
+    m = _HEARTBEAT.fullmatch(key)
+    return (m["actor"], m["session"]) if m else None
+
+
 def parse_segment_key(key: str) -> tuple[str, str, int] | None:
     """``(actor, session, seq)`` of an event segment key, or None for any other key."""
     m = _SEGMENT.fullmatch(key)
@@ -224,6 +240,11 @@ def parse_checkpoint_key(key: str) -> tuple[int, str] | None:
 
 
 # actor names ---------------------------------------------------------------------------------------------------------
+
+
+def address_key(replica: int) -> str:
+    """Key of env-server replica ``replica``'s address: ``envs/<replica>.address`` (the main job)."""
+    return f"envs/{replica}.address"
 
 
 def env_worker_actor(worker: int) -> str:

@@ -19,12 +19,11 @@ chunk exactly one succeeds; the others read the winner's record, record a
 ``double_delete`` event and raise ``DoubleDeleteError`` naming both holders,
 deleting nothing else.
 
-Sessions and liveness (what ``pipeline.audit`` relies on): a session is live from
-its ``open`` event (written at construction) until its ``close`` event, until a
-newer session of the same actor opens (the actor restarted), or until the run is
-declared stopped. So: one ``Ledger`` per actor per process, and a process that
-starts a ``Ledger`` under an actor name declares every earlier session of that
-name dead.
+Sessions and liveness (what ``pipeline.audit`` relies on): a session is live while
+its heartbeat (``storage.liveness``: an object under the run prefix the session
+rewrites every few seconds) keeps changing, until its ``close`` event, or until the
+run is declared stopped. One live session per actor: a ``Ledger`` whose actor already
+has a live session (on any host) is refused at construction, naming that session.
 """
 
 from __future__ import annotations
@@ -42,6 +41,7 @@ from typing import NamedTuple
 
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.errors import (
+    ConfigError,
     DeleteKeysError,
     DoubleDeleteError,
     KeyExistsError,
@@ -50,7 +50,18 @@ from refpipe.storage.errors import (
     UnknownRefError,
 )
 from refpipe.storage.fetch import chunk_keys
-from refpipe.storage.layout import branch_id_of, check_id, meta_key, segment_key, session_id, tombstone_key
+from refpipe.storage.layout import (
+    HEARTBEATS_PREFIX,
+    branch_id_of,
+    check_id,
+    heartbeat_key,
+    meta_key,
+    parse_heartbeat_key,
+    segment_key,
+    session_id,
+    tombstone_key,
+)
+from refpipe.storage.liveness import Heartbeat, live_sessions
 from refpipe.storage.store import Store
 
 SEGMENT_MAX_EVENTS = 512
@@ -161,7 +172,8 @@ class Ledger:
             delete claims), for ``bench/keep_fetch.py``'s ``ledger_overhead_ratio``.
 
     Raises:
-        ConfigError: ``actor`` is not a valid name.
+        ConfigError: ``actor`` is not a valid name, or another session of ``actor`` is live (its
+            heartbeat changed; may wait up to one heartbeat timeout to tell a stale one from a live one).
         StorageError: the store does not honour exclusive puts (probed once per session by
             putting the ``open`` segment twice), so exactly-once deletes cannot be guaranteed.
     """
@@ -177,7 +189,16 @@ class Ledger:
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()
         self._unfinished: dict[str, _Unfinished] = {}
+        self._refuse_a_live_session()
         self.session = self._open()
+
+    def _refuse_a_live_session(self) -> None:
+        keys = self.store.list_prefix(f"{HEARTBEATS_PREFIX}/{self.actor}/")
+        live = sorted(live_sessions(self.store, [s for s in map(parse_heartbeat_key, keys) if s]))
+        if live:
+            raise ConfigError(f"ledger actor {self.actor!r} of run {self.store.prefix.uri} already has a live session "
+                              f"{live[0][1]} (its heartbeat {self.store.uri(heartbeat_key(*live[0]))} changed): "
+                              f"one process per actor; stop it, or give this one another actor name")
 
     def _open(self) -> str:
         """Write the ``open`` segment under a fresh session id (the next millisecond on a clash),
@@ -188,6 +209,8 @@ class Ledger:
                  "host": socket.gethostname()}
         while True:
             session = session_id(os.getpid(), opened_ms)
+            self._heartbeat = Heartbeat(self.store, self.actor, session, self)
+            self._heartbeat.start()  # before the open event: an open session without a heartbeat is dead
             try:
                 self._put_segment(session, 0, [event])
             except KeyExistsError:
@@ -247,7 +270,8 @@ class Ledger:
             self.ledger_seconds += seconds
 
     def close(self) -> None:
-        """Retry unfinished deletes once more, record a clean end of this session and flush.
+        """Retry unfinished deletes once more, record a clean end of this session and flush; the last heartbeat
+        says closed.
 
         What is still unfinished is left to ``refpipe sweep`` (the delete records exist, or the
         chunks are leaked and claimed there).
@@ -259,6 +283,7 @@ class Ledger:
                 pass  # recorded as events; the audit reports them
         self.record("close")
         self.flush()
+        self._heartbeat.close()
 
     def record_keep(self, ref: PayloadRef) -> None:
         """Record that this actor kept ``ref`` (buffered; the chunk's ``zarr.json`` also names the writer)."""
@@ -267,7 +292,8 @@ class Ledger:
     def delete(self, refs: Sequence[PayloadRef], *, reason: str, max_concurrency: int = 8) -> DeleteResult:
         """Delete chunks exactly once, recording who deleted each and why.
 
-        All refs are confinement-checked before any I/O. For each ref, in parallel: check
+        Each ref's chunk is the one its branch id names in this run (``PayloadRef.key``, checked
+        against its URI before any I/O). For each ref, in parallel: check
         the commit marker (``zarr.json``), claim with an exclusive put of the delete record;
         then the claimed chunks' objects are deleted (S3: batched ``DeleteObjects``),
         commit marker first, so a fetch after a delete is ``ChunkNotFoundError``.
@@ -284,7 +310,7 @@ class Ledger:
             max_concurrency: threads claiming at once.
 
         Raises:
-            OutsideRunError: a ref points outside the run prefix (nothing deleted).
+            OutsideRunError: a ref's URI names another chunk than its branch id (nothing deleted).
             DoubleDeleteError: some chunks were already deleted; every other chunk was
                 deleted. ``.result`` holds the full ``DeleteResult``.
             UnknownRefError: some refs were never kept (and none double-deleted); ``.result`` as above.
@@ -292,7 +318,7 @@ class Ledger:
         targets = []
         for ref in refs:
             data_key, meta_key = chunk_keys(self.store, ref)
-            targets.append(_Target(ref.branch_id, ref.uri, meta_key, [meta_key, data_key]))
+            targets.append(_Target(ref.branch_id, self.store.uri(ref.key), meta_key, [meta_key, data_key]))
         return self._delete_targets(targets, reason, max_concurrency)
 
     def delete_nodes(self, nodes: Mapping[str, Sequence[str]], *, reason: str,

@@ -30,16 +30,18 @@ def invoke(*args: str):
 
 @pytest.fixture
 def crashed(storage_config):
-    """A run whose env worker kept 3 chunks and died; step 0 ships one of them, untrained.
+    """A run whose env worker (this process, its ledger session live while the test runs) kept 3 chunks; step 0
+    ships one of them, untrained. Declaring the run stopped turns the other 2 into orphans.
 
-    Returns (store, run URI, CLI options, the 2 orphans' URIs, the shipped chunk's URI).
+    Yields (store, run URI, CLI options, the 2 orphans' URIs, the shipped chunk's URI).
     """
     store = open_store(storage_config)
     keeper = make_keeper(store, storage_config)
     refs = [keep(keeper, seed) for seed in range(3)]
     publish(store, 0, refs[:1], [0], dp_world_size=1)
     options = ["--s3-endpoint-url", storage_config.s3_endpoint_url] if storage_config.s3_endpoint_url else []
-    return store, store.prefix.uri, options, sorted(r.uri for r in refs[1:]), refs[0].uri
+    yield store, store.prefix.uri, options, sorted(r.uri for r in refs[1:]), refs[0].uri
+    del keeper  # the env worker (this process) held its session live until here
 
 
 def test_audit_json_and_exit_codes(crashed):
@@ -151,8 +153,8 @@ def test_sweep_as_stopped_refuses_while_a_session_of_the_run_is_alive_on_this_ho
         refused = invoke("sweep", store.prefix.uri, *flags)
         assert refused.exit_code == 2, (flags, refused.output)
         assert "error: refusing to sweep" in refused.output
-        assert f"env_worker_0 (pid {os.getpid()} on this host) is still running; stop the run first, or pass " \
-               "--force if that pid is not part of the run" in refused.output
+        assert f"env_worker_0 (pid {os.getpid()} on this host) is still running (heartbeat live); stop the run " \
+               "first, or pass --force if that process is not part of the run" in refused.output
         assert {k: store.get(k) for k in store.list_prefix("")} == before
 
     forced = invoke("sweep", store.prefix.uri, "--stopped", "--force", "--json")
@@ -173,7 +175,7 @@ def test_sessions_of_processes_that_exited_do_not_block_the_sweep(local_config):
         while process_state(killed.pid) != "Z":  # dead, not reaped yet
             time.sleep(0.01)
         report = json.loads(invoke("audit", store.prefix.uri, "--json").stdout)
-        assert len(report["live_sessions"]) == 2 and report["leaked"] == 0  # not declared stopped: both count
+        assert report["live_sessions"] == [] and report["leaked"] == 2  # both processes are gone: dead sessions
         swept = invoke("sweep", store.prefix.uri, "--stopped", "--json")
     finally:
         killed.wait()

@@ -64,8 +64,8 @@ def test_sigkill_orphans_are_listed_then_swept(storage_config, scenario):
     store = open_store(storage_config)
     protected = [PayloadRef.model_validate(r) for r in expected["protected"]]
 
-    unaware = audit(store)  # nothing tells the audit the process died: its sessions still count as live
-    assert unaware.leaked == 0 and unaware.outstanding == len(chunks(store))
+    unaware = audit(store)  # not declared stopped: the heartbeats tell the process died (its pid is gone)
+    assert unaware.live_sessions == [] and sorted(unaware.leaked_chunks) == sorted(expected["orphans"])
 
     report = audit(store, stopped=True)
     assert sorted(report.leaked_chunks) == sorted(expected["orphans"])

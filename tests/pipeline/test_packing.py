@@ -20,6 +20,7 @@ from refpipe.pipeline.samples import BranchResult, Episode, build_sample
 from refpipe.pipeline.step_file import STREAMS
 from refpipe.storage.chunk import ArraySpec, PayloadRef, layout_arrays
 from refpipe.storage.errors import PackingError
+from refpipe.storage.layout import node_key
 
 RUN_URI = "file:///runs/run_1"
 FIELDS = FieldsConfig(num_layers=2, top_k=2, num_experts=8, logprobs_k=3)
@@ -29,7 +30,7 @@ def _ref(branch_id: str, num_prompt: int, num_completion: int, routing: bool) ->
     arrays = {"topk_ids": ArraySpec("<i4", (num_completion, 3), "completion", (0,))}
     if routing:
         arrays = {"routed_experts": ArraySpec("|u1", (num_prompt + num_completion, 2, 2), "tokens", (0,))}
-    return PayloadRef(uri=f"{RUN_URI}/payloads/00/{branch_id}", branch_id=branch_id, num_prompt_tokens=num_prompt,
+    return PayloadRef(uri=f"{RUN_URI}/{node_key(branch_id)}", branch_id=branch_id, num_prompt_tokens=num_prompt,
                       num_completion_tokens=num_completion, arrays=arrays, nbytes=layout_arrays(arrays)[1] + 4,
                       checksum=0)
 

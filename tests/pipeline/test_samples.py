@@ -7,8 +7,9 @@ import pytest
 from refpipe.pipeline.samples import BranchResult, Episode, PayloadSlice, Sample, build_sample, kept_completion_tokens
 from refpipe.storage.chunk import ArraySpec, PayloadRef
 from refpipe.storage.errors import PackingError
+from refpipe.storage.layout import node_key
 
-REF = PayloadRef(uri="file:///runs/run_1/payloads/00/b0", branch_id="b0", num_prompt_tokens=2,
+REF = PayloadRef(uri=f"file:///runs/run_1/{node_key('b0')}", branch_id="b0", num_prompt_tokens=2,
                  num_completion_tokens=3, arrays={"routed_experts": ArraySpec("|u1", (5, 2, 2), "tokens", (0,))},
                  nbytes=68, checksum=0)
 BRANCH = BranchResult(prompt_ids=np.array([7, 8], np.int32), completion_ids=np.array([1, 2, 3], np.int32),

@@ -1,6 +1,8 @@
-"""A missing, truncated or corrupted chunk is a typed error, never data; refs outside the run are refused before I/O."""
+"""A missing, truncated or corrupted chunk is a typed error, never data; refs resolve by branch id inside the run."""
 
 from __future__ import annotations
+
+import re
 
 import google_crc32c
 import numpy as np
@@ -8,9 +10,7 @@ import pytest
 import zarr
 from pydantic import ValidationError
 from refpipe.pipeline.keep import Branch, Keeper
-from refpipe.storage.backends import open_store
 from refpipe.storage.chunk import PayloadRef
-from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import ChunkCorruptError, ChunkNotFoundError, OutsideRunError
 from refpipe.storage.fetch import fetch_arrays, fetch_many
 from refpipe.storage.layout import DATA_NAME, META_NAME, node_key
@@ -117,50 +117,72 @@ def test_num_tokens_out_of_range(backend):
             fetch_arrays(backend.store, ref, bad)
 
 
-def _outside_uris(backend: Backend, sibling_ref: PayloadRef) -> list[str]:
-    node = node_key("b1")
-    run = backend.store.prefix
+def _misnamed_uris(backend: Backend) -> list[str]:
+    """URIs that do not name branch b1's chunk: ``..`` segments, the run itself, another branch's node."""
+    node, run = node_key("b1"), backend.store.prefix
+    return [f"{run.uri}/../run_10/{node}", f"{run.uri}/payloads/../../run_10/{node}",
+            f"{run.uri}/{node}/../../../../run_10/{node}", f"{run.uri}", f"{run.uri}/{node_key('b2')}"]
+
+
+def _other_run_uris(backend: Backend, sibling_ref: PayloadRef) -> list[str]:
+    """URIs that name branch b1 under another run, bucket, host, scheme or root: provenance only."""
+    node, run = node_key("b1"), backend.store.prefix
     if backend.name == "s3":
         rest = run.path.partition("/")[2]
-        others = [f"s3://other-bucket/{rest}/{node}", f"file:///{run.path}/{node}"]
-    else:
-        others = [f"s3://bucket{run.path}/{node}", f"file://otherhost{run.path}/{node}",
-                  f"{run.path.rpartition('/')[0]}/other_root/run_1/{node}"]
-    return [sibling_ref.uri, f"{run.uri}/../run_10/{node}", f"{run.uri}/payloads/../../run_10/{node}",
-            f"{run.uri}/{node}/../../../../run_10/{node}", f"{run.uri}"] + others
+        return [sibling_ref.uri, f"s3://other-bucket/{rest}/{node}", f"file:///{run.path}/{node}"]
+    return [sibling_ref.uri, f"s3://bucket{run.path}/{node}", f"file://otherhost{run.path}/{node}",
+            f"{run.path.rpartition('/')[0]}/other_root/run_1/{node}"]
 
 
-def test_refs_outside_the_run_are_refused_before_any_io(backend):
-    """The sibling run ``run_10`` of ``run_1`` holds a real chunk at every URI tried; none is read or deleted."""
+def _sibling_with_b1(backend: Backend) -> tuple[Backend, PayloadRef]:
     sibling = make_backend(backend.name, backend.config.model_copy(update={"run_id": "run_10"}))
-    sibling_ref = keep(sibling, "b1")
+    return sibling, keep(sibling, "b1")
+
+
+def test_refs_whose_uri_names_another_chunk_are_refused_before_any_io(backend):
+    """A ref's URI must end in its branch id's node key (issue 14 item 7): otherwise it is refused
+    before any I/O, whether it would lead out of the run or to another branch's chunk."""
+    sibling, sibling_ref = _sibling_with_b1(backend)
     before = sibling.raw.keys()
-    keep(backend, "b2")
+    other = keep(backend, "b2")
     ledger = Ledger(backend.store, "trainer_dp0")
-    refs = [sibling_ref.model_copy(update={"uri": uri}) for uri in _outside_uris(backend, sibling_ref)]
+    refs = [sibling_ref.model_copy(update={"uri": uri}) for uri in _misnamed_uris(backend)]
     requests = S3Requests(backend.store) if backend.name == "s3" else None
     with FsOps(backend.raw.root) as ops:
         for ref in refs:
-            with pytest.raises(OutsideRunError, match="outside run"):
+            with pytest.raises(OutsideRunError, match=f"ref 'b1': ref uri '{re.escape(ref.uri)}' does not name "
+                                                      f"branch 'b1': expected a URI ending in /{node_key('b1')}"):
                 fetch_arrays(backend.store, ref)
-            with pytest.raises(OutsideRunError, match="outside run"):
+            with pytest.raises(OutsideRunError, match="does not name branch 'b1'"):
                 ledger.delete([ref], reason="test")
         results = fetch_many(backend.store, [(ref, P + C) for ref in refs], max_concurrency=4)
     assert [type(r) for r in results] == [OutsideRunError] * len(refs)
     assert ops.ops == [] and (requests is None or requests.log == [])
     assert sibling.raw.keys() == before
     assert fetch_arrays(sibling.store, sibling_ref)["routed_experts"].shape == (P + C, 3, 2)
+    assert fetch_arrays(backend.store, other)["routed_experts"].shape == (P + C, 3, 2)
 
 
-def test_a_ref_of_another_run_under_the_same_root_is_refused(tmp_path):
-    """run_1 and run_10 share a root; a run_1 store refuses run_10's refs by name, not by luck."""
-    root = str(tmp_path / "root")
-    stores = {run: open_store(StorageConfig(root=root, run_id=run)) for run in ("run_1", "run_10")}
-    keeper = Keeper(stores["run_10"], Ledger(stores["run_10"], "w"), FIELDS_CFG, StorageConfig(root=root))
-    ref = keeper.keep(Branch(P, C, make_fields(0, P, C), "b1"))
-    assert ref.uri.startswith(f"file://{root}/run_10/")
-    with pytest.raises(OutsideRunError, match=r"run_10.*is outside run file://.*/run_1: expected a URI under"):
-        fetch_arrays(stores["run_1"], ref)
+def test_refs_naming_other_runs_resolve_in_the_run_as_opened(backend):
+    """Run-relative refs: whatever run, bucket, host or root a ref's URI names, a reader reads and
+    deletes only the chunk its branch id names under the run it opened; the sibling run holding a
+    real b1 is never read or deleted."""
+    sibling, sibling_ref = _sibling_with_b1(backend)
+    before = sibling.raw.keys()
+    refs = [sibling_ref.model_copy(update={"uri": uri}) for uri in _other_run_uris(backend, sibling_ref)]
+    own_node = backend.store.uri(node_key("b1"))
+    for ref in refs:
+        with pytest.raises(ChunkNotFoundError, match=re.escape(own_node)):
+            fetch_arrays(backend.store, ref)
+    own = keep(backend, "b1")  # the same bytes as the sibling's b1, so the refs' checksum holds
+    for ref in refs:
+        np.testing.assert_array_equal(fetch_arrays(backend.store, ref)["routed_experts"],
+                                      make_fields(0, P, C)["routed_experts"])
+    result = Ledger(backend.store, "trainer_dp0").delete(refs[:1], reason="test")
+    assert result.deleted == [own.uri]
+    assert sibling.raw.keys() == before
+    np.testing.assert_array_equal(fetch_arrays(sibling.store, sibling_ref)["routed_experts"],
+                                  make_fields(0, P, C)["routed_experts"])
 
 
 @pytest.mark.parametrize("cut", [P + C - 5, 1])

@@ -133,7 +133,7 @@ def test_the_same_ref_twice_in_one_call_is_deleted_once(store):
 
 def test_a_ref_never_kept_is_refused_and_recorded(store):
     real = kept(store, "e0")
-    ghost = real.model_copy(update={"uri": store.uri("payloads/00/ghost"), "branch_id": "ghost"})
+    ghost = real.model_copy(update={"uri": store.uri(node_key("ghost")), "branch_id": "ghost"})
     ledger = Ledger(store, "orchestrator")
     with pytest.raises(UnknownRefError, match="was never kept") as info:
         ledger.delete([ghost, real], reason="shutdown")
@@ -150,8 +150,8 @@ def test_a_ref_outside_the_run_deletes_nothing(store, uri):
     before = store.list_prefix("")
     with pytest.raises(OutsideRunError):
         Ledger(store, "a").delete([ref, outside], reason="x")
-    assert [k for k in store.list_prefix("") if not k.startswith("ledger/events/")] == \
-           [k for k in before if not k.startswith("ledger/events/")]
+    assert [k for k in store.list_prefix("") if not k.startswith(("ledger/events/", "ledger/heartbeats/"))] == \
+           [k for k in before if not k.startswith(("ledger/events/", "ledger/heartbeats/"))]
     np.testing.assert_array_equal(fetch_arrays(store, ref)["x"], np.arange(4, dtype=np.int32) + 2)
 
 

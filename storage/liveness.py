@@ -1,0 +1,151 @@
+"""Liveness of ledger sessions across hosts: a heartbeat object per session under the run prefix.
+
+Each ``Ledger`` session rewrites ``ledger/heartbeats/<actor>/<session>.json`` every
+``heartbeat_interval_s`` (``StorageConfig``; default 5 s) from a daemon thread, and once more
+with ``"closed": true`` when it closes. The body carries the writer's pid, host, a beat counter
+and its own interval and timeout (default 15 s = 3 missed beats, torchelastic's 5 s x 3).
+
+A reader judges a session by *its own* clock, never by comparing a timestamp of the writer's
+with it (clocks of different nodes disagree): the session is live once its heartbeat body
+changed between two looks; dead once the body said closed, or did not change for the timeout
+the writer stated, or has no heartbeat at all. Two shortcuts need no waiting and hold on the
+reader's own host only: a session of this very process is live while its ``Ledger`` object is,
+and a session whose pid no longer exists on this host is dead. Everything else costs the reader
+up to one interval (live) or one timeout (dead).
+
+No shared mutable file: each heartbeat object has one writer.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Iterable
+
+from refpipe.storage.errors import KeyNotFoundError, RefpipeError
+from refpipe.storage.layout import heartbeat_key
+from refpipe.storage.store import Store
+
+log = logging.getLogger(__name__)
+_LOCAL: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+"""(actor, session) -> the live owner object in this process (session ids hold pid and open time)."""
+
+
+class Heartbeat:
+    """The heartbeat of one session, kept alive by a daemon thread while ``owner`` exists.
+
+    Called by ``Ledger``: ``start`` before the session's ``open`` event, ``close`` after its
+    ``close`` event. A failed rewrite is logged and retried at the next beat (a reader may then
+    judge the session dead: the ledger's delete claims keep exactly-once regardless).
+    """
+
+    def __init__(self, store: Store, actor: str, session: str, owner: object):
+        self.store, self.key, self._owner = store, heartbeat_key(actor, session), weakref.ref(owner)
+        self.interval_s = store.config.heartbeat_interval_s
+        self._body = {"actor": actor, "session": session, "pid": os.getpid(), "host": socket.gethostname(),
+                      "interval_s": self.interval_s, "timeout_s": store.config.heartbeat_timeout_s, "beat": 0,
+                      "closed": False}
+        self._stop = threading.Event()
+        _LOCAL[(actor, session)] = owner
+
+    def start(self) -> None:
+        """Write the first beat (synchronously), then beat every ``interval_s`` in the background."""
+        self._put()
+        threading.Thread(target=self._run, daemon=True, name=f"heartbeat-{self.key}").start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s) and self._owner() is not None:
+            self._body["beat"] += 1
+            try:
+                self._put()
+            except (RefpipeError, OSError) as e:
+                log.warning("heartbeat %s not written: %s", self.key, e)
+
+    def _put(self) -> None:
+        self.store.put(self.key, json.dumps(self._body).encode())
+
+    def close(self) -> None:
+        """Stop beating and write the last beat, ``closed``: readers judge the session dead at once."""
+        self._stop.set()
+        self._body.update(beat=self._body["beat"] + 1, closed=True)
+        self._put()
+
+
+def _read(store: Store, key: str) -> bytes | None:
+    try:
+        return store.get(key)
+    except KeyNotFoundError:
+        return None
+
+
+def _verdict_now(body: bytes | None) -> bool | None:
+    """Live/dead when one look decides it (missing, closed, unreadable, or a local shortcut), else None."""
+    if body is None:
+        return False
+    try:
+        beat = json.loads(body)
+        actor, session, pid, host = beat["actor"], beat["session"], int(beat["pid"]), beat["host"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    if beat.get("closed"):
+        return False
+    if host == socket.gethostname():
+        if pid == os.getpid():
+            if (actor, session) in _LOCAL:
+                gc.collect()  # an owner only a reference cycle keeps is gone
+            return (actor, session) in _LOCAL
+        if not _pid_exists(pid):
+            return False
+    return None
+
+
+def _pid_exists(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host and has not exited (a zombie, exited but not yet
+    reaped, has ``/proc/<pid>/stat`` state ``Z``; without procfs, existence is all we know)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rpartition(b")")[2].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+def live_sessions(store: Store, sessions: Iterable[tuple[str, str]]) -> set[tuple[str, str]]:
+    """Which of ``(actor, session)`` are live by their heartbeats (module docstring).
+
+    Blocks for up to the longest stated timeout when a session's heartbeat stopped changing,
+    up to one interval for live sessions of other processes, not at all otherwise.
+    """
+    first = {s: _read(store, heartbeat_key(*s)) for s in sessions}
+    live, pending = set(), {}
+    for s, body in first.items():
+        verdict = _verdict_now(body)
+        if verdict:
+            live.add(s)
+        elif verdict is None:
+            stated = json.loads(body)
+            pending[s] = (float(stated["timeout_s"]), float(stated["interval_s"]))
+    started = time.monotonic()
+    while pending:
+        time.sleep(max(0.05, min(1.0, min(interval for _, interval in pending.values()) / 2)))
+        waited = time.monotonic() - started
+        for s in list(pending):
+            body = _read(store, heartbeat_key(*s))
+            if body != first[s]:
+                if _verdict_now(body) is not False:
+                    live.add(s)
+                del pending[s]
+            elif waited >= pending[s][0]:
+                del pending[s]
+    return live
