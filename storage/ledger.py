@@ -193,8 +193,9 @@ class Ledger:
         self.session = self._open()
 
     def _refuse_a_live_session(self) -> None:
-        keys = self.store.list_prefix(f"{HEARTBEATS_PREFIX}/{self.actor}/")
-        live = sorted(live_sessions(self.store, [s for s in map(parse_heartbeat_key, keys) if s]))
+        keys = self.store.list_prefix(f"{HEARTBEATS_PREFIX}/{self.actor}")
+        mine = [s for s in map(parse_heartbeat_key, keys) if s and s[0] == self.actor]
+        live = sorted(live_sessions(self.store, mine))
         if live:
             raise ConfigError(f"ledger actor {self.actor!r} of run {self.store.prefix.uri} already has a live session "
                               f"{live[0][1]} (its heartbeat {self.store.uri(heartbeat_key(*live[0]))} changed): "
