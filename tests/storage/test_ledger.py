@@ -190,11 +190,13 @@ def test_an_actors_earlier_life_delete_is_already_released_anothers_is_a_double_
     first_life = Ledger(store, "trainer_dp0")
     first_life.delete(refs[:2], reason="trained step 0")
     store.put(f"{store.prefix.key_of(refs[1].uri)}/c.0", b"left behind")  # died between claim and delete
+    first_session = first_life.session
+    del first_life  # the first life is gone (its session is dead), so the actor may start again
     second_life = Ledger(store, "trainer_dp0")
     result = second_life.delete(refs, reason="trained step 0, resumed")
     assert (result.deleted, result.already_released) == ([refs[2].uri], [refs[0].uri, refs[1].uri])
     assert store.list_prefix("payloads") == []  # the earlier life's leftovers are gone too
-    assert json.loads(store.get(tombstone_key("b0")))["session"] == first_life.session
+    assert json.loads(store.get(tombstone_key("b0")))["session"] == first_session
     with pytest.raises(DoubleDeleteError, match="already deleted by trainer_dp0"):
         Ledger(store, "trainer_dp1").delete(refs[:1], reason="trained step 0")
     with pytest.raises(DoubleDeleteError, match="second delete from trainer_dp0"):
