@@ -152,7 +152,7 @@ def test_packing_errors():
         pack_step([long], seq_len=16, dp_world_size=1)
     twice = _sample(rng, 1, 2, 3, "routing", 16)
     packed = pack_step([twice, twice], seq_len=16, dp_world_size=1)
-    with pytest.raises(PackingError, match=r"chunk file:///runs/run_1/payloads/00/b1 is used by two samples"):
+    with pytest.raises(PackingError, match=rf"chunk {RUN_URI}/{node_key('b1')} is used by two samples"):
         step_contents(packed, step=0, run_uri=RUN_URI, seq_len=16, dp_world_size=1, fields=FIELDS, metrics={})
 
 
@@ -166,6 +166,6 @@ def test_refs_disagreeing_with_the_run_fields_are_packing_errors(kind, fields, m
     packed = pack_step([_sample(np.random.default_rng(3), 4, 2, 3, kind, 16)], seq_len=16, dp_world_size=1)
     with pytest.raises(PackingError) as e:
         step_contents(packed, step=5, run_uri=RUN_URI, seq_len=16, dp_world_size=1, fields=fields, metrics={})
-    assert str(e.value).startswith(f"step 5: ref 0 ({RUN_URI}/payloads/00/b4): {message}")
+    assert str(e.value).startswith(f"step 5: ref 0 ({RUN_URI}/{node_key('b4')}): {message}")
     header, _ = step_contents(packed, step=5, run_uri=RUN_URI, seq_len=16, dp_world_size=1, fields=FIELDS, metrics={})
     assert header.fields == FIELDS
