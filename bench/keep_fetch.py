@@ -5,7 +5,7 @@ Both sides work on the same directory (``--dir``, default a fresh temp dir on /t
 with ``--s3-endpoint URL`` / ``--s3-moto``, the same S3 bucket:
 
 - refpipe: ``Keeper.keep`` (validate, pack into one Zarr v3 chunk, 2 exclusive puts,
-  a ledger event), ``fetch_many`` with 8 threads (whole chunks, checksum checked), and
+  a ledger event), ``fetch_arrays`` on 8 threads (whole chunks, checksum checked), and
   ``Ledger.delete`` (commit-marker check, exclusive tombstone claim, batched delete).
 - raw: one file per field, written with ``open(path, "wb").write(array)``, read with
   ``open(path, "rb").read()`` + ``np.frombuffer`` on 8 threads, removed with ``os.remove``.
@@ -55,8 +55,9 @@ from _args import positive_int  # noqa: E402  (bench/ is sys.path[0] when run as
 from refpipe.pipeline.fields import FieldsConfig  # noqa: E402
 from refpipe.pipeline.keep import Branch, Keeper  # noqa: E402
 from refpipe.storage.backends import open_store
+from refpipe.storage.concurrency import bounded_map  # noqa: E402
 from refpipe.storage.config import StorageConfig  # noqa: E402
-from refpipe.storage.fetch import fetch_many  # noqa: E402
+from refpipe.storage.fetch import fetch_arrays  # noqa: E402
 from refpipe.storage.ledger import Ledger  # noqa: E402
 from refpipe.storage.store import Store  # noqa: E402
 
@@ -256,7 +257,7 @@ def _cut(data: bytes, specs: dict) -> dict[str, np.ndarray]:
 
 
 class Refpipe:
-    """The refpipe side: ``Keeper.keep``, ``fetch_many`` (whole chunks), ``Ledger.delete``."""
+    """The refpipe side: ``Keeper.keep``, ``fetch_arrays`` (whole chunks, ``bounded_map``), ``Ledger.delete``."""
 
     def __init__(self, store: Store, config: StorageConfig, threads: int):
         self.store, self.threads = store, threads
@@ -268,8 +269,7 @@ class Refpipe:
         self.refs[i] = self.keeper.keep(Branch(PROMPT_TOKENS, COMPLETION_TOKENS, fields, f"b{i:06d}"))
 
     def fetch(self, batch: list[int], specs: dict) -> list:
-        return fetch_many(self.store, [(self.refs[i], self.refs[i].num_tokens) for i in batch],
-                          max_concurrency=self.threads)
+        return bounded_map(lambda i: fetch_arrays(self.store, self.refs[i]), batch, self.threads)
 
     def delete(self, batch: list[int], names) -> None:
         self.ledger.delete([self.refs[i] for i in batch], reason="bench")

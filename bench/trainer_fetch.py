@@ -60,8 +60,8 @@ from refpipe.pipeline.step_file import (
     publish_step_file,
 )
 from refpipe.storage.backends import open_store
+from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.config import StorageConfig
-from refpipe.storage.fetch import chunk_keys
 from refpipe.storage.ledger import Ledger
 
 PROMPT, COMPLETION, LAYERS, TOP_K, EXPERTS, HEAD, SUPPORT = 1024, 3072, 48, 8, 128, 128, 20

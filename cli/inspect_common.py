@@ -13,7 +13,6 @@ import functools
 import json
 import os
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -23,9 +22,10 @@ from refpipe.cli.text import printable
 from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.backends import open_store
 from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.chunks import chunk_keys
+from refpipe.storage.concurrency import bounded_map
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import ConfigError, KeyNotFoundError, RefpipeError
-from refpipe.storage.fetch import chunk_keys
 from refpipe.storage.layout import STEPS_PREFIX, parse_step_key, step_key, tombstone_key
 from refpipe.storage.store import Store
 from refpipe.storage.uri import RunPrefix
@@ -146,13 +146,9 @@ def parallel_map(store: Store, fn: Callable[[T], R], items: Sequence[T], descrip
     """``[fn(x) for x in items]`` on ``store.config.max_concurrent_fetches`` threads, with a progress bar."""
     if not items:
         return []
-    with progress(description) as bar, ThreadPoolExecutor(store.config.max_concurrent_fetches) as pool:
+    with progress(description) as bar:
         task = bar.add_task(description, total=len(items))
-        out = []
-        for result in pool.map(fn, items):
-            out.append(result)
-            bar.advance(task)
-        return out
+        return bounded_map(fn, items, store.config.max_concurrent_fetches, on_result=lambda _: bar.advance(task))
 
 
 @dataclass(frozen=True)

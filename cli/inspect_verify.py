@@ -25,8 +25,9 @@ from refpipe.cli.inspect_common import (
 from refpipe.cli.text import printable
 from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.chunk import PayloadRef, read_attributes
+from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.errors import ChunkCorruptError, KeyNotFoundError, StepFileError
-from refpipe.storage.fetch import chunk_keys, fetch_arrays
+from refpipe.storage.fetch import fetch_arrays
 from refpipe.storage.store import Store
 
 

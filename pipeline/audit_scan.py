@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from refpipe.pipeline.step_file import StepFile, StepHeader
 from refpipe.storage.chunk import read_writer
+from refpipe.storage.concurrency import bounded_map
 from refpipe.storage.errors import ConfigError, KeyNotFoundError, RunNotFoundError, StepFileError
 from refpipe.storage.layout import (
     DELETES_PREFIX,
@@ -87,13 +87,8 @@ def committed(keys: Sequence[str]) -> bool:
 def _parallel(store: Store, fn: Callable[[T], R], items: Sequence[T], progress: Progress | None,
               description: str) -> list[R]:
     task = progress.add_task(description, total=len(items)) if progress else None
-    out: list[R] = []
-    with ThreadPoolExecutor(store.config.max_concurrent_fetches) as pool:
-        for result in pool.map(fn, items):
-            out.append(result)
-            if progress:
-                progress.advance(task)
-    return out
+    return bounded_map(fn, items, store.config.max_concurrent_fetches,
+                       on_result=(lambda _: progress.advance(task)) if progress else None)
 
 
 def _list(store: Store, prefix: str, progress: Progress | None) -> list[str]:

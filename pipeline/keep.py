@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from refpipe.pipeline.fields import FieldsConfig, Ragged, validate_branch
 from refpipe.storage.chunk import PayloadRef, encode_chunk
+from refpipe.storage.chunks import put_chunk
 from refpipe.storage.config import StorageConfig
-from refpipe.storage.fetch import put_chunk
 from refpipe.storage.ledger import DeleteResult, Ledger
 from refpipe.storage.store import Store
 

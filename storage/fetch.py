@@ -2,7 +2,7 @@
 
 Fetches read exactly the keys the reference names: no listing, no metadata
 read. A whole-chunk fetch checks length and crc32c (an uncompressed one reads straight into
-the caller's arrays when ``fetch_arrays(out=...)`` names every array); a fetch of the first ``n``
+the caller's arrays when ``fetch_into`` names every array); a fetch of the first ``n``
 tokens of an uncompressed chunk reads each array's first ``ceil(rows / block_rows)`` blocks
 and checks their crc32c against the ref's ``block_crcs`` (length-checked too), so every
 read is verified. Compressed chunks are always read whole.
@@ -14,68 +14,36 @@ or by the destinations the caller allocated, never by a size the ref merely decl
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
+from typing import NamedTuple
 
 import crc32c
 import numpy as np
 from refpipe.storage.chunk import (
     ArrayLayout,
-    EncodedChunk,
     PayloadRef,
     check_checksum,
     check_length,
     decode_payload,
     view_array,
 )
+from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.errors import (
     ChunkCorruptError,
     ChunkNotFoundError,
-    KeyExistsError,
     KeyNotFoundError,
-    RefpipeError,
-    StorageError,
 )
-from refpipe.storage.layout import chunk_keys as layout_chunk_keys
-from refpipe.storage.layout import node_key
 from refpipe.storage.store import Store
 
 
-def put_chunk(store: Store, branch_id: str, chunk: EncodedChunk) -> str:
-    """Write a chunk, then its ``zarr.json`` (the commit marker); return the node URI.
+class Fetched(NamedTuple):
+    """What ``fetch_into`` read."""
 
-    Both puts are exclusive, so a branch id is never written twice. When the commit marker's put
-    fails (after the store's retries), the chunk is removed again (best effort; the sweep removes an
-    incomplete keep left behind).
-
-    Raises:
-        KeyExistsError: a branch with this id was already kept in this run.
-        StorageError: a put failed (after the store's retries).
-    """
-    key = node_key(branch_id)
-    data_key, meta_key = layout_chunk_keys(key)
-    store.put(data_key, chunk.parts, exclusive=True)
-    try:
-        store.put(meta_key, chunk.metadata, exclusive=True)
-    except KeyExistsError:
-        raise
-    except StorageError:  # not kept (no ref was returned): remove what this call wrote, best effort
-        with contextlib.suppress(StorageError):
-            store.delete_keys([meta_key, data_key])
-        raise
-    return store.uri(key)
-
-
-def chunk_keys(store: Store, ref: PayloadRef) -> tuple[str, str]:
-    """``(data_key, meta_key)`` of a ref in the store's run: derived from its branch id (``PayloadRef.key``),
-    so confined to the run prefix whatever path the writer saw the run under.
-
-    Raises:
-        OutsideRunError: the ref's URI names another chunk than its branch id (nothing is read).
-    """
-    return layout_chunk_keys(ref.key)
+    arrays: dict[str, np.ndarray]
+    """Stored array name -> array (as ``fetch_arrays`` returns), ``out``'s own arrays for the names it gives."""
+    in_place: bool
+    """True: the whole chunk was read straight into the destinations (one ``Store.get_into``, the crc32c
+    computed over them). False: it was read in ranges or decompressed, then copied into them."""
 
 
 def rows_for(lay: ArrayLayout, ref: PayloadRef, num_tokens: int, counts: np.ndarray | None) -> int:
@@ -90,26 +58,12 @@ def rows_for(lay: ArrayLayout, ref: PayloadRef, num_tokens: int, counts: np.ndar
     return int(counts[:num_completion].sum())
 
 
-def fetch_arrays(store: Store, ref: PayloadRef, num_tokens: int | None = None,
-                 out: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-    """Read a branch's arrays, cut to its first ``num_tokens`` tokens (default: all).
-
-    A whole uncompressed chunk is read straight into its destination arrays (one
-    ``Store.get_into``), the crc32c computed over them, when the arrays ``out`` leaves out
-    (allocated here from the ref's shapes) take no more bytes than the destinations the caller
-    already allocated: an untrusted ref cannot make this allocate more than the caller
-    committed. Any other chunk is read as below (allocation bounded by the bytes the store
-    returns) and copied into ``out``.
-
-    Args:
-        out: stored array name -> destination: a writable C-contiguous ndarray of that array's
-            dtype and its cut shape (as returned). After an error a destination may hold part
-            of the chunk: the caller discards it.
+def fetch_arrays(store: Store, ref: PayloadRef, num_tokens: int | None = None) -> dict[str, np.ndarray]:
+    """Read a branch's arrays, cut to its first ``num_tokens`` tokens (default: all), into fresh arrays.
 
     Returns:
-        name -> array: ``out``'s own arrays for the names it gives, read-only arrays for the
-        others; token-domain arrays have ``num_tokens`` rows, completion-domain arrays
-        ``max(0, num_tokens - num_prompt_tokens)`` rows, ragged values the rows their kept
+        name -> read-only array; token-domain arrays have ``num_tokens`` rows, completion-domain
+        arrays ``max(0, num_tokens - num_prompt_tokens)`` rows, ragged values the rows their kept
         counts cover.
 
     Raises:
@@ -117,24 +71,45 @@ def fetch_arrays(store: Store, ref: PayloadRef, num_tokens: int | None = None,
         ChunkNotFoundError: the chunk does not exist (never zeros): still missing after
             ``max_retries`` re-reads with backoff (each counted in ``store.retries``).
         ChunkCorruptError: length, whole-chunk crc32c or (cut reads) a block crc32c mismatch.
-        ValueError: ``num_tokens`` outside ``[0, ref.num_tokens]``; a destination of another
-            dtype or shape, read-only or not C-contiguous.
+        ValueError: ``num_tokens`` outside ``[0, ref.num_tokens]``.
+    """
+    return fetch_into(store, ref, num_tokens, {}).arrays
+
+
+def fetch_into(store: Store, ref: PayloadRef, num_tokens: int | None, out: Mapping[str, np.ndarray]) -> Fetched:
+    """``fetch_arrays`` into the caller's arrays: on success every destination in ``out`` holds its rows.
+
+    A whole uncompressed chunk is read straight into the destinations (one ``Store.get_into``, the
+    crc32c computed over them; ``Fetched.in_place``) when the arrays ``out`` leaves out (allocated
+    here from the ref's shapes) take no more bytes than the destinations the caller already
+    allocated: an untrusted ref cannot make this allocate more than the caller committed. Any other
+    chunk is read as ``fetch_arrays`` reads it (allocation bounded by the bytes the store returns)
+    and copied into ``out``. Called by a trainer rank for its DP rank's chunks (``trainer.fetch``).
+
+    Args:
+        out: stored array name -> destination: a writable C-contiguous ndarray of that array's
+            dtype and its cut shape (as ``fetch_arrays`` returns it). After an error a
+            destination may hold part of the chunk: the caller discards it.
+
+    Raises:
+        As ``fetch_arrays``; ValueError also for a destination of another dtype or shape,
+        read-only or not C-contiguous.
     """
     n = ref.num_tokens if num_tokens is None else num_tokens
     if not 0 <= n <= ref.num_tokens:
         raise ValueError(f"num_tokens={n} for chunk {ref.uri}: expected 0..{ref.num_tokens}")
     data_key, _ = chunk_keys(store, ref)
     try:  # the ref says the chunk was kept: a 404 may be a stale cache or a lagging replica, so read again
-        return store.retrying(f"read {ref.uri}", lambda: _fetch(store, data_key, ref, n, dict(out or {})),
+        return store.retrying(f"read {ref.uri}", lambda: _fetch(store, data_key, ref, n, dict(out)),
                               retry=KeyNotFoundError)
     except KeyNotFoundError as e:
         raise ChunkNotFoundError(f"{store.uri(data_key)} does not exist (read {store.config.max_retries + 1} "
                                  f"times)") from e
 
 
-def _fetch(store: Store, data_key: str, ref: PayloadRef, n: int, out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _fetch(store: Store, data_key: str, ref: PayloadRef, n: int, out: dict[str, np.ndarray]) -> Fetched:
     if n == ref.num_tokens and ref.compression == "none" and out and _fresh_nbytes(ref, out) <= _nbytes(out):
-        return _read_whole_into(store, data_key, ref, out)
+        return Fetched(_read_whole_into(store, data_key, ref, out), True)
     if n == ref.num_tokens or ref.compression != "none":
         payload = decode_payload(ref, store.get(data_key), ref.uri)
         got = _cut(ref, n, lambda lay, rows: view_array(payload, lay, rows))
@@ -143,7 +118,7 @@ def _fetch(store: Store, data_key: str, ref: PayloadRef, n: int, out: dict[str, 
     for name, dest in out.items():
         _check_destination(ref, name, dest, got[name].shape)
         dest[...] = got[name]
-    return {name: out.get(name, a) for name, a in got.items()}
+    return Fetched({name: out.get(name, a) for name, a in got.items()}, False)
 
 
 def _read_whole_into(store: Store, data_key: str, ref: PayloadRef, out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -239,55 +214,3 @@ def _read_rows(store: Store, data_key: str, ref: PayloadRef, lay: ArrayLayout, r
                 f"chunk {ref.uri}: array {lay.name} rows [{first}, {min(first + ref.block_rows, lay.shape[0])}): "
                 f"crc32c {computed:#010x}, reference {lay.block_crcs[b]:#010x} (corrupted chunk)")
     return np.frombuffer(data, lay.dtype, rows * row_nbytes // lay.dtype.itemsize).reshape(rows, *lay.shape[1:])
-
-
-class FetchStats:
-    """Thread-safe counters of one process's fetches: chunks, bytes, failures."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.chunks = 0
-        self.nbytes = 0
-        self.failures = 0
-
-    def add(self, arrays: dict[str, np.ndarray] | None) -> None:
-        with self._lock:
-            if arrays is None:
-                self.failures += 1
-            else:
-                self.chunks += 1
-                self.nbytes += sum(a.nbytes for a in arrays.values())
-
-
-def fetch_many(
-    store: Store,
-    requests: Sequence[tuple[PayloadRef, int]],
-    *,
-    max_concurrency: int,
-    stats: FetchStats | None = None,
-) -> list[dict[str, np.ndarray] | RefpipeError]:
-    """Fetch many ``(ref, num_tokens)`` in parallel with at most ``max_concurrency`` threads.
-
-    Transient store errors are retried inside the store (``StorageConfig.max_retries``).
-
-    Returns:
-        One entry per request, in order: the arrays (as ``fetch_arrays``) or the typed
-        ``RefpipeError`` that ended that fetch. Errors that are not ``RefpipeError``
-        (bugs) propagate.
-    """
-
-    def one(req: tuple[PayloadRef, int]):
-        try:
-            arrays = fetch_arrays(store, req[0], req[1])
-        except RefpipeError as e:
-            if stats:
-                stats.add(None)
-            return e
-        if stats:
-            stats.add(arrays)
-        return arrays
-
-    if len(requests) <= 1:
-        return [one(r) for r in requests]
-    with ThreadPoolExecutor(max_workers=min(max_concurrency, len(requests))) as pool:
-        return list(pool.map(one, requests))

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.errors import (
     ConfigError,
     DeleteKeysError,
@@ -49,7 +50,6 @@ from refpipe.storage.errors import (
     StorageError,
     UnknownRefError,
 )
-from refpipe.storage.fetch import chunk_keys
 from refpipe.storage.layout import (
     HEARTBEATS_PREFIX,
     branch_id_of,

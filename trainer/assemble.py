@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 from refpipe.pipeline.fields import FIELDS, FieldDef, FieldsConfig, spread_expert_rows, trailing_shape
@@ -96,15 +96,16 @@ class AssembledMicroBatch:
         return self.record.num_tokens
 
 
-@dataclass(frozen=True)
+@dataclass
 class MicroBatchPlan:
     """A micro batch's output arrays, allocated (not yet written) before its chunks are read.
 
     ``targets[s]`` maps each stored array name whose rows sequence ``s`` contributes to its
     destination ``[rows, *row_shape]``, a slice of ``buffers`` (token-domain fields:
     ``padded[start_s : start_s + rows]``; completion fields: ``values[cu_rows[s] : cu_rows[s + 1]]``).
-    Reading a chunk straight into them (``storage.fetch.fetch_arrays(out=...)``) leaves
-    ``finish_micro_batch`` nothing to copy for that sequence. Ragged fields have no targets.
+    Ragged fields have no targets. The plan decides which sequence's targets a ref's chunk is read
+    into (``read_targets``); the reader reports the destinations it filled (``mark_read``), and
+    ``finish_micro_batch`` copies rows only into the others.
     """
 
     mb: MicroBatchRecord
@@ -116,6 +117,22 @@ class MicroBatchPlan:
     cu_rows: dict[str, np.ndarray]
     """Field name -> [S + 1] int32 cumulative rows per sequence."""
     targets: list[dict[str, np.ndarray]]
+    filled: set[tuple[int, str]] = field(default_factory=set)
+    """``(sequence index, stored array name)`` of targets that already hold their rows."""
+
+    def read_targets(self, ref: int, num_tokens: int) -> tuple[int, dict[str, np.ndarray]] | None:
+        """Where to read ref ``ref`` cut to ``num_tokens`` tokens: ``(s, name -> destination)`` of the first
+        sequence ``s`` that keeps exactly that many of its tokens (destinations whose dtype is the stored one),
+        or None when no sequence of this micro batch does."""
+        specs = self.refs[ref].arrays
+        for s, (seq, targets) in enumerate(zip(self.mb.sequences, self.targets)):
+            if seq.ref == ref and seq.num_tokens == num_tokens:
+                return s, {name: t for name, t in targets.items() if t.dtype == np.dtype(specs[name].dtype)}
+        return None
+
+    def mark_read(self, s: int, names: Iterable[str]) -> None:
+        """Record that sequence ``s``'s targets of ``names`` hold their rows (read straight into them)."""
+        self.filled.update((s, name) for name in names)
 
 
 def assemble_micro_batch(
@@ -197,8 +214,8 @@ def finish_micro_batch(plan: MicroBatchPlan, streams: Mapping[str, np.ndarray],
     Args:
         plan: from ``plan_micro_batch``; its buffers become the result's arrays.
         streams: name -> [T] as ``StepFile.streams`` returns them.
-        arrays: ref index -> fetched arrays, as for ``assemble_micro_batch``; an array that *is*
-            a sequence's target (read into it) is not copied again.
+        arrays: ref index -> fetched arrays, as for ``assemble_micro_batch``; targets marked read
+            (``MicroBatchPlan.mark_read``) are not copied again.
 
     Raises:
         FieldError: a sequence with loss tokens lacks a field of ``FieldsConfig.required``; a
@@ -207,10 +224,10 @@ def finish_micro_batch(plan: MicroBatchPlan, streams: Mapping[str, np.ndarray],
     """
     mb, what = plan.mb, f"micro batch dp_rank={plan.mb.dp_rank} index={plan.mb.index}"
     _check_required(plan, streams["loss_mask"], what)
-    for seq, targets in zip(mb.sequences, plan.targets):
+    for s, (seq, targets) in enumerate(zip(mb.sequences, plan.targets)):
         for name, dest in targets.items():
-            got = _fetched(arrays, seq, plan.refs, what)
-            if got.get(name) is not dest:
+            if (s, name) not in plan.filled:
+                got = _fetched(arrays, seq, plan.refs, what)
                 where = f"{what}: ref {seq.ref} ({plan.refs[seq.ref].uri})"
                 dest[...] = _cut(got, name, len(dest), dest.shape[1:], where)
     out: dict[str, FieldBatch] = {}

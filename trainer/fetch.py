@@ -3,15 +3,16 @@
 Every rank fetches for itself (model-parallel peers of one DP rank each fetch the same
 chunks): only the refs its DP rank's micro batches use, each once, cut to the most
 tokens any of its sequences keeps, so a truncated slice reads only its kept rows
-(``storage.fetch.fetch_arrays``). Fetches run on at most
-``StorageConfig.max_concurrent_fetches`` threads; transient store errors are retried
-inside the store (``StorageConfig.max_retries``).
+(``storage.fetch.fetch_into``). Fetches run on at most ``StorageConfig.max_concurrent_fetches``
+threads (``storage.concurrency.bounded_map``); transient store errors are retried inside the
+store (``StorageConfig.max_retries``).
 
 Each micro batch's output arrays are allocated first (``trainer.assemble.plan_micro_batch``)
 and each whole uncompressed chunk is read straight into them: the chunk's rows land in
-their final place (``storage.fetch.fetch_arrays(out=...)``, one ``preadv``, the crc32c
-computed over those arrays). A ref is read once, into the targets of its first sequence
-that keeps as many tokens as are fetched; its other uses (a borrowed padding dummy, a
+their final place (``storage.fetch.fetch_into``, one ``preadv``, the crc32c
+computed over those arrays). A ref is read once, into the targets the first micro batch
+planning it names (``MicroBatchPlan.read_targets``: its first sequence that keeps as many tokens
+as are fetched), which then records them as read (``mark_read``); its other uses (a borrowed padding dummy, a
 shorter cut) and cut or compressed chunks are copied. The thread that fetches a micro
 batch's last chunk finishes it (``finish_micro_batch``: the copies, padding, streams) and
 then drops the chunks no other micro batch needs. A micro batch that fails is dropped
@@ -23,14 +24,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.step_file import StepFile, StepHeader
+from refpipe.storage.concurrency import bounded_map
 from refpipe.storage.errors import KeyNotFoundError, RefpipeError, StepFileError
-from refpipe.storage.fetch import FetchStats, fetch_arrays
+from refpipe.storage.fetch import fetch_into
 from refpipe.storage.layout import step_key
 from refpipe.storage.store import Store
 from refpipe.trainer.assemble import AssembledMicroBatch, MicroBatchPlan, finish_micro_batch, plan_micro_batch
@@ -71,6 +72,8 @@ class FetchedStep:
     """Chunks fetched."""
     nbytes: int = 0
     """Bytes of the arrays fetched (kept rows only)."""
+    chunks_in_place: int = 0
+    """Chunks read straight into their micro batch's arrays (``Fetched.in_place``: no copy)."""
     seconds: float = 0.0
     """Wall time of fetching and assembling."""
 
@@ -108,7 +111,6 @@ def fetch_own(store: Store, step_file: StepFile, dp_rank: int, fields: FieldsCon
         run.out.assembled.clear()
         run.out.failed = set(run.users_of_mb)
         run.out.errors.append(f"fetch raised {type(e).__name__}: {e}")
-    run.out.chunks, run.out.nbytes = run.stats.chunks, run.stats.nbytes
     run.out.seconds = time.monotonic() - started
     for line in run.out.errors:
         log.warning("step %d dp_rank=%d: %s", step_file.header.step, dp_rank, line)
@@ -132,18 +134,18 @@ class _OwnFetch:
         self.pending = {index: len(refs) for index, refs in self.users_of_mb.items()}
         self.refs_left = {ref: len(users) for ref, users in self.users_of_ref.items()}
         self.arrays: dict[int, dict[str, np.ndarray]] = {}
-        self.out, self.stats, self.lock = FetchedStep(), FetchStats(), threading.Lock()
+        self.out, self.lock = FetchedStep(), threading.Lock()
         self.plans: dict[int, MicroBatchPlan] = {}
 
-    def targets(self, ref: int) -> dict[str, np.ndarray]:
-        """Where to read ref ``ref``: the targets of its first planned sequence that keeps all fetched tokens."""
-        specs = self.header.refs[ref].arrays
+    def read_targets(self, ref: int) -> tuple[MicroBatchPlan | None, int, dict[str, np.ndarray]]:
+        """``(plan, s, destinations)`` ref ``ref`` is read into: what the first planned micro batch using it
+        names (``MicroBatchPlan.read_targets``); ``(None, -1, {})``: fresh arrays."""
         for index in self.users_of_ref[ref]:
             plan = self.plans.get(index)
-            for seq, targets in zip(plan.mb.sequences, plan.targets) if plan else ():
-                if seq.ref == ref and seq.num_tokens == self.need[ref]:
-                    return {name: t for name, t in targets.items() if t.dtype == np.dtype(specs[name].dtype)}
-        return {}
+            found = plan.read_targets(ref, self.need[ref]) if plan else None
+            if found:
+                return plan, *found
+        return None, -1, {}
 
     def run(self, max_concurrency: int) -> None:
         """Plan every micro batch, then fetch every ref on a bounded pool (micro batches without refs finish there)."""
@@ -154,24 +156,26 @@ class _OwnFetch:
             except RefpipeError as e:
                 self._fail([mb.index], f"micro batch {mb.index}: {type(e).__name__}: {e}")
         no_refs = [index for index, refs in self.users_of_mb.items() if not refs]
-        with ThreadPoolExecutor(max_workers=max(1, min(max_concurrency, len(self.need) or 1))) as pool:
-            futures = [pool.submit(self.fetch_ref, ref) for ref in sorted(self.need)]
-            futures += [pool.submit(self.assemble, index) for index in no_refs]
-        for future in futures:
-            future.result()
+        tasks = [(self.fetch_ref, ref) for ref in sorted(self.need)] + [(self.assemble, i) for i in no_refs]
+        bounded_map(lambda task: task[0](task[1]), tasks, max_concurrency)
 
     def fetch_ref(self, ref: int) -> None:
         """Fetch one ref; assemble each micro batch whose last chunk this was."""
+        plan, s, destinations = self.read_targets(ref)
         try:
-            arrays = fetch_arrays(self.store, self.header.refs[ref], self.need[ref], out=self.targets(ref))
+            fetched = fetch_into(self.store, self.header.refs[ref], self.need[ref], destinations)
         except RefpipeError as e:
-            arrays = None
+            fetched = None
             self._fail(self.users_of_ref[ref], f"ref {ref} ({self.header.refs[ref].uri}): {type(e).__name__}: {e}")
-        self.stats.add(arrays)
         ready = []
         with self.lock:
-            if arrays is not None:
-                self.arrays[ref] = arrays
+            if fetched is not None:
+                self.arrays[ref] = fetched.arrays
+                if plan is not None:
+                    plan.mark_read(s, destinations)
+                self.out.chunks += 1
+                self.out.nbytes += sum(a.nbytes for a in fetched.arrays.values())
+                self.out.chunks_in_place += fetched.in_place
             for index in self.users_of_ref[ref]:
                 self.pending[index] -= 1
                 if self.pending[index] == 0:

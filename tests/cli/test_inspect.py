@@ -31,8 +31,8 @@ from refpipe.pipeline.step_file import (
 )
 from refpipe.storage.backends import open_store
 from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.config import StorageConfig
-from refpipe.storage.fetch import chunk_keys
 from refpipe.storage.layout import step_key
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.s3_store import S3Store

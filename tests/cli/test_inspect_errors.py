@@ -101,7 +101,7 @@ def test_permission_denied_is_one_line(local_run):
 
 
 def test_no_command_changes_the_run(run, tmp_path):
-    from refpipe.storage.fetch import chunk_keys
+    from refpipe.storage.chunks import chunk_keys
 
     run.store.delete_keys(list(chunk_keys(run.store, run.refs["e"])))  # so failing paths run too
     before = snapshot(run.store)

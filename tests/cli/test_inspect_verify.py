@@ -7,7 +7,7 @@ import json
 import zipfile
 
 from refpipe.pipeline.step_file import HEADER_MEMBER
-from refpipe.storage.fetch import chunk_keys
+from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.layout import step_key
 from refpipe.storage.ledger import Ledger
 from test_inspect import invoke, snapshot

@@ -24,7 +24,8 @@ from refpipe.pipeline.audit import audit
 from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.backends import open_store
 from refpipe.storage.errors import ChunkNotFoundError, TransientStorageError
-from refpipe.storage.fetch import chunk_keys, fetch_arrays
+from refpipe.storage.chunks import chunk_keys
+from refpipe.storage.fetch import fetch_arrays
 from refpipe.storage.layout import LATEST_WEIGHTS_KEY, step_key, tombstone_key, weights_key
 from refpipe.storage.ledger import Ledger
 

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.errors import ChunkCorruptError, ChunkNotFoundError, OutsideRunError
-from refpipe.storage.fetch import fetch_arrays, fetch_many
+from refpipe.storage.fetch import fetch_arrays
 from refpipe.storage.layout import DATA_NAME, META_NAME, node_key
 from refpipe.storage.ledger import Ledger
 from storage_helpers import FIELDS_CFG, Backend, FsOps, S3Requests, make_backend, make_fields
@@ -155,8 +155,6 @@ def test_refs_whose_uri_names_another_chunk_are_refused_before_any_io(backend):
                 fetch_arrays(backend.store, ref)
             with pytest.raises(OutsideRunError, match="does not name branch 'b1'"):
                 ledger.delete([ref], reason="test")
-        results = fetch_many(backend.store, [(ref, P + C) for ref in refs], max_concurrency=4)
-    assert [type(r) for r in results] == [OutsideRunError] * len(refs)
     assert ops.ops == [] and (requests is None or requests.log == [])
     assert sibling.raw.keys() == before
     assert fetch_arrays(sibling.store, sibling_ref)["routed_experts"].shape == (P + C, 3, 2)

@@ -1,4 +1,4 @@
-"""``fetch_arrays(out=...)``: chunks read straight into the caller's arrays, byte for byte, or a typed error."""
+"""``fetch_into``: chunks read straight into the caller's arrays, byte for byte, or a typed error."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.errors import ChunkCorruptError, ChunkNotFoundError
-from refpipe.storage.fetch import fetch_arrays
+from refpipe.storage.fetch import fetch_arrays, fetch_into
 from refpipe.storage.layout import DATA_NAME, node_key
 from refpipe.storage.ledger import Ledger
 from storage_helpers import FIELDS_CFG, Backend, assert_same_bytes, make_backend, make_fields, stored_cut
@@ -49,9 +49,11 @@ def test_fetch_into_the_callers_arrays_is_byte_identical(backend, compression, n
     ref, fields = keep(backend, compression)
     names = ["routed_experts", "topk_logprobs", "sampling_mask.counts"]
     out = destinations(ref, num_tokens, names, fields)
-    got = fetch_arrays(backend.store, ref, num_tokens, out=out)
+    got, in_place = fetch_into(backend.store, ref, num_tokens, out)
+    assert in_place == (compression == "none" and num_tokens == P + C)  # only whole uncompressed chunks
     assert_same_bytes(got, stored_cut(fields, P, num_tokens))
     assert all(got[name] is out[name] for name in names)
+    assert_same_bytes({name: out[name] for name in names}, {n: stored_cut(fields, P, num_tokens)[n] for n in names})
     assert all(not got[name].flags.writeable for name in got if name not in names)
     assert_same_bytes(fetch_arrays(backend.store, ref, num_tokens), stored_cut(fields, P, num_tokens))
 
@@ -59,7 +61,7 @@ def test_fetch_into_the_callers_arrays_is_byte_identical(backend, compression, n
 def test_whole_fetch_leaves_the_rest_of_the_callers_array_alone(backend):
     ref, fields = keep(backend)
     big = np.full((P + C + 2, 3, 2), 0xEE, np.uint8)
-    fetch_arrays(backend.store, ref, out={"routed_experts": big[1:-1]})
+    fetch_into(backend.store, ref, None, {"routed_experts": big[1:-1]})
     assert (big[0] == 0xEE).all() and (big[-1] == 0xEE).all()
     assert big[1:-1].tobytes() == fields["routed_experts"].tobytes()
 
@@ -72,7 +74,7 @@ def test_a_chunk_of_another_length_is_corrupt(backend, change):
            "doubled": stored + stored}[change]
     backend.raw.put(data_key(ref), bad)
     with pytest.raises(ChunkCorruptError, match=f"expected {ref.nbytes} bytes, got {len(bad)}"):
-        fetch_arrays(backend.store, ref, out=destinations(ref, P + C, ["routed_experts"], fields))
+        fetch_into(backend.store, ref, None, destinations(ref, P + C, ["routed_experts"], fields))
 
 
 @pytest.mark.parametrize("where", ["array", "alignment_padding", "checksum"])
@@ -86,7 +88,7 @@ def test_a_flipped_byte_is_corrupt(backend, where):
     corrupted[pos] ^= 0x10
     backend.raw.put(data_key(ref), bytes(corrupted))
     with pytest.raises(ChunkCorruptError, match="crc32c mismatch"):
-        fetch_arrays(backend.store, ref, out=destinations(ref, P + C, ["routed_experts", "topk_ids"], fields))
+        fetch_into(backend.store, ref, None, destinations(ref, P + C, ["routed_experts", "topk_ids"], fields))
 
 
 def test_a_missing_chunk_is_not_found(backend):
@@ -94,7 +96,7 @@ def test_a_missing_chunk_is_not_found(backend):
     backend.raw.remove(data_key(ref))
     out = destinations(ref, P + C, ["routed_experts"], fields)
     with pytest.raises(ChunkNotFoundError, match="does not exist"):
-        fetch_arrays(backend.store, ref, out=out)
+        fetch_into(backend.store, ref, None, out)
     assert (out["routed_experts"] == 0xEE).all()
 
 
@@ -122,4 +124,4 @@ def test_a_wrong_destination_is_a_value_error(backend, num_tokens):
     for bad, what in bad_ones:
         with pytest.raises(ValueError, match=f"destination of routed_experts is .*{what}.*expected a writable "
                                              f"C-contiguous \\|u1 \\[{rows}, 3, 2\\]"):
-            fetch_arrays(backend.store, ref, num_tokens, out={"routed_experts": bad})
+            fetch_into(backend.store, ref, num_tokens, {"routed_experts": bad})

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 from refpipe.storage.chunk import ArraySpec, PayloadRef, encode_chunk
+from refpipe.storage.chunks import put_chunk
 from refpipe.storage.errors import (
     ChunkNotFoundError,
     ConfigError,
@@ -15,7 +16,7 @@ from refpipe.storage.errors import (
     StorageError,
     UnknownRefError,
 )
-from refpipe.storage.fetch import fetch_arrays, put_chunk
+from refpipe.storage.fetch import fetch_arrays
 from refpipe.storage.layout import node_key, parse_segment_key, parse_tombstone_key, tombstone_key
 from refpipe.storage.ledger import SEGMENT_MAX_EVENTS, Ledger
 from refpipe.storage.local_store import LocalStore

@@ -13,8 +13,9 @@ from refpipe.pipeline.fields import FieldsConfig, spread_expert_rows
 from refpipe.pipeline.keep import Branch
 from refpipe.pipeline.step_file import StepFile, publish_step_file
 from refpipe.storage.backends import open_store
+from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.errors import FieldError, PackingError, StepFileError
-from refpipe.storage.fetch import chunk_keys, fetch_arrays
+from refpipe.storage.fetch import fetch_arrays
 from refpipe.trainer.assemble import assemble_dropped_micro_batch, assemble_micro_batch
 from refpipe.trainer.fetch import fetch_own, own_requests, wait_for_step
 from refpipe.trainer.tensors import to_torch

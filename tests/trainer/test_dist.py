@@ -18,8 +18,8 @@ import numpy as np
 from fault_proxy import Fault, FaultProxy
 from refpipe.pipeline.fields import spread_expert_rows
 from refpipe.storage.backends import open_store
+from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.config import StorageConfig
-from refpipe.storage.fetch import chunk_keys
 from refpipe.storage.layout import tombstone_key
 from trainer_helpers import FIELDS, Seq, assert_same, build_step, expected_micro_batch, keep_all, make_branch
 

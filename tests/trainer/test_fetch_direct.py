@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.backends import open_store
-from refpipe.storage.fetch import chunk_keys
+from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.local_store import LocalStore
 from refpipe.trainer.fetch import fetch_own
 from trainer_helpers import FIELDS, Seq, assert_same, build_step, expected_micro_batch, flatten, keep_all, make_branch
@@ -60,7 +60,9 @@ def test_whole_chunks_land_in_the_micro_batch_arrays_byte_for_byte(built):
         assert fetched.failed == set() and fetched.errors == [] and sorted(fetched.assembled) == [0, 1]
         for index, mb in fetched.assembled.items():
             assert_same(flatten(mb.streams, mb.cu_seqlens, mb.fields), expected_micro_batch(step, dp, index))
-    dp0 = fetch_own(store, step_file, 0, FIELDS, max_concurrency=3).assembled
+    fetched = fetch_own(store, step_file, 0, FIELDS, max_concurrency=3)
+    assert (fetched.chunks, fetched.chunks_in_place) == (4, 3)  # a, c, d whole into place; b cut, then copied
+    dp0 = fetched.assembled
     routing, topk = dp0[0].fields["routed_experts"].padded, dp0[1].fields["topk_ids"].values
     assert _read_into(store, refs["a"], routing) and not _read_into(store, refs["b"], routing)
     assert _read_into(store, refs["c"], topk) and _read_into(store, refs["d"], topk)
