@@ -6,9 +6,11 @@ the ``model_parallel_size`` consecutive ranks of one DP rank (its tensor/pipelin
 parallel peers) consume the same micro batches, and the peer with ``mp_rank == 0`` deletes
 their chunks.
 
-Both collectives run on the default (world) process group, whose timeout is
-``TrainerConfig.collective_timeout_s``: a rank whose peer died or hangs raises instead of
-waiting forever.
+The data path's collectives (the failure all-reduce, the metrics all-gather) run on their own
+gloo process group over the whole world (``new_data_group``), whatever the default group is: a
+trainer whose default group is NCCL on GPUs calls them with the CPU tensors they use, and they never
+interleave with the model's collectives. Its timeout is ``TrainerConfig.collective_timeout_s``: a rank
+whose peer died or hangs raises instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -72,8 +74,18 @@ def init_process_group(config: TrainerConfig, *, rank: int, world_size: int, ini
     return topology
 
 
-def agree_failures(failed: set[int], topology: Topology, micro_batches_per_dp_rank: int) -> np.ndarray:
-    """World all-reduce (MAX) of failure flags: which micro batches are dropped everywhere.
+def new_data_group(config: TrainerConfig) -> dist.ProcessGroup:
+    """A gloo process group over every rank of the default world, for the data path's collectives.
+
+    Collective: every rank calls it once, after the default group is initialised (any backend) and in
+    the same order as its other ``new_group`` calls (``TrainerRank`` does, at construction).
+    """
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=config.collective_timeout_s))
+
+
+def agree_failures(failed: set[int], topology: Topology, micro_batches_per_dp_rank: int,
+                   group: dist.ProcessGroup) -> np.ndarray:
+    """All-reduce (MAX) of failure flags over ``group`` (the data group): which micro batches are dropped everywhere.
 
     Every rank contributes a flag vector of length ``dp_world_size * micro_batches_per_dp_rank``
     (entry ``dp_rank * micro_batches_per_dp_rank + index``), set only at its own DP rank's
@@ -86,13 +98,13 @@ def agree_failures(failed: set[int], topology: Topology, micro_batches_per_dp_ra
     base = topology.dp_rank * micro_batches_per_dp_rank
     for index in failed:
         flags[base + index] = 1
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     return flags.numpy().astype(bool).reshape(topology.dp_world_size, micro_batches_per_dp_rank)
 
 
-def gather_rank_values(values: np.ndarray) -> np.ndarray:
-    """World all-gather of one float64 vector per rank: returns [world_size, len(values)] float64."""
+def gather_rank_values(values: np.ndarray, group: dist.ProcessGroup) -> np.ndarray:
+    """All-gather over ``group`` (the data group) of one float64 vector per rank: [world_size, len(values)] float64."""
     local = torch.from_numpy(np.ascontiguousarray(values, np.float64))
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, local)
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local, group=group)
     return torch.stack(gathered).numpy()

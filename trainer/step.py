@@ -20,7 +20,7 @@ from refpipe.storage.store import Store
 from refpipe.trainer.assemble import AssembledMicroBatch, assemble_dropped_micro_batch, micro_batch_hash
 from refpipe.trainer.background import BackgroundRelease, Prefetch, Prepared, ReleaseCounts
 from refpipe.trainer.config import TrainerConfig
-from refpipe.trainer.dist import Topology, agree_failures, gather_rank_values
+from refpipe.trainer.dist import Topology, agree_failures, gather_rank_values, new_data_group
 from refpipe.trainer.fetch import FetchedStep, fetch_own, wait_for_step
 from refpipe.trainer.pause import pause_point
 from refpipe.trainer.release import ReleasePolicy
@@ -92,8 +92,8 @@ class TrainerRank:
     Which ranks call what, in which order:
 
     1. every rank: ``trainer.dist.init_process_group`` (or its own gloo/NCCL world with a
-       timeout), then ``TrainerRank(...)``; the ``mp_rank == 0`` rank of each DP rank opens
-       the ledger ``trainer_dp<dp_rank>``.
+       timeout), then ``TrainerRank(...)`` (collective: it creates the gloo data group unless one
+       is passed); the ``mp_rank == 0`` rank of each DP rank opens the ledger ``trainer_dp<dp_rank>``.
     2. every rank, for every step in the same order: ``run_step(step, train)``, which runs
 
        a. load step: take the prefetched step, or wait for and validate the step file
@@ -101,7 +101,7 @@ class TrainerRank:
        b. fetch own (unless prefetched): this DP rank's micro batches' chunks, in parallel,
           each micro batch assembled into its padded numpy layout as soon as its chunks are
           in (``trainer.fetch``); errors become failure flags;
-       c. agree failures: world all-reduce of the flags (collective);
+       c. agree failures: all-reduce of the flags over the data group (collective);
           if no micro batch was fetched anywhere, every rank raises ``FetchError`` here;
        d. prefetch: start fetching step + 1 in the background (``trainer.background.Prefetch``;
           at most one step ahead, so a rank holds at most two steps of arrays: this one and
@@ -112,7 +112,11 @@ class TrainerRank:
           (``config.release``): now, or once a checkpoint covers it, it waits for the previous
           release, then deletes (or retains) the chunks its DP rank owns in the background,
           recording ``release`` once done (after (c), so every rank has finished fetching);
-       h. metrics: world all-gather of per-rank counters (collective).
+       h. metrics: all-gather of per-rank counters over the data group (collective).
+
+    (a)+(b), (c) and (g) are also callable one by one (``load_and_fetch``, ``agree_failures``,
+    ``release_step``) by a trainer that drives its own loop; ``run_step`` is their composition.
+
     3. every rank, after a checkpoint covering step ``s`` is durable on every rank:
        ``checkpointed(s)`` (``after_checkpoint`` releases the held steps ``<= s``).
     4. a restarted trainer (``trainer.resume``): every rank calls ``resume(plan)`` before its first step,
@@ -125,11 +129,15 @@ class TrainerRank:
         fields: the run's field shapes.
         storage: fetch concurrency (``max_concurrent_fetches``) and retries.
         config: topology and timeouts.
+        data_group: the process group of the data path's collectives: a gloo group over the whole
+            world; default: a new one (``trainer.dist.new_data_group``).
     """
 
-    def __init__(self, store: Store, fields: FieldsConfig, storage: StorageConfig, config: TrainerConfig):
+    def __init__(self, store: Store, fields: FieldsConfig, storage: StorageConfig, config: TrainerConfig,
+                 data_group: dist.ProcessGroup | None = None):
         self.store, self.fields, self.storage, self.config = store, fields, storage, config
         self.topology = Topology.current(config)
+        self.data_group = data_group or new_data_group(config)
         dp_rank = self.topology.dp_rank
         self.ledger = Ledger(store, trainer_actor(dp_rank)) if self.topology.mp_rank == 0 else None
         self.release = (BackgroundRelease(self.ledger, dp_rank, storage.max_concurrent_fetches)
@@ -162,8 +170,7 @@ class TrainerRank:
         train(batches)
         del batches
         resumed = time.monotonic()
-        if self.policy is not None:
-            self.policy.trained(header)
+        self.release_step(header)
         exposed_s += time.monotonic() - resumed
         return self.metrics(header, prepared, dropped, exposed_s, wait_s, hashes)
 
@@ -208,7 +215,7 @@ class TrainerRank:
             FetchError: every micro batch of the step is dropped (raised on every rank alike).
         """
         per_dp_rank = len(header.micro_batches_of(0))
-        dropped = agree_failures(fetched.failed, self.topology, per_dp_rank)
+        dropped = agree_failures(fetched.failed, self.topology, per_dp_rank, self.data_group)
         if dropped.size and dropped.all():
             raise FetchError(f"step {header.step}: none of its {dropped.size} micro batches could be fetched on any "
                              f"rank; dp_rank={self.topology.dp_rank} rank={self.topology.rank} errors: "
@@ -230,6 +237,13 @@ class TrainerRank:
                                              fields=self.fields, routing_rows=routing_rows)
                 if dropped[mb.index] else fetched.assembled[mb.index] for mb in mbs]
 
+    def release_step(self, header: StepHeader) -> None:
+        """(g) After the step trained (and after (c) on every rank): the ``mp_rank == 0`` rank hands the step to
+        its release policy (``config.release``), which deletes (or retains) the chunks its DP rank owns in the
+        background, now or once a checkpoint covers the step; other ranks: no-op."""
+        if self.policy is not None:
+            self.policy.trained(header)
+
     def _local_release_counts(self) -> list[float]:
         """This rank's store retries and release counts since the last metrics."""
         retries, self._retries_seen = self.store.retries - self._retries_seen, self.store.retries
@@ -242,9 +256,10 @@ class TrainerRank:
         fetched = prepared.fetched
         local = np.array([fetched.seconds, exposed_s, wait_s, prepared.prefetched, fetched.chunks, fetched.nbytes,
                           len(fetched.errors), *self._local_release_counts()], np.float64)
-        seconds, exposed, wait, prefetched, chunks, nbytes, errors, *release = gather_rank_values(local).T
+        gathered = gather_rank_values(local, self.data_group)
+        seconds, exposed, wait, prefetched, chunks, nbytes, errors, *release = gathered.T
         every_rank: list[list[str]] = [[] for _ in range(self.topology.world_size)]
-        dist.all_gather_object(every_rank, hashes)
+        dist.all_gather_object(every_rank, hashes, group=self.data_group)
         metrics = StepMetrics(
             step=header.step, micro_batches=len(header.micro_batches), dropped_micro_batches=int(dropped.sum()),
             fetched_chunks=int(chunks.sum()), fetched_bytes=int(nbytes.sum()),
@@ -280,7 +295,7 @@ class TrainerRank:
         """
         if self.policy is not None and plan.released[self.topology.dp_rank] < step:
             self.policy.release(StepFile.read(self.store, step).header)
-        counts = gather_rank_values(np.array(self._local_release_counts(), np.float64)).T
+        counts = gather_rank_values(np.array(self._local_release_counts(), np.float64), self.data_group).T
         return StepMetrics(step=step, micro_batches=0, dropped_micro_batches=0, fetched_chunks=0, fetched_bytes=0,
                            fetch_seconds_mean=0.0, fetch_seconds_max=0.0, exposed_data_seconds_mean=0.0,
                            exposed_data_seconds_max=0.0, step_wait_seconds_max=0.0, prefetched_ranks=0,
@@ -293,7 +308,8 @@ class TrainerRank:
         self.prefetch.take(-1)
         if self.release is not None:
             self.release.wait(retry=True)
-        metrics = ReleaseMetrics(**_release_metrics(gather_rank_values(np.array(self._local_release_counts())).T))
+        counts = gather_rank_values(np.array(self._local_release_counts()), self.data_group)
+        metrics = ReleaseMetrics(**_release_metrics(counts.T))
         log.info("trainer release after the last step: %s", metrics.model_dump())
         return metrics
 

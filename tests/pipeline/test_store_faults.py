@@ -23,8 +23,8 @@ from refpipe.job.weights import publish_weights
 from refpipe.pipeline.audit import audit
 from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.backends import open_store
-from refpipe.storage.errors import ChunkNotFoundError, TransientStorageError
 from refpipe.storage.chunks import chunk_keys
+from refpipe.storage.errors import ChunkNotFoundError, TransientStorageError
 from refpipe.storage.fetch import fetch_arrays
 from refpipe.storage.layout import LATEST_WEIGHTS_KEY, step_key, tombstone_key, weights_key
 from refpipe.storage.ledger import Ledger

@@ -7,6 +7,10 @@ how long the step took); after the last step, if no step broke the world, ``fini
 (``TrainerRank.finish``: the last release's counts). A rank listed in ``exit_before`` leaves the
 world with ``os._exit`` at that step, as a crashed rank would. A branch id in ``fetch_raises``
 makes its fetch raise that builtin exception, as a bug in the fetch path would.
+
+With ``"default_backend": "fake"`` the default process group is torch's ``fake`` backend (its
+collectives return at once and combine nothing: a stand-in for an NCCL world that cannot take the
+data path's CPU tensors), and the data path must run on ``TrainerRank``'s own gloo group.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch.distributed as dist
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
@@ -34,14 +39,14 @@ from trainer_helpers import flatten  # noqa: E402
 
 def _inject_bugs(fetch_raises: dict[str, str]) -> None:
     """Make the trainer's fetch of the named branches raise the named builtin exception."""
-    real = trainer_fetch.fetch_arrays
+    real = trainer_fetch.fetch_into
 
-    def fetch_arrays(store, ref, num_tokens=None, out=None):
+    def fetch_into(store, ref, num_tokens, out):
         if ref.branch_id in fetch_raises:
             raise getattr(builtins, fetch_raises[ref.branch_id])(f"injected bug fetching {ref.branch_id}")
         return real(store, ref, num_tokens, out)
 
-    trainer_fetch.fetch_arrays = fetch_arrays
+    trainer_fetch.fetch_into = fetch_into
 
 
 def main(spec_path: str, rank: int) -> None:
@@ -50,7 +55,14 @@ def main(spec_path: str, rank: int) -> None:
     logging.basicConfig(level=logging.INFO, format=f"rank{rank} %(name)s %(levelname)s %(message)s")
     config = TrainerConfig(**spec["trainer"])
     storage = StorageConfig(**spec["storage"])
-    init_process_group(config, rank=rank, world_size=spec["world_size"], init_method=spec["init_method"])
+    if spec.get("default_backend") == "fake":
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+
+        host, port = spec["init_method"].removeprefix("tcp://").split(":")
+        store = dist.TCPStore(host, int(port), spec["world_size"], is_master=rank == 0)
+        dist.init_process_group("fake", store=store, rank=rank, world_size=spec["world_size"])
+    else:
+        init_process_group(config, rank=rank, world_size=spec["world_size"], init_method=spec["init_method"])
     _inject_bugs(spec.get("fetch_raises", {}))
     rank_obj = TrainerRank(open_store(storage), FieldsConfig(**spec["fields"]), storage, config)
     for step in spec["steps"]:

@@ -55,13 +55,14 @@ def _free_port() -> int:
 
 
 def run_world(tmp_path: Path, storage: StorageConfig, world_size: int, model_parallel_size: int, steps: list[int],
-              exit_before: dict[str, list[int]] | None = None, fetch_raises: dict[str, str] | None = None) -> dict:
+              exit_before: dict[str, list[int]] | None = None, fetch_raises: dict[str, str] | None = None,
+              default_backend: str = "gloo") -> dict:
     """Start ``world_size`` ranks, wait for all; return ``{(step, rank): (result, arrays)}``."""
     out = tmp_path / "ranks"
     out.mkdir()
     spec = {"out_dir": str(out), "world_size": world_size, "init_method": f"tcp://127.0.0.1:{_free_port()}",
             "storage": storage.model_dump(), "fields": FIELDS.model_dump(), "steps": steps,
-            "exit_before": exit_before or {}, "fetch_raises": fetch_raises or {},
+            "exit_before": exit_before or {}, "fetch_raises": fetch_raises or {}, "default_backend": default_backend,
             "trainer": {"model_parallel_size": model_parallel_size, "step_timeout_s": 30, "step_poll_s": 0.1,
                         "collective_timeout_s": 20}}
     (out / "spec.json").write_text(json.dumps(spec))
@@ -242,3 +243,18 @@ def test_two_ranks_on_s3_retry_throttled_reads_and_failed_background_deletes(tmp
     failed = [json.loads(line) for key in store.list_prefix("ledger/events/trainer_dp0")
               for line in store.get(key).decode().splitlines() if '"delete_failed"' in line]
     assert [(e["step"], e["chunks"]) for e in failed] == [(0, 1)]
+
+
+def test_the_data_path_runs_on_its_own_gloo_group_beside_the_default_group(tmp_path, local_config):
+    """The default group is torch's ``fake`` backend (combines nothing, as an NCCL world cannot take the data
+    path's CPU tensors); DP 0's missing chunk still drops its micro batch on DP 1's rank, which learns of it only
+    through the failure all-reduce, and the metrics sum both ranks: both ran on ``TrainerRank``'s gloo group."""
+    store = open_store(local_config)
+    rng = np.random.default_rng(5)
+    branches = _branches(0, rng)
+    built = build_step(store, 0, SEQ_LEN, _layout(0), branches, keep_all(store, local_config, branches), rng)
+    store.delete_key(chunk_keys(store, built.refs["s0_g"])[0])  # g: only DP 0's micro batch 1 uses it
+    results = run_world(tmp_path, local_config, 2, 1, [0], default_backend="fake")
+    m0 = _check_trained(built, results, 0, 2, 1, {(0, 1)}, {(0, 1): np.concatenate(
+        [_routing(built, f"s0_{x}", n) for x, n in (("a", 11), ("b", 9), ("f", 4))])})
+    assert (m0["dropped_micro_batches"], m0["failed_fetches"], m0["fetched_chunks"]) == (1, 1, 7 + 4)

@@ -1,0 +1,35 @@
+"""``import refpipe``: the stable embedding API, nothing else, and light to import (no torch until used)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+PUBLIC = [
+    "AlignmentError", "Branch", "BranchResult", "ChunkCorruptError", "ChunkNotFoundError", "ConfigError",
+    "DeleteResult", "DoubleDeleteError", "Episode", "EpisodeError", "FetchError", "FieldError", "FieldsConfig",
+    "Keeper", "KeyExistsError", "KeyNotFoundError", "Ledger", "Orchestrator", "OrchestratorConfig", "OutsideRunError",
+    "PackingError", "PayloadRef", "Ragged", "RefpipeError", "RunNotFoundError", "StepFileError", "StepHeader",
+    "StepMetrics", "StorageConfig", "StorageError", "Store", "TrainMicroBatch", "TrainerConfig", "TrainerRank",
+    "TransientStorageError", "UnknownRefError", "fetch_arrays", "init_process_group", "new_data_group", "open_store",
+]
+
+
+def test_the_public_api_is_exactly_these_names_and_each_resolves():
+    code = ("import sys, refpipe\n"
+            "light = 'torch' not in sys.modules\n"
+            "names = [n for n in refpipe.__all__ if getattr(refpipe, n) is not None]\n"
+            "print(light, ' '.join(names))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", *PUBLIC]
+
+
+def test_an_unknown_name_is_an_attribute_error():
+    import refpipe
+
+    try:
+        refpipe.LocalStore  # noqa: B018 -- internal: not part of the API
+    except AttributeError as e:
+        assert str(e) == "module 'refpipe' has no attribute 'LocalStore'"
+    else:
+        raise AssertionError("refpipe.LocalStore resolved")
