@@ -193,13 +193,14 @@ def main(run_uri: str, s3_endpoint_url: str | None = None, *, resume: bool = Fal
         metrics = train_step(store, cfg, policy, rank, step, plan)
         pause_point("after_release", step)
         if checkpoint_due(cfg, step):
-            save_checkpoint(store, training_state(model, policy.optimizer, step=step, policy_version=policy.version))
+            save_checkpoint(store, training_state(model, policy.optimizer, step=step, policy_version=policy.version),
+                            rank.data_group)
             rank.checkpointed(step)
         if dist.get_rank() == 0:
             metrics["life"] = rank.ledger.session
             publish_step_metrics(store, step, {**metrics, **asdict(policy.stats)})
     finished = rank.finish()
-    rss = gather_rank_values(np.array([peak_rss_bytes()], np.float64))[:, 0]
+    rss = gather_rank_values(np.array([peak_rss_bytes()], np.float64), rank.data_group)[:, 0]
     if dist.get_rank() == 0:
         store.put(FINISH_METRICS_KEY, json.dumps({**finished.model_dump(),
                                                   "peak_rss_bytes": [int(b) for b in rss]}).encode())
@@ -211,7 +212,7 @@ def resume_life(store: Store, cfg: RunConfig, policy: PolicyTrainer, rank: Train
     """Every rank: load the newest complete checkpoint (or the warm start), release (in the background) what it
     covers that an earlier life had not, and (rank 0) republish its weights as the current version, so env
     workers restart on them."""
-    plan = plan_resume(store, cfg.orchestrator.dp_world_size)
+    plan = plan_resume(store, cfg.orchestrator.dp_world_size, rank.data_group)
     if plan.checkpoint:
         empty = training_state(policy.model, policy.optimizer, step=-1, policy_version=-1)
         state = load_checkpoint(store, plan.checkpoint.step, empty)

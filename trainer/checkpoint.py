@@ -88,8 +88,11 @@ def _reader(store: Store, key: str):
     return FsspecReader(store.uri(key), **store.fsspec_options)
 
 
-def save_checkpoint(store: Store, state: dict) -> str:
+def save_checkpoint(store: Store, state: dict, group: dist.ProcessGroup) -> str:
     """Every rank: write ``state`` (from ``training_state``) as the checkpoint of ``state["step"]``; publish it.
+
+    ``group``: the data path's gloo group (``TrainerRank.data_group``): the agreement below all-reduces a CPU
+    tensor, which an NCCL default group cannot carry. DCP's own collectives run on the default group.
 
     DCP writes every rank's share, then its coordinator writes ``.metadata``; the ranks then agree
     that every one of them succeeded (all-reduce), rank 0 writes the commit marker, and rank 0's
@@ -111,7 +114,7 @@ def save_checkpoint(store: Store, state: dict) -> str:
         log.error("checkpoint of step %d: this rank's write failed: %s", step, e)
         ok.zero_()
     pause_point("checkpoint", step)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
     if ok.item() and dist.get_rank() == 0:
         marker = {"step": step, "policy_version": int(state["policy_version"]), "world_size": dist.get_world_size()}
         try:
@@ -119,7 +122,7 @@ def save_checkpoint(store: Store, state: dict) -> str:
         except Exception as e:  # noqa: BLE001 -- the other ranks must learn that the marker failed
             log.error("checkpoint of step %d: commit marker failed: %s", step, e)
             ok.zero_()
-    dist.broadcast(ok, src=0)
+    dist.broadcast(ok, src=0, group=group)
     if not ok.item():
         raise CheckpointError(f"checkpoint {store.uri(key)} of step {step}: a rank's write or the commit marker "
                               f"failed (see the trainer logs); it is not published")

@@ -53,12 +53,12 @@ class ResumePlan:
         return self.start_step <= step < self.published and step not in self.skipped
 
 
-def plan_resume(store: Store, dp_world_size: int) -> ResumePlan:
+def plan_resume(store: Store, dp_world_size: int, group: dist.ProcessGroup) -> ResumePlan:
     """Every rank: rank 0 reads the run (one listing each of ``checkpoints/``, ``steps/`` and each
     ``ledger/events/trainer_dp<r>/``; every segment of those actors; one HEAD per chunk of the steps after
-    the checkpoint) and broadcasts the plan."""
+    the checkpoint) and broadcasts the plan over ``group`` (the data path's gloo group, ``TrainerRank.data_group``)."""
     box = [_read_plan(store, dp_world_size) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 

@@ -25,7 +25,7 @@ from refpipe.trainer.checkpoint import (
     training_state,
 )
 from refpipe.trainer.config import TrainerConfig
-from refpipe.trainer.dist import init_process_group
+from refpipe.trainer.dist import init_process_group, new_data_group
 
 
 def snapshot(model, optimizer) -> dict:
@@ -38,6 +38,7 @@ def main(spec_path: str, rank: int) -> None:
     spec = json.loads(Path(spec_path).read_text())
     init_process_group(TrainerConfig(collective_timeout_s=60), rank=rank, world_size=2,
                        init_method=spec["init_method"])
+    data_group = new_data_group(TrainerConfig(collective_timeout_s=60))
     store = open_store(StorageConfig(**spec["storage"]))
     torch.manual_seed(rank)  # different RNG streams per rank; the model itself is the same on both
     np.random.seed(rank)
@@ -52,7 +53,7 @@ def main(spec_path: str, rank: int) -> None:
     out = {}
     state = training_state(model, optimizer, step=spec["step"], policy_version=spec["step"] + 1)
     try:
-        out["uri"] = save_checkpoint(store, state)
+        out["uri"] = save_checkpoint(store, state, data_group)
     except CheckpointError as e:
         out["error"] = str(e)
     out["saved"] = snapshot(model, optimizer)
