@@ -7,6 +7,7 @@ import pytest
 import torch
 from refpipe.job.model import BOS_ID, VOCAB_SIZE, ModelConfig, MoELM, token_logprobs
 from refpipe.storage.errors import FieldError
+from routing_helpers import ROUTER_MARGIN, router_margin
 
 
 def _packed(lengths, seed=0):
@@ -31,6 +32,7 @@ def test_attention_does_not_cross_sequences(model):
     packed_logits, packed_routing = model(ids, pos, cu)
     alone_logits, alone_routing = model(ids[6:], pos[6:], torch.tensor([0, 7], dtype=torch.int32))
     torch.testing.assert_close(packed_logits[6:], alone_logits, rtol=0, atol=1e-5)
+    assert router_margin(model, ids, pos, cu) > ROUTER_MARGIN  # so the ids below are equal on every CPU
     assert torch.equal(packed_routing[6:], alone_routing)
     changed = ids.clone()
     changed[:6] = (changed[:6] + 1) % 256  # rewrite the first sequence only
@@ -45,6 +47,7 @@ def test_sequences_of_every_length_bucket_match_their_forward_alone(model):
     lengths = [1, 6, 0, 100, 7, 33]  # buckets 0, 3, empty, 7, 3, 6; the 100-token one stands for padding
     ids, _, cu = _packed(lengths, seed=3)
     pos = torch.cat([torch.arange(n).clamp(max=63) for n in lengths])
+    assert router_margin(model, ids, pos, cu) > ROUTER_MARGIN  # so the ids below are equal on every CPU
     with torch.no_grad():
         packed_logits, packed_routing = model(ids, pos, cu)
         for start, end in zip(cu.tolist(), cu.tolist()[1:]):
