@@ -99,7 +99,7 @@ class Prefetch:
 
 @dataclass
 class ReleaseCounts:
-    """What background releases did since the counts were last taken (one rank)."""
+    """What background releases did (one rank), counted once the main thread collected them."""
 
     deletes: int = 0
     """Chunks deleted."""
@@ -107,6 +107,12 @@ class ReleaseCounts:
     """Double deletes and deletes of never-kept chunks the ledger reported."""
     failures: int = 0
     """Chunks whose delete failed (claimed or not; recorded as ``delete_failed``, retried at the next release)."""
+
+    def add(self, other: ReleaseCounts) -> None:
+        """Add ``other``'s counts to these."""
+        self.deletes += other.deletes
+        self.problems += other.problems
+        self.failures += other.failures
 
 
 class BackgroundRelease:
@@ -121,6 +127,10 @@ class BackgroundRelease:
     finishes its own claim instead of reporting a double delete. A release that still fails at the end leaves its delete
     records, and ``refpipe sweep`` finishes the deletes.
 
+    Counts are taken by the main thread only from releases it has waited for, so which release a
+    step's metrics report depends on the call order alone, never on thread timing: with
+    ``after_step``, step N's metrics count step N-1's release (``submit`` of step N waited for it).
+
     Args:
         ledger: the DP rank's ledger (``trainer_dp<dp_rank>``).
         dp_rank: recorded in the ``release`` events.
@@ -130,10 +140,9 @@ class BackgroundRelease:
     def __init__(self, ledger: Ledger, dp_rank: int, max_concurrency: int):
         self.ledger, self.dp_rank, self.max_concurrency = ledger, dp_rank, max_concurrency
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="release")
-        self._running: Future | None = None
+        self._running: Future[ReleaseCounts] | None = None
         self._failed: list[tuple[int, list[PayloadRef]]] = []
         self._counts = ReleaseCounts()
-        self._lock = threading.Lock()
 
     def submit(self, step: int, refs: list[PayloadRef]) -> None:
         """Wait for the previous release, then delete ``refs`` (step ``step``'s owned chunks) in the background."""
@@ -142,52 +151,52 @@ class BackgroundRelease:
         self._failed = []
 
     def wait(self, *, retry: bool = False) -> None:
-        """Wait for the release under way (re-raising a bug in it); ``retry``: then retry failed deletes once."""
+        """Wait for the release under way (re-raising a bug in it) and count it; ``retry``: then retry failed
+        deletes once."""
         running, self._running = self._running, None
         if running is not None:
-            running.result()
+            self._counts.add(running.result())
         if retry and self._failed:
             failed, self._failed = self._failed, []
-            self._release_all(failed)
+            self._counts.add(self._release_all(failed))
 
     def take_counts(self) -> ReleaseCounts:
-        """The counts since the last call (releases finished so far), and reset them."""
-        with self._lock:
-            counts, self._counts = self._counts, ReleaseCounts()
+        """The counts of the releases collected by ``submit``/``wait`` since the last call, and reset them."""
+        counts, self._counts = self._counts, ReleaseCounts()
         return counts
 
-    def _release_all(self, batches: list[tuple[int, list[PayloadRef]]]) -> None:
+    def _release_all(self, batches: list[tuple[int, list[PayloadRef]]]) -> ReleaseCounts:
+        counts = ReleaseCounts()
         for step, refs in batches:
-            self._release(step, refs)
+            self._release(step, refs, counts)
+        return counts
 
-    def _release(self, step: int, refs: list[PayloadRef]) -> None:
+    def _release(self, step: int, refs: list[PayloadRef], counts: ReleaseCounts) -> None:
         try:
             result = self.ledger.delete(refs, reason=f"trained step {step}", max_concurrency=self.max_concurrency)
         except (DoubleDeleteError, UnknownRefError) as e:
             log.error("step %d dp_rank=%d release: %s", step, self.dp_rank, e)
             result = e.result
         except StorageError as e:  # the ledger could not write its own events
-            self._failed_release(step, refs, e)
+            self._failed_release(step, refs, e, counts)
             return
-        with self._lock:
-            self._counts.deletes += len(result.deleted)
-            self._counts.problems += len(result.double_deletes) + len(result.unknown)
+        counts.deletes += len(result.deleted)
+        counts.problems += len(result.double_deletes) + len(result.unknown)
         failed = [r for r in refs if r.uri in result.failed]
         if failed:
-            self._failed_release(step, failed, result.failed[failed[0].uri])
+            self._failed_release(step, failed, result.failed[failed[0].uri], counts)
             return
         self.ledger.record("release", step=step, dp_rank=self.dp_rank)
         self.ledger.flush()
 
-    def _failed_release(self, step: int, refs: list[PayloadRef], error: StorageError) -> None:
+    def _failed_release(self, step: int, refs: list[PayloadRef], error: StorageError, counts: ReleaseCounts) -> None:
         """Record and keep for a retry the refs of step ``step`` whose delete failed (unfinished deletes)."""
         log.error("step %d dp_rank=%d release: %d deletes failed (retried later): %s", step, self.dp_rank,
                   len(refs), error)
         self.ledger.record("delete_failed", step=step, dp_rank=self.dp_rank, chunks=len(refs), error=str(error))
         self.ledger.flush()
         self._failed.append((step, refs))
-        with self._lock:
-            self._counts.failures += len(refs)
+        counts.failures += len(refs)
 
     def shutdown(self) -> None:
         """Wait for the release under way, retry failed deletes once, stop the thread."""
