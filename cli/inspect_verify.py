@@ -3,9 +3,9 @@
 For each ref: its chunk exists in the run as opened (``PayloadRef.key``), the whole chunk has the
 ref's length and crc32c (``storage.fetch.fetch_arrays`` with ``num_tokens=None``),
 the decoded arrays have the ref's dtypes and shapes, and the chunk's
-``zarr.json`` field table agrees with the ref. Every token stream of the step
-file is read too. One line per problem on stdout, then a one-line summary; exit
-code 1 if any problem.
+``zarr.json`` field table agrees with the ref (its ``block_rows`` by
+``storage.chunk.check_block_rows``). Every token stream of the step file is read too. One line
+per problem on stdout, then a one-line summary; exit code 1 if any problem.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from refpipe.cli.inspect_common import (
 )
 from refpipe.cli.text import printable
 from refpipe.pipeline.step_file import StepFile
-from refpipe.storage.chunk import PayloadRef, read_attributes
+from refpipe.storage.chunk import PayloadRef, check_block_rows, read_attributes
 from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.errors import ChunkCorruptError, KeyNotFoundError, StepFileError
 from refpipe.storage.fetch import fetch_arrays
@@ -57,6 +57,10 @@ def _metadata_problems(store: Store, ref: PayloadRef, meta_key: str) -> list[str
                 f"zarr.json, {want} in the reference" for name, want in expected.items() if stored.get(name) != want]
     problems += [f"mismatch {uri}: zarr.json has array {name} the reference does not list"
                  for name in stored.keys() - expected.keys()]
+    try:
+        check_block_rows(attrs.get("block_rows"), "zarr.json")
+    except ValueError as e:
+        problems.append(f"corrupt {uri}: {e}")
     for key in ("branch_id", "num_prompt_tokens", "num_completion_tokens"):
         if attrs.get(key) != getattr(ref, key):
             problems.append(f"mismatch {uri}: {key} is {attrs.get(key)!r} in zarr.json, "

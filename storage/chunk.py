@@ -29,7 +29,7 @@ from typing import Literal, NamedTuple
 import crc32c  # CRC-32C like zarr's codec (google-crc32c); releases the GIL and ran ~2x faster here
 import numcodecs
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from refpipe.storage.errors import ChunkCorruptError, ConfigError, OutsideRunError
 from refpipe.storage.layout import META_NAME, node_key
 from zarr.codecs import BytesCodec, Crc32cCodec, ZstdCodec
@@ -43,6 +43,12 @@ ALIGN_BYTES = 64
 BLOCK_ROWS = 512
 """Rows per verified block of an array. A cut read reads up to ``BLOCK_ROWS - 1`` rows past its cut; a
 ref of 4,096 tokens and four fields carries ~30 block crcs (~300 bytes of JSON)."""
+ZSTD_MAX_RATIO = 32768
+"""Most bytes one byte of a zstd frame can decode to: every block takes at least 4 bytes (3-byte header + 1
+content byte of an RLE block) and regenerates at most 128 KiB (RFC 8878, 3.1.1.2). A ref whose arrays take
+more than this times its compressed ``nbytes`` is refused at validation, so decoding allocates at most
+``ZSTD_MAX_RATIO`` times the object's real size (``check_length`` runs first)."""
+_ZSTD_MAGIC = 0xFD2FB528
 _ZEROS = np.zeros(ALIGN_BYTES, np.uint8)
 _UINT8 = parse_dtype(np.dtype("uint8"), zarr_format=3)
 
@@ -106,8 +112,13 @@ class PayloadRef(BaseModel):
     """crc32c of the stored chunk bytes before the checksum (the value the crc32c codec appends)."""
     compression: Literal["none", "zstd"] = "none"
     """Bytes-to-bytes codec between ``bytes`` and ``crc32c``."""
-    block_rows: int = Field(default=BLOCK_ROWS, ge=1)
-    """Rows per block of each array's ``block_crcs``."""
+    block_rows: int = BLOCK_ROWS
+    """Rows per block of each array's ``block_crcs``: always ``BLOCK_ROWS`` (``check_block_rows``)."""
+
+    @field_validator("block_rows", mode="before")
+    @classmethod
+    def _block_rows(cls, value: object) -> int:
+        return check_block_rows(value, "ref")
 
     @model_validator(mode="after")
     def _consistent(self) -> "PayloadRef":
@@ -116,9 +127,13 @@ class PayloadRef(BaseModel):
         names = set(self.arrays)
         for name, (dtype, shape, domain, crcs) in self.arrays.items():
             _check_spec(self, name, dtype, shape, domain, crcs, names)
-        if self.compression == "none" and self.nbytes != layout_arrays(self.arrays)[1] + 4:
-            raise ValueError(f"nbytes={self.nbytes}: expected {layout_arrays(self.arrays)[1] + 4} for the "
+        payload_nbytes = layout_arrays(self.arrays)[1]
+        if self.compression == "none" and self.nbytes != payload_nbytes + 4:
+            raise ValueError(f"nbytes={self.nbytes}: expected {payload_nbytes + 4} for the "
                              f"declared arrays (payload, 64-byte aligned, + 4 crc bytes)")
+        if self.compression == "zstd" and payload_nbytes > ZSTD_MAX_RATIO * (self.nbytes - 4):
+            raise ValueError(f"nbytes={self.nbytes}: a zstd frame of {self.nbytes - 4} bytes decodes to at most "
+                             f"{ZSTD_MAX_RATIO * (self.nbytes - 4)} bytes, the declared arrays take {payload_nbytes}")
         return self
 
     @model_validator(mode="after")
@@ -179,6 +194,21 @@ def _check_spec(ref: "PayloadRef", name: str, dtype: str, shape, domain: str, cr
     if len(crcs) != -(-shape[0] // ref.block_rows) or any(not 0 <= c < 2**32 for c in crcs):
         raise ValueError(f"{what}: {len(crcs)} block crcs: expected {-(-shape[0] // ref.block_rows)} uint32 "
                          f"(one per {ref.block_rows} rows of {shape[0]})")
+
+
+def check_block_rows(value: object, what: str) -> int:
+    """The one rule for ``block_rows``, from a ref or a chunk's ``zarr.json``: exactly ``BLOCK_ROWS``.
+
+    Every chunk of format version 2 is written with ``BLOCK_ROWS`` rows per verified block; any other
+    value (0, negative, huge, not an integer) is a forged or foreign ref, refused before it sizes a read.
+
+    Raises:
+        ValueError: naming ``what`` (``ref`` or the ``zarr.json``), the value and the expected one.
+    """
+    if type(value) is not int or value != BLOCK_ROWS:
+        raise ValueError(f"{what}: block_rows={value!r}: expected {BLOCK_ROWS} (rows per verified block "
+                         f"of chunk format {FORMAT_VERSION})")
+    return value
 
 
 def block_crcs(a: np.ndarray, block_rows: int) -> tuple[int, ...]:
@@ -305,23 +335,52 @@ def _metadata_template(compression: str, zstd_level: int) -> str:
 def decode_payload(ref: PayloadRef, stored: bytes, what: str) -> np.ndarray | bytes:
     """Check a whole stored chunk against its ref and return the payload bytes.
 
+    A zstd frame is decoded into one buffer of the declared arrays' size (``layout_arrays``), and only
+    after its header declared exactly that content size: a frame declaring or expanding to more is
+    refused having allocated at most that buffer (bounded by ``ZSTD_MAX_RATIO`` times ``len(stored)``).
+
     Raises:
-        ChunkCorruptError: wrong length, checksum mismatch, undecodable compression or a decoded
-            payload of another size than the ref's arrays.
+        ChunkCorruptError: wrong length, checksum mismatch, a zstd frame declaring no or another content
+            size, or one that does not decode to exactly that size.
     """
     check_length(ref, len(stored), what)
     body = np.frombuffer(stored, np.uint8, len(stored) - 4)
     check_checksum(ref, crc32c.crc32c(body), int(np.frombuffer(stored, "<u4", 1, len(stored) - 4)[0]), what)
     if ref.compression == "none":
         return body
-    try:
-        payload = numcodecs.Zstd().decode(body)
-    except Exception as e:  # numcodecs raises RuntimeError/ValueError variants for bad frames
-        raise ChunkCorruptError(f"chunk {what}: zstd frame does not decode: {e}") from e
     expected = layout_arrays(ref.arrays)[1]
-    if len(payload) != expected:
-        raise ChunkCorruptError(f"chunk {what}: zstd frame decodes to {len(payload)} bytes, expected {expected}")
+    declared = _zstd_content_size(body, what)
+    if declared != expected:
+        raise ChunkCorruptError(f"chunk {what}: zstd frame declares {declared} bytes of content, expected {expected} "
+                                f"(the ref's arrays)")
+    payload = np.empty(expected, np.uint8)
+    try:
+        numcodecs.Zstd().decode(body, out=payload)  # refuses output beyond the buffer; zstd checks the declared size
+    except Exception as e:  # numcodecs raises RuntimeError/ValueError variants for bad frames
+        raise ChunkCorruptError(f"chunk {what}: zstd frame does not decode to its declared {expected} bytes: "
+                                f"{e}") from e
+    payload.flags.writeable = False  # every fetched array is read-only, as a view of the bytes read
     return payload
+
+
+def _zstd_content_size(frame: np.ndarray, what: str) -> int:
+    """The content size a zstd frame's header declares (RFC 8878, 3.1.1.1). refpipe's writer
+    (``numcodecs.Zstd``, one shot) always declares it.
+
+    Raises:
+        ChunkCorruptError: not a zstd frame, or a frame declaring no content size (a streaming frame).
+    """
+    header = bytes(frame[:18])
+    if len(header) < 6 or int.from_bytes(header[:4], "little") != _ZSTD_MAGIC:
+        raise ChunkCorruptError(f"chunk {what}: not a zstd frame (starts {header[:4].hex()}, expected 28b52ffd)")
+    descriptor = header[4]
+    single_segment = descriptor >> 5 & 1
+    size_bytes = (single_segment, 2, 4, 8)[descriptor >> 6]
+    start = 5 + (1 - single_segment) + (0, 1, 2, 4)[descriptor & 3]  # window descriptor, dictionary id
+    if not size_bytes or len(header) < start + size_bytes:
+        raise ChunkCorruptError(f"chunk {what}: zstd frame declares no content size (a streaming frame); refpipe "
+                                f"writes one-shot frames that do")
+    return int.from_bytes(header[start : start + size_bytes], "little") + (256 if size_bytes == 2 else 0)
 
 
 def check_length(ref: PayloadRef, nbytes: int, what: str) -> None:

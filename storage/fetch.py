@@ -7,9 +7,12 @@ tokens of an uncompressed chunk reads each array's first ``ceil(rows / block_row
 and checks their crc32c against the ref's ``block_crcs`` (length-checked too), so every
 read is verified. Compressed chunks are always read whole.
 
-Untrusted refs: ``PayloadRef`` validation makes shapes, dtypes and ``nbytes`` agree; every
-buffer allocated here is bounded by the bytes the store returned (the object's real size)
-or by the destinations the caller allocated, never by a size the ref merely declares.
+Untrusted refs: ``PayloadRef`` validation makes shapes, dtypes, ``block_rows`` and ``nbytes`` agree;
+every buffer allocated here is bounded by the bytes the store returned (the object's real size)
+or by the destinations the caller allocated, never by a size the ref merely declares. A zstd
+chunk decodes into one buffer of its arrays' declared size, which validation bounds by
+``ZSTD_MAX_RATIO`` times ``nbytes`` (checked against the bytes returned first); a frame
+declaring or expanding to more is refused without allocating it (``chunk.decode_payload``).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ import zipfile
 
 import pytest
 from refpipe.pipeline.audit import audit
-from refpipe.pipeline.step_file import HEADER_MEMBER
+from refpipe.pipeline.step_file import HEADER_MEMBER, StepFile
+from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.errors import ConfigError
 from refpipe.storage.layout import EVENTS_PREFIX, node_key, step_key
 from refpipe.storage.uri import RunPrefix
@@ -47,18 +48,20 @@ def test_a_negative_shape_in_a_step_file_is_one_line(local_run):
                                       "least one dimension, none negative")
 
 
-def test_a_ref_declaring_2e9_rows_is_a_verify_problem_not_a_memory_error(local_run):
-    """2e9 declared rows with a matching nbytes: ``refpipe verify`` died with a MemoryError traceback (22 GiB)."""
+def test_a_ref_declaring_2e8_rows_is_a_verify_problem_not_a_memory_error(local_run):
+    """2e9 declared rows with a matching nbytes: ``refpipe verify`` died with a MemoryError traceback (22 GiB).
+    2e8 here (0.8 GB declared, 390,625 block crcs: a 2e9-row ref's 3.9M crcs cost 7 s to write and read back);
+    ``tests/storage/test_chunk_errors.py`` fetches the 2e9-row ref itself."""
     refs = {}
 
     def huge(header):
         ref = header["refs"][0]
         refs["before"] = dict(ref)
-        rows = 2_000_000_000
+        rows = 200_000_000
         spec = ref["arrays"]["routed_experts"]
         ref["num_prompt_tokens"] = rows - ref["num_completion_tokens"]
         ref["nbytes"] += rows * 4 - -(-spec[1][0] * 4 // 64) * 64
-        spec[1][0], ref["block_rows"] = rows, 2**31
+        spec[1][0], spec[3] = rows, [0] * (rows // 512)  # one crc per 512-row block
         refs["after"] = ref
 
     uri = rewrite_header(local_run.store, 0, huge)
@@ -103,3 +106,21 @@ def test_ids_with_a_trailing_newline_are_refused():
         RunPrefix.from_root("/data", "run_1\n")
     with pytest.raises(ConfigError, match=r"branch_id 'abc\\n'"):
         node_key("abc\n")
+
+
+@pytest.mark.parametrize("block_rows", [0, 2**31])
+def test_a_forged_block_rows_in_zarr_json_is_a_verify_problem(local_run, block_rows):
+    """``refpipe verify`` compared the field table of ``zarr.json`` with the ref but not its ``block_rows``: 0 or 2**31
+    passed as intact. Now the one rule (``storage.chunk.check_block_rows``) judges it as it judges a ref's."""
+    store = local_run.store
+    ref = StepFile.read(store, 0).header.refs[0]
+    _, meta_key = chunk_keys(store, ref)
+    document = json.loads(store.get(meta_key))
+    document["attributes"]["refpipe"]["block_rows"] = block_rows
+    store.put(meta_key, json.dumps(document).encode())
+    result = invoke(["verify", local_run.step_uris[0]])
+    assert result.exit_code == 1, result.output
+    assert result.stdout.splitlines() == [
+        f"corrupt {store.uri(ref.key)}: zarr.json: block_rows={block_rows}: expected 512 (rows per verified block "
+        "of chunk format 2)",
+        "step 0: 7 chunks (2972 bytes), 4 micro batches: 1 problem"]

@@ -102,7 +102,7 @@ def test_another_valid_chunk_of_the_same_size_is_corrupt(backend):
 
 def test_zstd_frame_that_does_not_decode_is_corrupt(backend):
     ref = keep(backend, compression="zstd")
-    body = b"\x28\xb5\x2f\xfd" + b"not a zstd frame" * 4
+    body = b"\x28\xb5\x2f\xfd\x60" + (576 - 256).to_bytes(2, "little") + b"not a zstd frame" * 4  # declares 576
     crc = google_crc32c.value(body)
     backend.raw.put(data_key(ref), body + np.array([crc], "<u4").tobytes())
     forged = ref.model_copy(update={"nbytes": len(body) + 4, "checksum": crc})
@@ -216,13 +216,14 @@ def test_a_cut_read_checks_every_block_it_reads_and_reads_only_those(local_confi
 
 def test_a_ref_declaring_2e9_rows_is_bounded_by_the_object_not_the_ref(backend):
     """Issue 14 input 8: 2e9 declared rows with a matching nbytes; the fetch allocated 12 GB before reading 644 bytes.
-    A ref must carry one crc per block, so a forged one sets block_rows huge to stay small: it validates, and the
+    A ref must carry one crc per 512-row block, so the forged one carries 3,906,250 of them: it validates, and the
     fetch allocates only what the store returns."""
     ref = keep(backend)
     raw = ref.model_dump(mode="json")
     rows = 2_000_000_000
-    raw.update(num_prompt_tokens=rows - C, block_rows=2**31)
-    raw["arrays"]["routed_experts"][1] = [rows, 3, 2]
+    raw.update(num_prompt_tokens=rows - C)
+    spec = raw["arrays"]["routed_experts"]
+    spec[1], spec[3] = [rows, 3, 2], [0] * (rows // 512)
     raw["nbytes"] = ref.nbytes + rows * 6 - 64  # routing grows from 60 bytes (padded to 64) to 12e9
     forged = PayloadRef.model_validate(raw)
     assert forged.nbytes == 12_000_000_516

@@ -1,0 +1,154 @@
+"""Sizes read from untrusted metadata never size a read or an allocation unchecked (issue 14 residuals).
+
+A forged ``block_rows`` is refused by its one rule (``storage.chunk.check_block_rows``); a zstd frame
+is decoded only into a buffer of the ref's declared size, so a small frame that declares or expands
+to more is refused without allocating it (tracemalloc measures the Python and numpy allocations).
+Local backend only: these rules run on bytes already read, the same for every store.
+"""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import google_crc32c
+import numcodecs
+import numpy as np
+import pytest
+from pydantic import ValidationError
+from refpipe.pipeline.keep import Branch, Keeper
+from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.errors import ChunkCorruptError
+from refpipe.storage.fetch import fetch_arrays
+from refpipe.storage.layout import DATA_NAME, node_key
+from refpipe.storage.ledger import Ledger
+from storage_helpers import FIELDS_CFG, Backend, make_backend, make_fields
+
+P, C = 4, 6
+PAYLOAD_NBYTES = 576
+"""The payload of ``keep``'s branch: 4 fields, each 64-byte aligned."""
+GIB = 2**30
+
+
+@pytest.fixture
+def backend(local_config) -> Backend:
+    return make_backend("local", local_config)
+
+
+def keep(backend: Backend, compression: str = "none") -> PayloadRef:
+    config = backend.config.model_copy(update={"compression": compression})
+    keeper = Keeper(backend.store, Ledger(backend.store, "env_worker_0"), FIELDS_CFG, config)
+    return keeper.keep(Branch(P, C, make_fields(0, P, C), "b1"))
+
+
+def zstd_bomb(expands_to: int, declares: int | None) -> bytes:
+    """A valid zstd frame (RFC 8878) of RLE blocks: 4 bytes per 128 KiB of zeros, so 32 KiB expand to 1 GiB.
+    ``declares``: the Frame_Content_Size its header states (8 bytes, single segment), or None (no size: a
+    streaming frame with a 128 KiB window)."""
+    block = 128 * 1024
+    if declares is None:
+        frame = bytearray(b"\x28\xb5\x2f\xfd\x00\x38")  # no content size; window 2**(10 + 7) bytes
+    else:
+        frame = bytearray(b"\x28\xb5\x2f\xfd\xe0" + declares.to_bytes(8, "little"))
+    blocks = expands_to // block
+    for i in range(blocks):
+        last = i == blocks - 1
+        frame += (last | 1 << 1 | block << 3).to_bytes(3, "little") + b"\x00"  # RLE block: one byte, repeated
+    return bytes(frame)
+
+
+def forge_chunk(backend: Backend, ref: PayloadRef, body: bytes) -> PayloadRef:
+    """Store ``body`` + its crc32c as the ref's chunk; return the ref made to vouch for it (validated)."""
+    crc = google_crc32c.value(body)
+    backend.raw.put(f"{node_key(ref.branch_id)}/{DATA_NAME}", body + np.array([crc], "<u4").tobytes())
+    return PayloadRef.model_validate({**ref.model_dump(), "nbytes": len(body) + 4, "checksum": crc})
+
+
+def fetch_peak_nbytes(backend: Backend, ref: PayloadRef, message: str) -> int:
+    """Fetch ``ref`` expecting ``ChunkCorruptError`` with exactly ``chunk <uri>: <message>``; return the peak bytes
+    allocated meanwhile."""
+    tracemalloc.start()
+    try:
+        with pytest.raises(ChunkCorruptError) as info:
+            fetch_arrays(backend.store, ref)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert str(info.value) == f"chunk {ref.uri}: {message}"
+    return peak
+
+
+@pytest.mark.parametrize("declares", [None, 2**20])
+def test_the_bomb_is_a_real_zstd_frame(declares):
+    """What the bombs below expand to, decoded by zstd itself at 1 MiB (8 blocks: 38 or 45 bytes)."""
+    frame = zstd_bomb(2**20, declares)
+    assert numcodecs.Zstd().decode(frame) == bytes(2**20) and len(frame) == (38 if declares is None else 45)
+
+
+@pytest.mark.parametrize("block_rows", [0, -1, 2**31, 256, "512", True])
+def test_a_block_rows_other_than_the_formats_is_refused(backend, block_rows):
+    """Before: 0 and -1 were pydantic's "greater than or equal to 1"; 2**31, 256, "512" and True validated (one crc
+    per array of 10 rows fits any block_rows >= 10), and a cut read checked crcs of blocks nobody wrote."""
+    raw = keep(backend).model_dump(mode="json") | {"block_rows": block_rows}
+    with pytest.raises(ValidationError) as info:
+        PayloadRef.model_validate(raw)
+    assert f"ref: block_rows={block_rows!r}: expected 512 (rows per verified block of chunk format 2)" in str(
+        info.value)
+
+
+@pytest.mark.parametrize("crcs", [[], [0, 0]])
+def test_a_block_crc_list_of_the_wrong_length_is_refused(backend, crcs):
+    raw = keep(backend).model_dump(mode="json")
+    raw["arrays"]["routed_experts"][3] = crcs
+    with pytest.raises(ValidationError) as info:
+        PayloadRef.model_validate(raw)
+    assert (f"array 'routed_experts': {len(crcs)} block crcs: expected 1 uint32 (one per 512 rows of 10)"
+            in str(info.value))
+
+
+def test_a_zstd_bomb_declaring_1_gib_is_refused_before_allocating(backend):
+    """Before: numcodecs allocated the 1 GiB the frame's header declares, decoded it, then the length check
+    refused it."""
+    ref = forge_chunk(backend, keep(backend, "zstd"), zstd_bomb(GIB, declares=GIB))
+    assert ref.nbytes == 32_785  # 13 header bytes + 8,192 blocks of 4 + crc
+    peak = fetch_peak_nbytes(backend, ref, f"zstd frame declares {GIB} bytes of content, expected "
+                                           f"{PAYLOAD_NBYTES} (the ref's arrays)")
+    assert peak < 256 * 1024, peak  # the 32 KiB object as read, twice at most, and small change; not 1 GiB
+
+
+def test_a_zstd_frame_declaring_no_size_is_refused_before_decoding(backend):
+    """Before: numcodecs streamed the frame into a growing buffer: 1 GiB allocated (2 GiB RSS while growing)."""
+    ref = forge_chunk(backend, keep(backend, "zstd"), zstd_bomb(GIB, declares=None))
+    peak = fetch_peak_nbytes(backend, ref, "zstd frame declares no content size (a streaming "
+                                           "frame); refpipe writes one-shot frames that do")
+    assert peak < 256 * 1024, peak
+
+
+def test_a_zstd_frame_expanding_past_its_declared_size_stops_at_the_refs_size(backend):
+    """The header agrees with the ref (576 bytes) but the blocks expand to 1 GiB: zstd stops at the buffer's end.
+    Before: numcodecs allocated the 576 bytes the header declares and zstd refused the same way; refused now with
+    the buffer the ref declares, never a size from the frame."""
+    ref = forge_chunk(backend, keep(backend, "zstd"), zstd_bomb(GIB, declares=PAYLOAD_NBYTES))
+    peak = fetch_peak_nbytes(backend, ref, f"zstd frame does not decode to its declared {PAYLOAD_NBYTES} bytes: "
+                                           f"Zstd decompression error: b'Destination buffer is too small'")
+    assert peak < 256 * 1024, peak
+
+
+def test_a_zstd_ref_declaring_more_than_its_frame_can_hold_is_refused(backend):
+    """A zstd ref of 580 stored bytes declaring 3.6e6 rows (21.6 MB of arrays): no 576-byte frame decodes to more than
+    32768 * 576 = 18.9 MB (RFC 8878: >= 4 bytes per <= 128 KiB block). Before: validated; the fetch allocated
+    the 21.6 MB the frame header could declare."""
+    raw = keep(backend, "zstd").model_dump(mode="json")
+    rows = 3_600_000
+    raw["num_prompt_tokens"] = rows - C
+    raw["nbytes"] = 580
+    raw["arrays"]["routed_experts"][1:4:2] = [rows, 3, 2], [0] * -(-rows // 512)
+    with pytest.raises(ValidationError) as info:
+        PayloadRef.model_validate(raw)
+    assert ("nbytes=580: a zstd frame of 576 bytes decodes to at most 18874368 bytes, the declared arrays take "
+            "21600512" in str(info.value))
+
+
+def test_bytes_that_are_not_a_zstd_frame_are_named_so(backend):
+    """Before: ``zstd frame does not decode: Zstd decompression error: ...`` from whichever check numcodecs met."""
+    ref = forge_chunk(backend, keep(backend, "zstd"), b"PK\x03\x04" + bytes(60))
+    assert fetch_peak_nbytes(backend, ref, "not a zstd frame (starts 504b0304, expected 28b52ffd)") < 256 * 1024
