@@ -6,12 +6,14 @@ import subprocess
 import sys
 
 PUBLIC = [
-    "AlignmentError", "Branch", "BranchResult", "ChunkCorruptError", "ChunkNotFoundError", "ConfigError",
-    "DeleteResult", "DoubleDeleteError", "Episode", "EpisodeError", "FetchError", "FieldError", "FieldsConfig",
-    "Keeper", "KeyExistsError", "KeyNotFoundError", "Ledger", "Orchestrator", "OrchestratorConfig", "OutsideRunError",
-    "PackingError", "PayloadRef", "Ragged", "RefpipeError", "RunNotFoundError", "StepFileError", "StepHeader",
-    "StepMetrics", "StorageConfig", "StorageError", "Store", "TrainMicroBatch", "TrainerConfig", "TrainerRank",
-    "TransientStorageError", "UnknownRefError", "fetch_arrays", "init_process_group", "new_data_group", "open_store",
+    "AlignmentError", "Branch", "BranchResult", "CheckpointError", "ChunkCorruptError", "ChunkNotFoundError",
+    "ConfigError", "DeleteKeysError", "DeleteResult", "DoubleDeleteError", "Episode", "EpisodeError",
+    "FetchError", "FieldError", "FieldsConfig", "Keeper", "KeyExistsError", "KeyNotFoundError", "Ledger",
+    "Orchestrator", "OrchestratorConfig", "OutsideRunError", "PackingError", "PayloadRef", "Ragged",
+    "RefpipeError", "ReplayMismatchError", "RunNotFoundError", "StepFileError", "StepHeader", "StepMetrics",
+    "StorageConfig", "StorageError", "Store", "TrainMicroBatch", "TrainerConfig", "TrainerRank",
+    "TransientStorageError", "UnknownRefError", "fetch_arrays", "init_process_group", "new_data_group",
+    "open_store",
 ]
 
 
@@ -33,3 +35,12 @@ def test_an_unknown_name_is_an_attribute_error():
         assert str(e) == "module 'refpipe' has no attribute 'LocalStore'"
     else:
         raise AssertionError("refpipe.LocalStore resolved")
+
+
+def test_every_error_type_is_public():
+    from refpipe.storage import errors
+
+    import refpipe
+
+    types = {n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, errors.RefpipeError)}
+    assert len(types) == 21 and types <= set(refpipe.__all__)
