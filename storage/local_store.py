@@ -6,6 +6,10 @@ it, such as a mount path, are fine), then walks the key's directories one ``open
 time with ``O_NOFOLLOW`` and acts on the last name relative to that directory fd
 (``openat``, ``linkat``, ``renameat``, ``unlinkat``); a symlink anywhere below the prefix is
 ``OutsideRunError``, and nothing is read, written or deleted through it.
+
+Every failed system call is classified by ``storage.local_errors.classify`` (the one place for a
+directory) and retried through ``Store.retrying`` when transient (a Lustre or NFS client's
+``EIO``/``ESTALE``/``ETIMEDOUT``/``EAGAIN``).
 """
 
 from __future__ import annotations
@@ -15,18 +19,25 @@ import errno
 import os
 import stat
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
-from refpipe.storage.errors import KeyExistsError, KeyNotFoundError, OutsideRunError, StorageError
-from refpipe.storage.store import Store, buffers_of
+from refpipe.storage.errors import KeyNotFoundError, OutsideRunError, StorageError
+from refpipe.storage.local_errors import classify
+from refpipe.storage.store import WRITE_TOKEN, Store
+
+T = TypeVar("T")
 
 
 class LocalStore(Store):
     """A run prefix on a POSIX directory (local disk, NFS, Lustre).
 
     ``put`` writes a temp file in the key's directory and renames it into place.
-    ``exclusive`` puts write an unnamed ``O_TMPFILE`` file and ``linkat(2)`` it to the
-    key, which fails atomically with ``EEXIST`` when the key exists: one new
+    ``exclusive`` puts write an unnamed ``O_TMPFILE`` file, set its write token as the extended
+    attribute ``user.refpipe-write`` (``fsetxattr``; skipped where the filesystem has no user
+    xattrs: then an applied put whose answer was lost stays ``KeyExistsError``) and ``linkat(2)``
+    it to the key, which fails atomically with ``EEXIST`` when the key exists: one new
     directory entry per object and no temp name (where the filesystem lacks
     ``O_TMPFILE``: a named temp file, ``link(2)``, ``unlink(2)``). ``get`` is
     ``open``, ``pread``, ``close`` (plus an ``fstat`` for whole reads); ``get_into`` is ``open``,
@@ -35,18 +46,35 @@ class LocalStore(Store):
     directories in parallel.
     """
 
+    def _attempt(self, what: str, key: str, op: Callable[[], T]) -> T:
+        """Run ``op`` (system calls on ``key``); classify its ``OSError`` (``local_errors.classify``) and retry the
+        transient ones (``Store.retrying``). ``what``: ``cannot read`` ..., for messages."""
+        uri = self.uri(key)
+
+        def once() -> T:
+            try:
+                return op()
+            except OSError as e:
+                raise classify(what, uri, e) from e
+
+        return self.retrying(f"{what} {uri}", once)
+
     def get(self, key, start=None, end=None):
+        return self._attempt("cannot read", key, lambda: self._read(key, start, end))
+
+    def _read(self, key: str, start: int | None, end: int | None) -> bytes:
         fd = self._open_read(key)
         try:
             start, object_nbytes = start or 0, os.fstat(fd).st_size
             size = (object_nbytes if end is None else min(end, object_nbytes)) - start  # never more than it holds
             return _read_all(fd, max(size, 0), start)
-        except OSError as e:
-            raise StorageError(f"cannot read {self.uri(key)}: {e.strerror}") from e
         finally:
             os.close(fd)
 
     def get_into(self, key, buffers):
+        return self._attempt("cannot read", key, lambda: self._read_into(key, buffers))
+
+    def _read_into(self, key: str, buffers) -> int:
         fd = self._open_read(key)
         try:
             size = os.fstat(fd).st_size
@@ -54,21 +82,17 @@ class LocalStore(Store):
             wanted = min(size, sum(v.nbytes for v in views))
             got = _readv_all(fd, views, wanted)
             return size if got == wanted else got  # a short read: the file shrank since fstat
-        except OSError as e:
-            raise StorageError(f"cannot read {self.uri(key)}: {e.strerror}") from e
         finally:
             os.close(fd)
 
     def _open_read(self, key: str) -> int:
-        """A read-only fd of ``key`` (``KeyNotFoundError`` when absent, ``OutsideRunError`` through a symlink)."""
+        """A read-only fd of ``key`` (``OutsideRunError`` through a symlink; other failures as raised)."""
         with self._directory(key) as (dir_fd, name):
             try:
                 return os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=dir_fd)
-            except (FileNotFoundError, NotADirectoryError) as e:
-                raise KeyNotFoundError(f"{self.uri(key)} does not exist") from e
             except OSError as e:
                 self._refuse_symlink(e, key, key, dir_fd, name)
-                raise StorageError(f"cannot read {self.uri(key)}: {e.strerror}") from e
+                raise
 
     @contextlib.contextmanager
     def _directory(self, key: str, *, create: bool = False):
@@ -122,85 +146,107 @@ class LocalStore(Store):
             raise OutsideRunError(f"{self.uri(key)}: {self.uri(where)} is a symlink: the local store never follows "
                                   "a symlink below the run prefix") from e
 
-    def put(self, key, data, *, exclusive=False):
-        buffers = buffers_of(data)
-        try:
+    def _put(self, key, buffers, token):
+        def op() -> None:
             with self._directory(key, create=True) as (dir_fd, name):
-                if exclusive and _HAVE_TMPFILE:
-                    self._put_unnamed(dir_fd, name, key, buffers)
+                if token is not None and _HAVE_TMPFILE:
+                    self._put_unnamed(dir_fd, name, buffers, token)
                 else:
-                    self._put_named(dir_fd, name, key, buffers, exclusive)
-        except (KeyExistsError, OutsideRunError):
-            raise
-        except OSError as e:
-            raise StorageError(f"cannot write {self.uri(key)}: {e.strerror}") from e
+                    self._put_named(dir_fd, name, buffers, token)
 
-    def _put_unnamed(self, dir_fd: int, name: str, key: str, buffers) -> None:
+        try:
+            op()
+        except OSError as e:
+            raise classify("cannot write", self.uri(key), e) from e
+
+    def _put_unnamed(self, dir_fd: int, name: str, buffers, token: str) -> None:
         try:
             fd = os.open(".", os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o666, dir_fd=dir_fd)
         except OSError as e:
             if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
                 raise
-            return self._put_named(dir_fd, name, key, buffers, True)  # no O_TMPFILE on this filesystem
+            return self._put_named(dir_fd, name, buffers, token)  # no O_TMPFILE on this filesystem
         try:
             _write_all(fd, buffers)
+            _set_token(fd, token)
             os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dir_fd)  # linkat(AT_SYMLINK_FOLLOW) of the unnamed file
-        except FileExistsError as e:
-            raise KeyExistsError(f"{self.uri(key)} already exists") from e
         finally:
             os.close(fd)
 
-    def _put_named(self, dir_fd: int, name: str, key: str, buffers, exclusive: bool) -> None:
+    def _put_named(self, dir_fd: int, name: str, buffers, token: str | None) -> None:
+        """``token`` None: write a temp name and rename it over ``name``; else set the token and link it exclusively."""
         tmp = f"{name}.tmp-{uuid.uuid4().hex[:12]}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=dir_fd)
         try:
             _write_all(fd, buffers)
+            if token is not None:
+                _set_token(fd, token)
         except BaseException:
             os.unlink(tmp, dir_fd=dir_fd)
             raise
         finally:
             os.close(fd)
-        if not exclusive:
+        if token is None:
             os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             return
         try:
             os.link(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
-        except FileExistsError as e:
-            raise KeyExistsError(f"{self.uri(key)} already exists") from e
         finally:
             os.unlink(tmp, dir_fd=dir_fd)
+
+    def _token(self, key):
+        def read() -> str | None:
+            fd = self._open_read(key)
+            try:
+                return os.getxattr(fd, _TOKEN_XATTR).decode()
+            except OSError as e:
+                if e.errno not in (errno.ENODATA, errno.ENOTSUP):
+                    raise
+                return None
+            finally:
+                os.close(fd)
+
+        try:
+            return self._attempt("cannot read the write token of", key, read)
+        except KeyNotFoundError:
+            return None
 
     def _delete_keys(self, keys):
         by_directory: dict[str, list[str]] = {}
         for key in keys:
             by_directory.setdefault(self.prefix.check_key(key).rpartition("/")[0], []).append(key)
         if len(by_directory) <= 1:
-            for directory, items in by_directory.items():
-                self._delete_in(directory, items)
-            return
-        # rmdir(2) waits on the filesystem (~2-5 ms each on ext4 with discard, a metadata round trip on
-        # Lustre) while costing little CPU: empty the branch directories in parallel
-        with ThreadPoolExecutor(min(_DELETE_THREADS, len(by_directory))) as pool:
-            list(pool.map(lambda item: self._delete_in(*item), by_directory.items()))
+            parts = [self._delete_in(directory, items) for directory, items in by_directory.items()]
+        else:
+            # rmdir(2) waits on the filesystem (~2-5 ms each on ext4 with discard, a metadata round trip on
+            # Lustre) while costing little CPU: empty the branch directories in parallel
+            with ThreadPoolExecutor(min(_DELETE_THREADS, len(by_directory))) as pool:
+                parts = list(pool.map(lambda item: self._delete_in(*item), by_directory.items()))
+        return {key: error for part in parts for key, error in part.items()}
 
-    def _delete_in(self, directory: str, keys: list[str]) -> None:
+    def _delete_in(self, directory: str, keys: list[str]) -> dict[str, StorageError]:
         """Unlink ``keys`` (all in ``directory``) in order, then remove ``directory`` if this emptied a branch
         directory (``payloads/<shard>/<branch_id>``; shards stay). Names are unlinked relative to the
-        directory's fd: a symlink is removed itself, never followed."""
-        removed = False
+        directory's fd: a symlink is removed itself, never followed. Returns the keys not deleted."""
+        removed, failed = False, {}
         for key in keys:
             try:
-                with self._directory(key) as (dir_fd, name):
-                    os.unlink(name, dir_fd=dir_fd)
-            except (FileNotFoundError, KeyNotFoundError):
-                continue
+                self._attempt("cannot delete", key, lambda key=key: self._unlink(key))
+            except KeyNotFoundError:
+                continue  # absent, or removed by an attempt whose answer was lost
             except OutsideRunError:
                 raise
-            except OSError as e:
-                raise StorageError(f"cannot delete {self.uri(key)}: {e.strerror}") from e
+            except StorageError as e:
+                failed[key] = e
+                continue
             removed = True
         if removed and directory.count("/") >= 2:
             self._remove_empty_dir(directory)
+        return failed
+
+    def _unlink(self, key: str) -> None:
+        with self._directory(key) as (dir_fd, name):
+            os.unlink(name, dir_fd=dir_fd)
 
     def _remove_empty_dir(self, directory: str) -> None:
         try:
@@ -213,12 +259,15 @@ class LocalStore(Store):
                 raise StorageError(f"cannot remove directory {self.uri(directory)}: {e.strerror}") from e
 
     def exists(self, key):
-        try:
+        def stat() -> None:
             with self._directory(key) as (dir_fd, name):
                 os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-                return True
-        except (KeyNotFoundError, FileNotFoundError):
+
+        try:
+            self._attempt("cannot stat", key, stat)
+        except KeyNotFoundError:
             return False
+        return True
 
     def list_prefix(self, key_prefix):
         return sorted(key for key, _ in self._walk(key_prefix))
@@ -270,10 +319,20 @@ def _raise_unless_gone(e: OSError) -> None:
 
 
 _HAVE_TMPFILE = hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")
+_TOKEN_XATTR = f"user.{WRITE_TOKEN}"
 _DELETE_THREADS = 8
 _WRITE_PIECE_BYTES = 512 << 10
 """Bytes per ``write(2)``. On ext4 under Linux 6.18 one write of >= 2 MiB took ~3x as long as the same
 bytes in <= 1 MiB writes (measured for bench/keep_fetch.py); smaller pieces cost nothing elsewhere."""
+
+
+def _set_token(fd: int, token: str) -> None:
+    """Store the write token as the file's ``user.refpipe-write`` xattr; a filesystem without user xattrs gets none."""
+    try:
+        os.setxattr(fd, _TOKEN_XATTR, token.encode())
+    except OSError as e:
+        if e.errno != errno.ENOTSUP:
+            raise
 
 
 def _write_all(fd: int, buffers) -> None:

@@ -9,37 +9,26 @@ a fork rebuilds it on first use in the child, and pickling drops it.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import fsspec
-from refpipe.storage.errors import (
-    DeleteKeysError,
-    KeyExistsError,
-    KeyNotFoundError,
-    StorageError,
-    TransientStorageError,
-)
+from refpipe.storage.errors import KeyNotFoundError, StorageError, TransientStorageError
 from refpipe.storage.s3_errors import classify, error_code, is_transient_code
-from refpipe.storage.store import Store, buffers_of
+from refpipe.storage.store import WRITE_TOKEN, Store
 
 T = TypeVar("T")
 _S3_DELETE_BATCH = 1000  # DeleteObjects takes at most 1,000 keys (AWS S3 API reference)
-WRITE_TOKEN = "refpipe-write"
-"""User metadata (``x-amz-meta-refpipe-write``) of every exclusive put: ``<writer>.<blake2b-64 of the body>``."""
 
 
 class S3Store(Store):
     """A run prefix on S3 (or an S3-compatible endpoint) through s3fs.
 
     ``get_into`` is one GET copied into the buffers. ``put`` is one PUT; ``exclusive`` adds
-    ``If-None-Match: *`` and a write token (``WRITE_TOKEN``): a 412 is followed by one HEAD, and
-    when the object carries this writer's token for these bytes, the put was this writer's own
-    earlier attempt whose answer was lost, so it succeeds. ``delete`` sends ``DeleteObjects`` in
+    ``If-None-Match: *`` and the write token as user metadata (``x-amz-meta-refpipe-write``): a 412
+    is followed by one HEAD for it (``Store.put``). ``delete`` sends ``DeleteObjects`` in
     batches of 1,000, checks every key's result (s3fs's bulk ``rm`` drops them), re-sends keys
     with transient errors and falls back to one ``DELETE`` per key when the batch request is refused.
     """
@@ -82,13 +71,6 @@ class S3Store(Store):
         fs.retries = 1
         fs.connect_timeout = fs.read_timeout = timeout
         return fs
-
-    @property
-    def writer(self) -> str:
-        """This process's writer id (random; new after a fork or in an unpickled copy)."""
-        if getattr(self, "_writer_pid", None) != os.getpid():
-            self._writer, self._writer_pid = uuid.uuid4().hex[:16], os.getpid()
-        return self._writer
 
     def _split(self, key: str) -> tuple[str, str]:
         bucket, _, object_key = self.path(key).partition("/")
@@ -134,24 +116,14 @@ class S3Store(Store):
             done += n
         return len(data)
 
-    def put(self, key, data, *, exclusive=False):
+    def _put(self, key, buffers, token):
         bucket, object_key = self._split(key)
-        uri, body = self.uri(key), b"".join(buffers_of(data))
-        if not exclusive:
-            self._call(f"PUT {uri}", uri, "put_object", Bucket=bucket, Key=object_key, Body=body)
-            return
-        # not crc32c: a chunk ends with its own crc32c, and the crc32c of any such body is one constant
-        token = f"{self.writer}.{hashlib.blake2b(body, digest_size=8).hexdigest()}"
-        try:
-            self._call(f"PUT {uri}", uri, "put_object", Bucket=bucket, Key=object_key, Body=body, IfNoneMatch="*",
-                       Metadata={WRITE_TOKEN: token})
-        except KeyExistsError:
-            if self._token(key) != token:
-                raise
-            self.idempotent_puts += 1  # this writer's own earlier attempt was applied; its answer was lost
+        uri, body = self.uri(key), b"".join(buffers)
+        exclusive = {} if token is None else {"IfNoneMatch": "*", "Metadata": {WRITE_TOKEN: token}}
+        self._once(f"PUT {uri}", uri, lambda: self.fs.call_s3("put_object", Bucket=bucket, Key=object_key, Body=body,
+                                                              **exclusive))
 
-    def _token(self, key: str) -> str | None:
-        """The write token of the object at ``key`` (one HEAD), or None."""
+    def _token(self, key):
         bucket, object_key = self._split(key)
         uri = self.uri(key)
         try:
@@ -164,10 +136,7 @@ class S3Store(Store):
         failed: dict[str, StorageError] = {}
         for i in range(0, len(keys), _S3_DELETE_BATCH):
             failed.update(self._delete_batch(keys[i : i + _S3_DELETE_BATCH]))
-        if failed:
-            key, error = next(iter(failed.items()))
-            raise DeleteKeysError(f"delete under {self.prefix.uri}: {len(failed)} of {len(keys)} keys not deleted; "
-                                  f"first: {self.uri(key)}: {error}", failed)
+        return failed
 
     def _delete_batch(self, batch: list[str]) -> dict[str, StorageError]:
         """``DeleteObjects`` of up to 1,000 keys; keys with transient per-key errors are sent again (bounded).

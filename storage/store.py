@@ -16,14 +16,17 @@ fork (each backend rebuilds per-process state on first use in the child).
 from __future__ import annotations
 
 import abc
+import hashlib
+import os
 import random
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from refpipe.storage.config import StorageConfig
-from refpipe.storage.errors import StorageError, TransientStorageError
+from refpipe.storage.errors import DeleteKeysError, KeyExistsError, StorageError, TransientStorageError
 from refpipe.storage.uri import RunPrefix
 from typing_extensions import Buffer
 
@@ -31,12 +34,24 @@ Data = Buffer | list[Buffer] | tuple[Buffer, ...]
 """What ``put`` writes: one bytes-like object (bytes, memoryview, a C-contiguous ndarray), or a list/tuple of them."""
 T = TypeVar("T")
 _RETRIES_LOCK = threading.Lock()
+WRITE_TOKEN = "refpipe-write"
+"""Name of the write token of every exclusive put, ``<writer>.<blake2b-64 of the body>``: S3 user metadata
+(``x-amz-meta-refpipe-write``), an extended attribute on a filesystem (``user.refpipe-write``)."""
 
 
 def buffers_of(data: Data) -> list | tuple:
     """``data`` as a list of buffers: a list or tuple is already one; anything else (bytes, an ndarray) is one
     buffer."""
     return data if isinstance(data, (list, tuple)) else [data]
+
+
+def body_hash(buffers) -> str:
+    """blake2b-64 (hex) of the buffers' bytes in order: the body part of a write token. Not crc32c: a chunk ends
+    with its own crc32c, and the crc32c of any such body is one constant."""
+    digest = hashlib.blake2b(digest_size=8)
+    for buffer in buffers:
+        digest.update(memoryview(buffer).cast("B"))
+    return digest.hexdigest()
 
 
 class Store(abc.ABC):
@@ -57,6 +72,19 @@ class Store(abc.ABC):
         self.config = config
         self.retries = 0
         self.idempotent_puts = 0
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        for name in ("_writer", "_writer_pid"):  # an unpickled copy is another writer
+            state.pop(name, None)
+        return state
+
+    @property
+    def writer(self) -> str:
+        """This process's writer id (random; new after a fork or in an unpickled copy)."""
+        if getattr(self, "_writer_pid", None) != os.getpid():
+            self._writer, self._writer_pid = uuid.uuid4().hex[:16], os.getpid()
+        return self._writer
 
     def retrying(self, what: str, op: Callable[[], T], retry: type[StorageError] = TransientStorageError) -> T:
         """Run ``op``, retrying errors of type ``retry`` with exponential backoff and jitter: the one retry layer.
@@ -115,17 +143,42 @@ class Store(abc.ABC):
             StorageError: any other failure (``TransientStorageError`` once retries are spent).
         """
 
-    @abc.abstractmethod
     def put(self, key: str, data: Data, *, exclusive: bool = False) -> None:
         """Write ``data`` (one buffer, or a list/tuple of buffers written in order) at ``key``.
 
-        Readers never see a partial object. With ``exclusive=True`` exactly one of any
-        number of concurrent puts of ``key`` succeeds; the others raise ``KeyExistsError``.
+        Readers never see a partial object. With ``exclusive=True`` exactly one of any number of concurrent
+        puts of ``key`` succeeds; the others raise ``KeyExistsError``. An exclusive put stores a write token
+        (``WRITE_TOKEN``: this writer and the body's hash) with the object, atomically; when it finds the key
+        present, the object's token is read (one HEAD or ``getxattr``), and when it is this writer's for
+        these bytes, an earlier attempt of this put was applied and its answer lost (a "maybe applied"
+        error, retried): the put succeeds and counts in ``idempotent_puts``.
 
         Raises:
-            KeyExistsError: ``exclusive`` and ``key`` exists (the stored object is unchanged).
+            KeyExistsError: ``exclusive`` and ``key`` holds another writer's object (it is unchanged).
             StorageError: any other failure (``TransientStorageError`` once retries are spent).
         """
+        buffers = buffers_of(data)
+        what = f"PUT {self.uri(key)}"
+        if not exclusive:
+            self.retrying(what, lambda: self._put(key, buffers, None))
+            return
+        token = f"{self.writer}.{body_hash(buffers)}"
+        try:
+            self.retrying(what, lambda: self._put(key, buffers, token))
+        except KeyExistsError:
+            if self._token(key) != token:
+                raise
+            with _RETRIES_LOCK:
+                self.idempotent_puts += 1
+
+    @abc.abstractmethod
+    def _put(self, key: str, buffers: list | tuple, token: str | None) -> None:
+        """One attempt of ``put`` (errors classified, not retried); ``token``: exclusive, store it as the object's
+        write token in the same atomic step."""
+
+    @abc.abstractmethod
+    def _token(self, key: str) -> str | None:
+        """The write token stored with the object at ``key``, or None (absent, or stored without one)."""
 
     def delete_key(self, key: str) -> None:
         """Delete one key; an absent key is not an error.
@@ -152,11 +205,16 @@ class Store(abc.ABC):
         keys = list(keys)
         for key in keys:
             self.prefix.check_key(key)
-        self._delete_keys(keys)
+        failed = self._delete_keys(keys)
+        if failed:
+            key, error = next(iter(failed.items()))
+            raise DeleteKeysError(f"delete under {self.prefix.uri}: {len(failed)} of {len(keys)} keys not deleted; "
+                                  f"first: {self.uri(key)}: {error}", failed)
 
     @abc.abstractmethod
-    def _delete_keys(self, keys: list[str]) -> None:
-        """Delete checked keys (the backend's part of ``delete_keys``; raises ``DeleteKeysError``)."""
+    def _delete_keys(self, keys: list[str]) -> dict[str, StorageError]:
+        """Delete checked keys (the backend's part of ``delete_keys``); return the keys not deleted, each with its
+        classified error after the retries."""
 
     @abc.abstractmethod
     def exists(self, key: str) -> bool:

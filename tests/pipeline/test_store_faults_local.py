@@ -1,0 +1,256 @@
+"""The store fault matrix on a local directory (issue 13): the operations of ``test_store_faults.py`` x the faults
+of a POSIX filesystem, with exact outcomes.
+
+Transient faults (``EIO``, ``ESTALE``, ``ETIMEDOUT``, ``EAGAIN``: a Lustre or NFS client losing its server) are
+injected into one system call (``tests/fault_os.py``: no real way to make them here), before it runs or after
+it ran ("maybe applied": an exclusive put then meets ``EEXIST`` and its write token resolves it). Permanent
+faults are real: an immutable directory, a read-only and a full tmpfs. The store's retries: 2, backoff 1 ms.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from audit_helpers import NUM_COMPLETION, NUM_PROMPT, keep, make_keeper, publish
+from fault_os import OsFault, OsFaults, read_only, refusing, tmpfs
+from refpipe.job.weights import publish_weights
+from refpipe.pipeline.audit import audit
+from refpipe.pipeline.keep import Branch
+from refpipe.pipeline.step_file import StepFile
+from refpipe.storage import local_store
+from refpipe.storage.backends import open_store
+from refpipe.storage.chunks import chunk_keys
+from refpipe.storage.errors import KeyExistsError, StorageError, TransientStorageError
+from refpipe.storage.fetch import fetch_arrays
+from refpipe.storage.layout import LATEST_WEIGHTS_KEY, node_key, step_key, tombstone_key, weights_key
+from refpipe.storage.ledger import Ledger
+
+WRITE_FAULTS = [("EIO", False), ("EIO", True), ("ESTALE", False), ("ETIMEDOUT", True), ("EAGAIN", False)]
+"""(errno, after): after = the call was applied and its answer lost."""
+READ_FAULTS = ["EIO", "ESTALE", "ETIMEDOUT", "EAGAIN"]
+WRITE_IDS = [f"{code}_{'after' if after else 'before'}" for code, after in WRITE_FAULTS]
+
+
+@pytest.fixture
+def run(local_config, monkeypatch):
+    """``(store, faults)``: a fresh local run whose system calls go through ``faults``."""
+    faults = OsFaults()
+    monkeypatch.setattr(local_store, "os", faults)
+    store = open_store(local_config.model_copy(update={"max_retries": 2, "retry_backoff_s": 0.001}))
+    return store, faults
+
+
+def _fault(faults: OsFaults, function: str, name: str, code: str, after: bool = False, times: int = 1) -> None:
+    faults.add(OsFault(function, name.replace(".", r"\."), getattr(errno, code), after=after, times=times))
+
+
+def _assert_write_recovered(store, faults, function: str, name: str, code: str, after: bool) -> None:
+    assert faults.hits == [(function, name, code)]
+    assert (store.retries, store.idempotent_puts) == (1, 1 if after else 0)
+
+
+def _assert_audit_clean(store, *ledgers, deleted: int) -> None:
+    for ledger in ledgers:
+        ledger.close()
+    report = audit(store, finished=True)
+    assert report.violations == [] and (report.deleted, report.present, report.double_deletes) == (deleted, 0, 0)
+
+
+@pytest.mark.parametrize("code,after", WRITE_FAULTS, ids=WRITE_IDS)
+@pytest.mark.parametrize("target", ["c.0", "zarr.json"])
+def test_keep(run, code, after, target):
+    store, faults = run
+    keeper = make_keeper(store, store.config)
+    _fault(faults, "link", target, code, after)
+    ref = keep(keeper, seed=1)
+    _assert_write_recovered(store, faults, "link", target, code, after)
+    assert store.list_prefix("payloads") == sorted(chunk_keys(store, ref))
+    assert fetch_arrays(store, ref)["topk_ids"].shape == (NUM_COMPLETION, 2)
+    assert keeper.discard([ref]).deleted == [ref.uri]
+    _assert_audit_clean(store, keeper.ledger, deleted=1)
+
+
+@pytest.mark.parametrize("code,after", WRITE_FAULTS, ids=WRITE_IDS)
+def test_publish_step(run, code, after):
+    store, faults = run
+    keeper = make_keeper(store, store.config)
+    refs = [keep(keeper, seed=s) for s in range(2)]
+    _fault(faults, "link", "step_00000000.npz", code, after)
+    header = publish(store, 0, refs, [0, 1])
+    _assert_write_recovered(store, faults, "link", "step_00000000.npz", code, after)
+    assert StepFile.read(store, 0).header == header and store.list_prefix("steps") == [step_key(0)]
+
+
+@pytest.mark.parametrize("code,after", WRITE_FAULTS, ids=WRITE_IDS)
+def test_flush_ledger(run, code, after):
+    store, faults = run
+    ledger = Ledger(store, "env_worker_0")
+    name = f"{ledger.session}-000001.jsonl"
+    _fault(faults, "link", name, code, after)
+    ledger.record("receive", branch_ids=["a"])
+    ledger.flush()
+    ledger.close()
+    _assert_write_recovered(store, faults, "link", name, code, after)
+    segments = [[json.loads(line)["event"] for line in store.get(k).splitlines()]
+                for k in store.list_prefix("ledger/events/env_worker_0")]
+    assert segments == [["open"], ["receive"], ["close"]]
+
+
+@pytest.mark.parametrize("code,after", WRITE_FAULTS, ids=WRITE_IDS)
+def test_weights_put(run, code, after):
+    store, faults = run
+    name = weights_key(0).rpartition("/")[2]
+    _fault(faults, "link", name, code, after)
+    publish_weights(store, torch.nn.Linear(3, 2), 0)
+    _assert_write_recovered(store, faults, "link", name, code, after)
+    assert store.list_prefix("weights") == [LATEST_WEIGHTS_KEY, weights_key(0)]
+
+
+def test_a_plain_put_is_retried(run):
+    store, faults = run
+    _fault(faults, "replace", "latest.json", "EIO", after=True)  # rename applied, answer lost: renamed again
+    store.put(LATEST_WEIGHTS_KEY, b"{}")
+    assert faults.hits == [("replace", "latest.json", "EIO")] and store.retries == 1
+    assert store.list_prefix("weights") == [LATEST_WEIGHTS_KEY] and store.get(LATEST_WEIGHTS_KEY) == b"{}"
+
+
+@pytest.mark.parametrize("code", READ_FAULTS)
+@pytest.mark.parametrize("num_tokens", [None, NUM_PROMPT + 1], ids=["whole", "truncated"])
+def test_fetch(run, code, num_tokens):
+    store, faults = run
+    ref = keep(make_keeper(store, store.config), seed=2)
+    expected = fetch_arrays(store, ref, num_tokens)
+    _fault(faults, "open", "c.0", code)
+    got = fetch_arrays(store, ref, num_tokens)
+    assert list(got) == list(expected) and all(np.array_equal(got[k], expected[k]) for k in expected)
+    assert faults.hits == [("open", "c.0", code)] and store.retries == 1
+
+
+def _kept_pair(store):
+    keeper = make_keeper(store, store.config)
+    return [keep(keeper, seed=s) for s in (3, 4)], keeper
+
+
+def _assert_deleted(store, refs, *ledgers) -> None:
+    """Both chunks deleted once each, by their delete records, and the finished run audits clean."""
+    assert store.list_prefix("payloads") == []
+    assert store.list_prefix("ledger/deletes") == sorted(tombstone_key(r.branch_id) for r in refs)
+    _assert_audit_clean(store, *ledgers, deleted=len(refs))
+
+
+@pytest.mark.parametrize("code,after", WRITE_FAULTS, ids=WRITE_IDS)
+def test_delete_claim_put(run, code, after):
+    store, faults = run
+    refs, keeper = _kept_pair(store)
+    name = f"{refs[0].branch_id}.json"
+    _fault(faults, "link", name, code, after)
+    result = Ledger(store, "trainer_dp0").delete(refs, reason="trained")
+    assert [result.outcome(r.uri) for r in refs] == ["deleted", "deleted"] and result.failed == {}
+    _assert_write_recovered(store, faults, "link", name, code, after)
+    _assert_deleted(store, refs, keeper.ledger)
+
+
+@pytest.mark.parametrize("code,after", [("EIO", False), ("EIO", True), ("ESTALE", True)],
+                         ids=["EIO_before", "EIO_after", "ESTALE_after"])
+@pytest.mark.parametrize("function,name", [("unlink", "c.0"), ("stat", "zarr.json")])
+def test_delete_objects(run, code, after, function, name):
+    """An unlink (applied or not; a retry of an applied one meets ENOENT: done) or the commit-marker check."""
+    store, faults = run
+    refs, keeper = _kept_pair(store)
+    _fault(faults, function, name, code, after)
+    result = Ledger(store, "trainer_dp0").delete(refs, reason="trained")
+    assert result.deleted == [r.uri for r in refs] and result.failed == {}
+    assert faults.hits == [(function, name, code)] and store.retries == 1
+    _assert_deleted(store, refs, keeper.ledger)
+
+
+def test_a_transient_error_that_outlasts_the_retries_is_an_unfinished_delete(run):
+    store, faults = run
+    refs, keeper = _kept_pair(store)
+    _fault(faults, "unlink", "zarr.json", "ESTALE", times=3)  # the chunk's commit marker: 1 + 2 retries
+    trainer = Ledger(store, "trainer_dp0")
+    result = trainer.delete(refs[:1], reason="trained")
+    assert result.outcome(refs[0].uri) == "failed" and store.retries == 2
+    error = result.failed[refs[0].uri]
+    assert isinstance(error, TransientStorageError)
+    assert str(error).startswith(f"cannot delete {store.uri(chunk_keys(store, refs[0])[1])}: gave up after 3 attempts")
+    assert "ESTALE (Stale file handle)" in str(error) and trainer.unfinished == [refs[0].uri]
+    again = trainer.finish_unfinished()
+    assert again.deleted == [refs[0].uri] and again.double_deletes == [] and trainer.unfinished == []
+    assert trainer.delete(refs[1:], reason="trained").deleted == [refs[1].uri]
+    _assert_deleted(store, refs, keeper.ledger, trainer)
+
+
+def test_a_refused_unlink_fails_that_ref_only_and_is_finished_later(run):
+    """A branch directory that refuses removing names (permanent: not retried): that ref's outcome is ``failed``
+    (claimed, an unfinished delete), the other ref of the same call is deleted."""
+    store, faults = run
+    refs, keeper = _kept_pair(store)
+    trainer = Ledger(store, "trainer_dp0")
+    meta = chunk_keys(store, refs[1])[1]
+    with refusing(store.path(node_key(refs[1].branch_id))) as code:
+        result = trainer.delete(refs, reason="trained")
+        assert [result.outcome(r.uri) for r in refs] == ["deleted", "failed"] and store.retries == 0
+        reason = os.strerror(getattr(errno, code))
+        assert str(result.failed[refs[1].uri]) == f"cannot delete {store.uri(meta)}: {code} ({reason})"
+        assert trainer.unfinished == [refs[1].uri] and audit(store, stopped=True).unfinished_deletes == [refs[1].uri]
+    again = trainer.finish_unfinished()  # the same holder, its own claim: never a double delete
+    assert again.deleted == [refs[1].uri] and again.double_deletes == [] and trainer.unfinished == []
+    _assert_deleted(store, refs, keeper.ledger, trainer)
+
+
+def test_an_exclusive_put_over_another_writers_object_is_still_refused(run):
+    store, faults = run
+    store.put("d/k", b"theirs", exclusive=True)
+    other = open_store(store.config)  # another writer (its own token)
+    _fault(faults, "link", "k", "EIO", after=False)
+    with pytest.raises(KeyExistsError, match="d/k already exists"):
+        other.put("d/k", b"theirs", exclusive=True)  # the same bytes, another writer's token
+    assert other.retries == 1 and other.idempotent_puts == 0 and store.get("d/k") == b"theirs"
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A local config whose run root is a 256 KiB tmpfs (mounted for the test)."""
+    from refpipe.storage.config import StorageConfig
+
+    with tmpfs(str(tmp_path / "fs"), 256 << 10) as root:
+        yield StorageConfig(root=root, run_id="run_0", max_retries=2, retry_backoff_s=0.001)
+
+
+def test_a_full_filesystem_refuses_a_keep_naming_the_chunk(small_fs):
+    store = open_store(small_fs)
+    keeper = make_keeper(store, small_fs)
+    rows = 32 << 10  # 16 bytes a row: 512 KiB, twice the filesystem
+    fields = {"topk_ids": np.tile(np.arange(2, dtype=np.int32), (rows, 1)),
+              "topk_logprobs": np.zeros((rows, 2), np.float32)}
+    with pytest.raises(StorageError, match=r"cannot write .*/payloads/[0-9a-f]{2}/env_worker_0-[0-9a-f]{32}/c\.0: "
+                                           r"ENOSPC \(No space left on device\)$") as info:
+        keeper.keep(Branch(NUM_PROMPT, rows, fields))
+    assert not isinstance(info.value, TransientStorageError) and store.retries == 0
+    assert store.list_prefix("payloads") == []  # the unnamed file of the refused chunk is gone
+    _assert_audit_clean(store, keeper.ledger, deleted=0)
+
+
+def test_a_read_only_filesystem_refuses_writes_naming_the_key_and_still_reads(small_fs):
+    store = open_store(small_fs)
+    keeper = make_keeper(store, small_fs)
+    ref = keep(keeper, seed=5)
+    read_only(small_fs.root)
+    try:
+        for key, put in ((step_key(0), lambda: publish(store, 0, [ref], [0])),
+                         ("config.json", lambda: store.put("config.json", b"{}", exclusive=True)),
+                         (LATEST_WEIGHTS_KEY, lambda: store.put(LATEST_WEIGHTS_KEY, b"{}"))):
+            with pytest.raises(StorageError) as info:
+                put()
+            assert str(info.value) == f"cannot write {store.uri(key)}: EROFS (Read-only file system)"
+        assert store.retries == 0 and fetch_arrays(store, ref)["topk_ids"].shape == (NUM_COMPLETION, 2)
+    finally:
+        read_only(small_fs.root, False)
+    assert keeper.discard([ref]).deleted == [ref.uri]
+    _assert_audit_clean(store, keeper.ledger, deleted=1)
