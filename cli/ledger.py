@@ -84,7 +84,7 @@ def render_sweep(result: SweepResult, console: Console) -> None:
     """What the sweep deleted (or would delete)."""
     verb = "would delete" if result.dry_run else "deleted"
     _print_chunks(console, f"{verb}: leaked chunks", result.deleted)
-    _print_chunks(console, f"{verb}: leftovers of unfinished deletes", result.finished_deletes)
+    _print_chunks(console, f"{verb}: unfinished deletes", result.finished_deletes)
     _print_chunks(console, f"{verb}: incomplete keeps", result.removed_incomplete)
     _print_chunks(console, f"{verb}: retained chunks", result.retained)
     total = len(result.deleted) + len(result.finished_deletes) + len(result.removed_incomplete) + len(result.retained)

@@ -12,7 +12,12 @@ The audit merges four sources under the run prefix, read-only (``pipeline.audit_
 Who accounts for a present chunk (its holder), in this order:
 
 1. a delete record exists: nobody; the deleter died between claim and delete
-   (``unfinished_deletes``; the sweep removes the leftovers);
+   (``unfinished_deletes``; the sweep removes the leftovers). No delete record, but an
+   ``unfinished_delete`` event (a holder decided to delete it and its claim put failed, so
+   the claim was never written): that holder while its session is live
+   (``<actor> (unfinished delete)``: it retries with its own claim), else nobody
+   (``unfinished_deletes``; the sweep claims and deletes it). Either way no step file
+   protects it any more: its last holder was done with it;
 2. a step file ``N`` references it and some DP rank owning one of its refs has not released
    step ``N`` (nor a later one: trainer ranks go through steps in order), whatever the sessions'
    state: ``trainer_dp<r> (trained, awaiting checkpoint)`` while its owner ``r`` recorded
@@ -61,6 +66,7 @@ SWEEP_REASON = "sweep: no live holder (left behind by a crash)"
 RETAINED_REASON = "sweep --retained: retained for inspection, no longer wanted"
 RETAINED = "retained"
 AWAITING_CHECKPOINT = "trained, awaiting checkpoint"
+UNFINISHED = "unfinished delete"
 
 
 class AuditReport(BaseModel):
@@ -97,7 +103,8 @@ class AuditReport(BaseModel):
     incomplete_keeps: list[str]
     """Chunk nodes without ``zarr.json`` (held while their writer may be mid-keep, else leaked)."""
     unfinished_deletes: list[str]
-    """Chunks with a delete record whose objects are still present (the deleter died mid-delete)."""
+    """Present chunks whose delete did not finish: a delete record exists (the deleter died mid-delete), or a
+    dead session recorded an ``unfinished_delete`` for it (its claim was never written)."""
     double_deletes: int
     unknown_deletes: int
     delete_problems: list[str]
@@ -130,7 +137,8 @@ class SweepResult(BaseModel):
     deleted: list[str]
     """Leaked committed chunks, claimed and deleted exactly once."""
     finished_deletes: list[str]
-    """Chunks with a delete record whose leftover objects were removed."""
+    """Unfinished deletes finished: leftover objects of a delete record removed, or a chunk whose holder's claim
+    was never written claimed (by ``sweep``) and deleted."""
     removed_incomplete: list[str]
     """Incomplete keeps removed (never committed, so nothing to claim)."""
     retained: list[str] = []
@@ -217,8 +225,11 @@ def judge(scan: RunScan, store: Store, *, stopped: bool = False, finished: bool 
     holders: Counter[str] = Counter()
     leaked, unfinished = [], []
     for node, keys in sorted(scan.nodes.items()):
-        if node in scan.tombstoned:
+        claimant = scan.unfinished.get(node)
+        if node in scan.tombstoned or (claimant and claimant not in live):
             unfinished.append(node)
+        elif claimant:
+            holders[f"{claimant[0]} ({UNFINISHED})"] += 1
         elif holder := _holder(node, keys, scan, live, shipped, protected):
             holders[holder] += 1
         else:
@@ -256,7 +267,7 @@ def _violations(r: dict) -> list[str]:
         (r["leaked"], f"leaked chunks (present, no live holder; `{sweep_command}` deletes them)"),
         (r["double_deletes"], "double deletes"),
         (r["unknown_deletes"], "deletes of unknown refs"),
-        (len(r["unfinished_deletes"]), "unfinished deletes (delete record written, objects still present)"),
+        (len(r["unfinished_deletes"]), "unfinished deletes (objects still present; `refpipe sweep` finishes them)"),
         (len(r["missing"]), "chunks missing without a delete record"),
         (len(r["unreadable_step_files"]), "unreadable step files"),
         (r["outstanding"] if r["finished"] else 0, "chunks still outstanding at the declared end of the run"),
@@ -319,6 +330,7 @@ def sweep(store: Store, *, stopped: bool = False, dry_run: bool = False, abandon
     whole = {n: scan.nodes[n] for n in leaked if committed(scan.nodes[n])}
     incomplete = {n: scan.nodes[n] for n in leaked if n not in whole}
     unfinished = {n: scan.nodes[n] for n in map(store.prefix.key_of, report.unfinished_deletes)}
+    unclaimed = {n: keys for n, keys in unfinished.items() if n not in scan.tombstoned}  # the claim was never written
     kept = {n: keys for n, keys in scan.nodes.items() if retained and n in scan.retained and committed(keys)
             and n not in scan.tombstoned} if report.retained else {}
     if dry_run:
@@ -328,12 +340,14 @@ def sweep(store: Store, *, stopped: bool = False, dry_run: bool = False, abandon
     ledger = Ledger(store, SWEEP_ACTOR)
     result = _delete_nodes(ledger, whole, SWEEP_REASON)
     gone = _delete_nodes(ledger, kept, RETAINED_REASON)
-    ledger.remove_leftovers(unfinished, event="finish_delete", reason=SWEEP_REASON)
+    claimed = _delete_nodes(ledger, unclaimed, SWEEP_REASON)
+    ledger.remove_leftovers({n: k for n, k in unfinished.items() if n not in unclaimed}, event="finish_delete",
+                            reason=SWEEP_REASON)
     ledger.remove_leftovers(incomplete, event="remove_incomplete", reason=SWEEP_REASON)
     ledger.close()
     return SweepResult(dry_run=False, deleted=result.deleted, finished_deletes=report.unfinished_deletes,
                        removed_incomplete=[store.uri(n) for n in incomplete], retained=gone.deleted,
-                       conflicts=sum(len(r.double_deletes) + len(r.unknown) for r in (result, gone)))
+                       conflicts=sum(len(r.double_deletes) + len(r.unknown) for r in (result, gone, claimed)))
 
 
 def _delete_nodes(ledger: Ledger, nodes: dict[str, list[str]], reason: str) -> DeleteResult:

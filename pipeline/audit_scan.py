@@ -72,6 +72,9 @@ class RunScan:
     """DP rank -> highest step it trained (``trained`` events of ``release = "after_checkpoint"``)."""
     retained: set[str] = field(default_factory=set)
     """Node keys handed to the ``retained`` holder (``retain`` events)."""
+    unfinished: dict[str, tuple[str, str]] = field(default_factory=dict)
+    """Node key -> ``(actor, session)`` of an ``unfinished_delete`` event: that holder decided to delete the chunk
+    and its claim or the removal of its objects failed (the last such event per chunk)."""
     problems: list[dict] = field(default_factory=list)
     bad_records: list[str] = field(default_factory=list)
     stray_keys: list[str] = field(default_factory=list)
@@ -194,6 +197,8 @@ def _take_event(scan: RunScan, actor: str, session: str, event: dict | ValueErro
             latest[rank] = max(step, latest.get(rank, -1))
         elif kind == "retain":
             scan.retained.update(node_key(b) for b in event["branch_ids"])
+        elif kind == "unfinished_delete":
+            scan.unfinished[node_key(event["branch_id"])] = (actor, session)
         elif kind in ("double_delete", "unknown_delete"):
             scan.problems.append(event)
     except (ValueError, KeyError, TypeError, ConfigError) as e:

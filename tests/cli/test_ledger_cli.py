@@ -206,3 +206,41 @@ def test_stray_and_misnamed_delete_records_are_shown_and_a_truncated_one_still_c
     assert text.exit_code == 0
     assert "stray keys (no refpipe object belongs there) (2)" in text.stdout
     assert f"  {misnamed}\n" in text.stdout and "  ledger/deletes/zz-garbage\n" in text.stdout
+
+
+def test_sweep_finishes_the_unfinished_deletes_a_dead_trainer_recorded(local_config):
+    """A trainer rank trained step 0 and its release failed for both chunks: one claim was never written (the
+    delete records' directory refused it), the other chunk's objects could not be removed (its directory refused
+    the unlink). While the rank lives it holds both; after it is gone the audit lists both as unfinished deletes
+    (never as leaked, and step 0 no longer protects them), and ``refpipe sweep`` finishes them."""
+    from fault_os import refusing
+
+    store = open_store(local_config)
+    keeper = make_keeper(store, local_config)
+    refs = [keep(keeper, seed) for seed in range(2)]
+    keeper.ledger.close()
+    publish(store, 0, refs, [0, 0], dp_world_size=1)
+    unclaimed, claimed = refs
+    records = os.path.dirname(store.path(tombstone_key(unclaimed.branch_id)))
+    os.makedirs(records)
+    trainer = Ledger(store, "trainer_dp0")
+    with refusing(records), refusing(os.path.dirname(store.path(claimed.key + "/zarr.json"))):
+        result = trainer.delete(refs, reason="trained step 0")
+        assert [result.outcome(r.uri) for r in refs] == ["failed", "failed"]
+        live = json.loads(invoke("audit", store.prefix.uri, "--json").stdout)
+        assert live["outstanding_by_holder"] == {"trainer_dp0 (unfinished delete)": 1}
+        assert (live["leaked"], live["unfinished_deletes"]) == (0, [claimed.uri])
+        trainer.close()  # retries once, still refused: left to the sweep
+    report = json.loads(invoke("audit", store.prefix.uri, "--json", "--finished").stdout)
+    assert (report["leaked"], report["outstanding"]) == (0, 0)
+    assert report["unfinished_deletes"] == sorted(r.uri for r in refs)
+    assert report["violations"] == ["2 unfinished deletes (objects still present; `refpipe sweep` finishes them)"]
+
+    swept = invoke("sweep", store.prefix.uri, "--json")
+    assert swept.exit_code == 0, swept.output
+    assert json.loads(swept.stdout)["finished_deletes"] == sorted(r.uri for r in refs)
+    assert chunks(store) == set()
+    assert json.loads(store.get(tombstone_key(unclaimed.branch_id)))["holder"] == "sweep"
+    assert json.loads(store.get(tombstone_key(claimed.branch_id)))["holder"] == "trainer_dp0"
+    clean = invoke("audit", store.prefix.uri, "--json", "--finished")
+    assert clean.exit_code == 0 and (json.loads(clean.stdout)["kept"], json.loads(clean.stdout)["deleted"]) == (2, 2)

@@ -139,7 +139,7 @@ def test_incomplete_keeps_and_unfinished_deletes_are_swept(run):
                                                    store.uri(node_key(anonymous))])
     assert report.kept == 2 and report.deleted == 1
     assert report.violations == [LEAKED.format(3),
-                                 "1 unfinished deletes (delete record written, objects still present)"]
+                                 "1 unfinished deletes (objects still present; `refpipe sweep` finishes them)"]
 
     result = sweep(store)
     assert result.deleted == [refs[1].uri] and result.finished_deletes == [refs[0].uri]
