@@ -90,7 +90,7 @@ def test_permission_denied_is_one_line(local_run):
     os.chmod(step_path, 0)
     result = refpipe("inspect", step_path)
     assert (result.returncode, result.stdout, result.stderr) == (
-        2, "", f"error: cannot read {local_run.store.uri(step_key(0))}: Permission denied\n")
+        2, "", f"error: cannot read {local_run.store.uri(step_key(0))}: EACCES (Permission denied)\n")
     os.chmod(step_path, 0o644)
     os.chmod(steps_dir, 0)
     try:
