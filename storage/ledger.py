@@ -29,6 +29,7 @@ has a live session (on any host) is refused at construction, naming that session
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -64,6 +65,7 @@ from refpipe.storage.layout import (
 from refpipe.storage.liveness import Heartbeat, live_sessions
 from refpipe.storage.store import Store
 
+log = logging.getLogger(__name__)
 SEGMENT_MAX_EVENTS = 512
 SEGMENT_MAX_AGE_S = 2.0
 
@@ -377,10 +379,18 @@ class Ledger:
                 self.record("unfinished_delete", branch_id=target.branch_id, uri=target.uri, reason=reason,
                             error=str(result.failed[target.uri]))
         if result.double_deletes or result.unknown or result.failed:
-            self.flush()  # on record before anything else can fail
+            self._flush_now()
         if result.double_deletes or result.unknown:
             self._raise_problems(result)
         return result
+
+    def _flush_now(self) -> None:
+        """Put a delete's problems on record before anything else can fail; when the store refuses the segment too,
+        the events stay buffered for the next flush and the delete still returns its result (never raises it)."""
+        try:
+            self.flush()
+        except StorageError as e:
+            log.warning("ledger %s: delete events stay buffered for the next flush: %s", self.actor, e)
 
     def _note(self, target: _Target, problem: StorageError | _EarlierLife | None, reason: str,
               result: DeleteResult) -> None:

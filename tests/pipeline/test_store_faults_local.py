@@ -254,3 +254,27 @@ def test_a_read_only_filesystem_refuses_writes_naming_the_key_and_still_reads(sm
         read_only(small_fs.root, False)
     assert keeper.discard([ref]).deleted == [ref.uri]
     _assert_audit_clean(store, keeper.ledger, deleted=1)
+
+
+def test_a_delete_on_a_read_only_filesystem_returns_failed_refs_and_is_finished_later(small_fs):
+    """Claims and the ledger's own segment are refused alike: the delete still returns one outcome per ref
+    (never raises), its events stay buffered, and the same holder finishes both deletes once writable."""
+    store = open_store(small_fs)
+    keeper = make_keeper(store, small_fs)
+    refs = [keep(keeper, seed=s) for s in (6, 7)]
+    trainer = Ledger(store, "trainer_dp0")
+    read_only(small_fs.root)
+    try:
+        result = trainer.delete(refs, reason="trained")
+    finally:
+        read_only(small_fs.root, False)
+    assert [result.outcome(r.uri) for r in refs] == ["failed", "failed"] and store.retries == 0
+    assert str(result.failed[refs[0].uri]) == (f"cannot write {store.uri(tombstone_key(refs[0].branch_id))}: "
+                                               f"EROFS (Read-only file system)")
+    assert trainer.unfinished == [r.uri for r in refs] and store.list_prefix("ledger/deletes") == []
+    again = trainer.finish_unfinished()
+    assert again.deleted == [r.uri for r in refs] and trainer.unfinished == []
+    _assert_deleted(store, refs, keeper.ledger, trainer)
+    events = [json.loads(line)["event"] for k in store.list_prefix("ledger/events/trainer_dp0")
+              for line in store.get(k).splitlines()]
+    assert events == ["open", "unfinished_delete", "unfinished_delete", "close"]

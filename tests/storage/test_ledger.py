@@ -156,7 +156,8 @@ def test_a_ref_outside_the_run_deletes_nothing(store, uri):
     np.testing.assert_array_equal(fetch_arrays(store, ref)["x"], np.arange(4, dtype=np.int32) + 2)
 
 
-def test_ledger_seconds_counts_claims_and_segment_puts(store):
+def test_ledger_seconds_counts_claims_and_segment_puts(store, monkeypatch):
+    monkeypatch.setattr("refpipe.storage.ledger.SEGMENT_MAX_AGE_S", 3600.0)  # no age-due flush, however slow the host
     refs = [kept(store, f"g{i}") for i in range(4)]
     ledger = Ledger(store, "a")
     after_open = ledger.ledger_seconds
