@@ -100,8 +100,8 @@ def sweep_run(
     abandon: Annotated[bool, typer.Option(
         "--abandon", help="The run is stopped for good: also delete the chunks of step files never trained.")] = False,
     force: Annotated[bool, typer.Option(
-        "--force", help="Sweep as --stopped/--abandon even though a session's recorded pid is alive on this "
-                        "host (that pid now belongs to a process outside the run).")] = False,
+        "--force", help="Sweep as --stopped/--abandon even though a session's heartbeat is live (a process "
+                        "outside the run renews it under the run's actor name).")] = False,
     retained: Annotated[bool, typer.Option(
         "--retained", help="Also delete the chunks kept for inspection (trainer.retain_steps).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of lists.")] = False,
@@ -111,9 +111,8 @@ def sweep_run(
 
     Never touches a chunk of a step file not yet trained, unless ``--abandon`` (implies
     ``--stopped``). ``--retained`` also deletes the chunks retained for inspection
-    (``trainer.retain_steps``). ``--stopped`` is checked where it can be: while a session of the run
-    opened on this host is unclosed and its pid alive, the sweep refuses (unless ``--force``); for
-    sessions on other hosts, ``--stopped`` is your declaration that they are gone. Exit codes:
+    (``trainer.retain_steps``). ``--stopped`` is checked by the sessions' heartbeats: while a session of the
+    run is live, on any host, the sweep refuses, naming it (unless ``--force``). Exit codes:
     0 swept; 2 the run could not be read, a step file is unreadable, or the run still runs
     here (nothing deleted).
     """

@@ -42,7 +42,13 @@ from refpipe.pipeline.audit import AuditReport, audit, sweep
 from refpipe.pipeline.orchestrator import Orchestrator
 from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.backends import open_store
-from refpipe.storage.errors import ConfigError, KeyNotFoundError, RefpipeError, TransientStorageError
+from refpipe.storage.errors import (
+    ConfigError,
+    KeyNotFoundError,
+    RefpipeError,
+    RunStillRunningError,
+    TransientStorageError,
+)
 from refpipe.storage.layout import (
     CONFIG_KEY,
     FINISH_METRICS_KEY,
@@ -155,14 +161,15 @@ class Launcher:
                          f"{self.cfg.job.trainer_world_size} trainer ranks, {self.cfg.job.num_steps} steps")
 
     def prepare_resume(self) -> None:
-        """A later life (``job.resume``): reclaim what dead sessions kept but never shipped (refused while another
-        life of the run is alive on this host), point env workers at the checkpoint's weights, save the
+        """A later life (``job.resume``): reclaim what dead sessions kept but never shipped (refused while a session
+        of the run is live by its heartbeat, on any host), point env workers at the checkpoint's weights, save the
         resumed config, and go on numbering after the last published step."""
         life = LifeStart.read(self.store, self.cfg.job.num_steps)
         try:
             swept = sweep(self.store, stopped=True)
-        except ConfigError as e:
-            raise ConfigError(f"refusing to resume: another life of the run is still running: {e}") from e
+        except RunStillRunningError as e:
+            raise ConfigError(f"refusing to resume {self.store.prefix.uri}: another life of the run is still running: "
+                              f"{', '.join(e.running)} (heartbeats live); stop it (on every node) first") from e
         self.lives["reclaimed"] = len(swept.deleted) + len(swept.removed_incomplete) + len(swept.finished_deletes)
         point_latest(self.store, life.policy_version)
         self.store.put(CONFIG_KEY, self.cfg.model_dump_json(indent=2).encode())

@@ -12,12 +12,6 @@ import io
 import resource
 from dataclasses import asdict, dataclass, field
 
-import matplotlib
-
-matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt  # noqa: E402  (after selecting the backend)
-
 
 def peak_rss_bytes() -> int:
     """This process's peak resident set size so far, in bytes: ``VmHWM`` of ``/proc/self/status`` on Linux
@@ -71,7 +65,10 @@ class RunCosts:
 
     def plot(self, title: str) -> bytes:
         """PNG bytes: reward; exposed data and fetch seconds; kept MiB in flight; deletes by path, per step."""
-        fig, axes = plt.subplots(4, 1, figsize=(8, 10), sharex=True)
+        from matplotlib.figure import Figure  # here, not at import: every process of a run imports this module
+
+        fig = Figure(figsize=(8, 10))
+        axes = fig.subplots(4, 1, sharex=True)
         x = [s.step for s in self.steps]
         axes[0].plot(x, [s.reward for s in self.steps], marker="o")
         axes[0].set_ylabel("reward (mean)")
@@ -92,5 +89,4 @@ class RunCosts:
         fig.tight_layout()
         out = io.BytesIO()
         fig.savefig(out, format="png", dpi=90)
-        plt.close(fig)
         return out.getvalue()

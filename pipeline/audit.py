@@ -55,7 +55,7 @@ from collections import Counter
 
 from pydantic import BaseModel, ConfigDict, computed_field
 from refpipe.pipeline.audit_scan import RunScan, committed, scan_run
-from refpipe.storage.errors import ConfigError, DoubleDeleteError, StepFileError, UnknownRefError
+from refpipe.storage.errors import DoubleDeleteError, RunStillRunningError, StepFileError, UnknownRefError
 from refpipe.storage.layout import ORCHESTRATOR_ACTOR, SWEEP_ACTOR
 from refpipe.storage.ledger import DeleteResult, Ledger
 from refpipe.storage.liveness import live_sessions
@@ -155,7 +155,7 @@ def _live_sessions(store: Store, scan: RunScan) -> set[tuple[str, str]]:
 
 
 def _refuse_if_running(store: Store, live: set[tuple[str, str]], scan: RunScan) -> None:
-    """Raise ``ConfigError`` when a session of the run is live (its heartbeat changes), on any host."""
+    """Raise ``RunStillRunningError`` when a session of the run is live (its heartbeat changes), on any host."""
     host = socket.gethostname()
     running = []
     for actor, session in sorted(live):
@@ -164,9 +164,10 @@ def _refuse_if_running(store: Store, live: set[tuple[str, str]], scan: RunScan) 
     if running:
         one = len(running) == 1
         them = "that process is" if one else "those processes are"
-        raise ConfigError(
+        raise RunStillRunningError(
             f"refusing to sweep {store.prefix.uri} as stopped: {', '.join(running)} {'is' if one else 'are'} still "
-            f"running (heartbeat live); stop the run first, or pass --force if {them} not part of the run")
+            f"running (heartbeat live); stop the run first, or pass --force if {them} not part of the run",
+            running=running)
 
 
 def _step_nodes(store: Store, scan: RunScan) -> tuple[dict[str, int], dict[str, str], set[str]]:
@@ -314,8 +315,8 @@ def sweep(store: Store, *, stopped: bool = False, dry_run: bool = False, abandon
             exactly once; afterwards ``show``/``verify`` report them as deleted.
 
     Raises:
-        ConfigError: ``stopped`` or ``abandon`` while a session of the run is live by its heartbeat
-            (nothing deleted).
+        RunStillRunningError: ``stopped`` or ``abandon`` while a session of the run is live by its heartbeat,
+            on any host (nothing deleted).
         StepFileError: a step file is unreadable, so the chunks it may still hold are unknown.
     """
     scan = scan_run(store, progress)

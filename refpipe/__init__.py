@@ -28,7 +28,8 @@ __version__ = _version("refpipe")
 _ERRORS = ("RefpipeError", "ConfigError", "OutsideRunError", "StorageError", "TransientStorageError",
            "KeyNotFoundError", "ChunkNotFoundError", "RunNotFoundError", "ChunkCorruptError", "KeyExistsError",
            "DoubleDeleteError", "UnknownRefError", "FieldError", "EpisodeError", "StepFileError", "PackingError",
-           "FetchError", "AlignmentError", "DeleteKeysError", "CheckpointError", "ReplayMismatchError")
+           "FetchError", "AlignmentError", "DeleteKeysError", "CheckpointError", "ReplayMismatchError",
+           "RunStillRunningError")
 _WHERE = {
     "Branch": "refpipe.pipeline.keep", "Keeper": "refpipe.pipeline.keep",
     "Ragged": "refpipe.pipeline.fields", "FieldsConfig": "refpipe.pipeline.fields",

@@ -15,6 +15,18 @@ class ConfigError(RefpipeError, ValueError):
     """A run config or CLI argument is invalid."""
 
 
+class RunStillRunningError(ConfigError):
+    """A command that needs the run stopped (``sweep --stopped``, ``run --resume``) found live sessions.
+
+    Attributes:
+        running: one ``<actor> (pid <pid> on <host>)`` per session whose heartbeat is live, on any host.
+    """
+
+    def __init__(self, message: str, *, running: list[str]):
+        super().__init__(message)
+        self.running = running
+
+
 class OutsideRunError(RefpipeError, ValueError):
     """A URI or key lies outside the run prefix (another run, bucket or scheme, or ``..``)."""
 

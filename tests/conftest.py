@@ -8,6 +8,7 @@ set in ``os.environ`` so subprocesses (distributed tests) inherit them.
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 
@@ -31,6 +32,7 @@ def s3_endpoint() -> str:
     from moto.server import ThreadedMotoServer
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no log record per request (thousands per run test)
     server.start()
     host, port = server.get_host_and_port()
     yield f"http://{host}:{port}"

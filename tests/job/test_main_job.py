@@ -144,11 +144,11 @@ def test_killed_env_worker_run_continues_and_audit_is_clean(local_config):
     assert_clean_end(cfg, result["summary"])
 
 
-def write_config(tmp_path, root, run_id: str, num_steps: int = 3, **orchestrator) -> str:
+def write_config(tmp_path, root, run_id: str, num_steps: int = 3, warm_start_steps: int = 20, **orchestrator) -> str:
     """A TOML run config of the small job under ``root`` with a fixed run id."""
     orch = {"seq_len": 128, "dp_world_size": 2, "groups_per_step": 2, "group_size": 4, **orchestrator}
     text = (f'[storage]\nroot = "{root}"\nrun_id = "{run_id}"\n'
-            f"[job]\nnum_steps = {num_steps}\nwarm_start_steps = 20\n"
+            f"[job]\nnum_steps = {num_steps}\nwarm_start_steps = {warm_start_steps}\n"
             "[orchestrator]\n" + "".join(f"{k} = {v}\n" for k, v in orch.items()) +
             "[trainer]\nstep_timeout_s = 120\ncollective_timeout_s = 120\n")
     path = tmp_path / f"{run_id}.toml"

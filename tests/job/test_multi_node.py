@@ -14,10 +14,12 @@ import socket
 import subprocess
 import sys
 
+from refpipe.cli.main import app
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.layout import AUTHKEY_KEY, CONFIG_KEY, SUMMARY_KEY, address_key
 from test_main_job import write_config
+from typer.testing import CliRunner
 
 BIN = os.path.dirname(sys.executable)
 
@@ -36,12 +38,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_init_writes_the_run_config_with_an_absolute_root_and_prints_the_commands(tmp_path):
+def test_init_writes_the_run_config_with_an_absolute_root_and_prints_the_commands(tmp_path, monkeypatch):
     root = tmp_path / "root"
-    config = write_config(tmp_path, "root", "prep")  # a relative root, resolved against init's cwd
-    init = subprocess.run([f"{BIN}/refpipe", "init", "--config", config], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300)
-    assert init.returncode == 0, init.stdout + init.stderr
+    config = write_config(tmp_path, "root", "prep", warm_start_steps=0)  # a relative root, resolved against init's cwd
+    monkeypatch.chdir(tmp_path)
+    init = CliRunner().invoke(app, ["init", "--config", config])
+    assert init.exit_code == 0, init.output
     store = open_store(StorageConfig(root=str(root), run_id="prep"))
     assert json.loads(store.get(CONFIG_KEY))["storage"]["root"] == str(root)
     assert len(store.get(AUTHKEY_KEY)) == 64
@@ -52,9 +54,8 @@ def test_init_writes_the_run_config_with_an_absolute_root_and_prints_the_command
                          f"  refpipe env-server {uri} --replica I     # I = 0 .. 1",
                          "  torchrun --nnodes N --nproc-per-node M --rdzv-backend c10d --rdzv-endpoint HOST:29500 "
                          f"--rdzv-id prep -m refpipe.job.train_rank {uri}     # N x M = 2"]
-    again = subprocess.run([f"{BIN}/refpipe", "init", "--config", config], cwd=tmp_path, capture_output=True,
-                           text=True, timeout=300)
-    assert again.returncode == 2 and "already exists: choose another storage.run_id" in again.stdout
+    again = CliRunner().invoke(app, ["init", "--config", config])
+    assert again.exit_code == 2 and "already exists: choose another storage.run_id" in again.stdout
     wrong = subprocess.run([sys.executable, "-m", "refpipe.job.train_rank", str(root / "prep")],
                            env={**os.environ, "RANK": "0", "WORLD_SIZE": "3"}, capture_output=True, text=True,
                            timeout=120)

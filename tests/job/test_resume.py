@@ -24,19 +24,24 @@ from refpipe.job.train_rank import check_replay
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import ReplayMismatchError
-from refpipe.storage.layout import SUMMARY_KEY, metrics_key
+from refpipe.storage.layout import SUMMARY_KEY, address_key, metrics_key
 from refpipe.trainer.pause import ENV
 from typer.testing import CliRunner
 
 REFPIPE = os.path.join(os.path.dirname(sys.executable), "refpipe")
 
 
-def write_config(tmp_path: Path, storage: StorageConfig, *, release: str, num_steps: int) -> Path:
-    """A tiny run: 2 groups of 4 per step, 2 env workers, 2 DP ranks, a checkpoint every 2 steps."""
+def write_config(tmp_path: Path, storage: StorageConfig, *, release: str, num_steps: int,
+                 heartbeat_s: tuple[float, float] = (5.0, 15.0)) -> Path:
+    """A tiny run: 2 groups of 4 per step, 1 env worker, 2 DP ranks, a checkpoint every 2 steps; heartbeats
+    every ``heartbeat_s[0]`` seconds, dead after ``heartbeat_s[1]``. Each life starts 4 processes that import
+    torch: the launcher, the env worker, the 2 trainer ranks."""
     endpoint = f's3_endpoint_url = "{storage.s3_endpoint_url}"\n' if storage.s3_endpoint_url else ""
     path = tmp_path / "run.toml"
     path.write_text(f'[storage]\nroot = "{storage.root}"\nrun_id = "{storage.run_id}"\n{endpoint}'
-                    f"[job]\nnum_steps = {num_steps}\nwarm_start_steps = 10\ncheckpoint_every_steps = 2\n"
+                    f"heartbeat_interval_s = {heartbeat_s[0]}\nheartbeat_timeout_s = {heartbeat_s[1]}\n"
+                    f"[job]\nnum_steps = {num_steps}\nnum_env_workers = 1\nwarm_start_steps = 10\n"
+                    "checkpoint_every_steps = 2\n"
                     "eval_every_steps = 0\n"
                     "[orchestrator]\nseq_len = 128\ndp_world_size = 2\ngroups_per_step = 2\ngroup_size = 4\n"
                     f'[trainer]\nstep_timeout_s = 120\ncollective_timeout_s = 120\nrelease = "{release}"\n'
@@ -47,6 +52,14 @@ def write_config(tmp_path: Path, storage: StorageConfig, *, release: str, num_st
 def _tree(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     return [pid] + [d for child in map(int, out.split()) for d in _tree(child)]
+
+
+def as_node(hostname: str) -> list[str]:
+    """The command prefix that runs a command as on another node: its own UTS namespace and host name, so the
+    heartbeats it writes name ``hostname`` and the pid shortcut of ``storage.liveness`` cannot apply."""
+    if subprocess.run(["unshare", "--uts", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs `unshare --uts` (root or user namespaces) to give a process another host name")
+    return ["unshare", "--uts", "sh", "-c", f'hostname {hostname} && exec "$@"', "sh"]
 
 
 def life(tmp_path: Path, args: list[str], pause: str | None, store,
@@ -140,25 +153,48 @@ def test_after_step_run_on_s3_skips_steps_whose_chunks_are_gone(tmp_path, s3_con
     assert summary["resumed"]["from_checkpoint_step"] == 1 and summary["resumed"]["skipped_steps"] == 2
 
 
-def test_a_second_resume_is_refused_while_the_first_lives(tmp_path, local_config):
+def _rank_of(pid: int) -> str:
+    """The ``RANK`` in process ``pid``'s environment ("" for a process that is not a trainer rank)."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return next((v.decode() for k, _, v in (e.partition(b"=") for e in f.read().split(b"\0")) if k == b"RANK"), "")
+
+
+def test_a_second_resume_and_a_stopped_sweep_are_refused_by_heartbeats_of_another_node(tmp_path, local_config):
+    """The first life runs as "node-a" (its own host name: no pid of it can be checked here), paused with every
+    session open; a resume and a `sweep --stopped` from this host are refused by the live heartbeats (1 s). Once
+    its tree is SIGKILLed, its sessions are dead after their 4 s timeout and the stopped sweep goes ahead."""
     store = open_store(local_config)
-    config = write_config(tmp_path, local_config, release="after_checkpoint", num_steps=2)
+    config = write_config(tmp_path, local_config, release="after_checkpoint", num_steps=2, heartbeat_s=(1.0, 4.0))
     marker = tmp_path / "paused"
-    env = {**os.environ, ENV: f"fetch:1:{marker}"}
-    first = subprocess.Popen([REFPIPE, "run", "--config", str(config)], env=env, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
+    first = subprocess.Popen([*as_node("node-a"), REFPIPE, "run", "--config", str(config)],
+                             env={**os.environ, ENV: f"fetch:0:{marker}"}, stdout=subprocess.DEVNULL)
     try:
         while not marker.exists():
             assert first.poll() is None
             time.sleep(0.2)
-        second = subprocess.run([REFPIPE, "run", "--resume", store.prefix.uri], capture_output=True, text=True,
-                                timeout=300)
-        assert second.returncode == 2
-        assert "refusing to resume: another life of the run is still running" in second.stdout
+        tree = _tree(first.pid)
+        trainers = {_rank_of(pid): pid for pid in tree[1:] if _rank_of(pid)}
+        pids = [json.loads(store.get(address_key(0)))["pid"], first.pid, trainers["0"], trainers["1"]]
+        running = ", ".join(f"{actor} (pid {pid} on node-a)" for actor, pid in zip(
+            ["env_worker_0", "orchestrator", "trainer_dp0", "trainer_dp1"], pids))
+        resumed = CliRunner().invoke(app, ["run", "--resume", store.prefix.uri])
+        assert (resumed.exit_code, resumed.output) == (2, (
+            f"error: refusing to resume {store.prefix.uri}: another life of the run is still running: {running} "
+            "(heartbeats live); stop it (on every node) first\n"))
+        swept = CliRunner().invoke(app, ["sweep", store.prefix.uri, "--stopped"])
+        assert (swept.exit_code, swept.output) == (2, (
+            f"error: refusing to sweep {store.prefix.uri} as stopped: {running} are still running (heartbeat live); "
+            "stop the run first, or pass --force if those processes are not part of the run\n"))
     finally:
         for pid in _tree(first.pid):
             os.kill(pid, signal.SIGKILL)
         first.wait()
+    report = json.loads(CliRunner().invoke(app, ["audit", store.prefix.uri, "--json"]).stdout)
+    assert report["live_sessions"] == []  # every heartbeat unchanged for 4 s, by this process's clock
+    swept = CliRunner().invoke(app, ["sweep", store.prefix.uri, "--stopped", "--json"])
+    assert swept.exit_code == 0, swept.output
+    result = json.loads(swept.stdout)
+    assert sorted(result["deleted"] + result["removed_incomplete"]) == sorted(report["leaked_chunks"])
 
 
 def test_a_replayed_micro_batch_that_differs_stops_the_run(local_config):
