@@ -95,15 +95,17 @@ class LocalStore(Store):
                 raise
 
     @contextlib.contextmanager
-    def _directory(self, key: str, *, create: bool = False):
+    def _directory(self, key: str, *, create: bool = False, is_dir: bool = False):
         """``(dir_fd, name)``: an ``O_PATH`` fd of ``key``'s directory, reached from the run prefix one component
-        at a time without following symlinks (``create``: making missing ones), and the key's last name.
+        at a time without following symlinks (``create``: making missing ones), and the key's last name
+        (``is_dir``: the fd of directory ``key`` itself, and None).
 
         Raises:
             KeyNotFoundError: a directory is missing (and not ``create``).
             OutsideRunError: a component below the run prefix is a symlink (or not a directory).
         """
-        *parents, name = self.prefix.check_key(key).split("/")
+        parts = self.prefix.check_key(key).split("/")
+        parents, name = (parts, None) if is_dir else (parts[:-1], parts[-1])
         flags = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
         try:
             fd = os.open(self.prefix.path, flags)
@@ -120,6 +122,17 @@ class LocalStore(Store):
             yield fd, name
         finally:
             os.close(fd)
+
+    def directory_path(self, key: str) -> str:
+        """Path of directory ``key`` under the run prefix, created with its parents one component at a time
+        without following a symlink: for writers that take a path (DCP's ``FileSystemWriter`` in
+        ``trainer.checkpoint``), so they never write outside the run.
+
+        Raises:
+            OutsideRunError: a component below the run prefix is a symlink (or not a directory).
+        """
+        with self._directory(key, create=True, is_dir=True):
+            return self.path(key)
 
     def _step(self, dir_fd: int, part: str, key: str, where: str, create: bool) -> int:
         """An ``O_PATH`` fd of directory ``part`` inside ``dir_fd``, never through a symlink."""
@@ -143,7 +156,8 @@ class LocalStore(Store):
         """Raise ``OutsideRunError`` when ``e`` is what ``O_NOFOLLOW`` gave for a symlink (ELOOP, or ENOTDIR
         with ``O_DIRECTORY``): ``name`` in ``dir_fd`` is one."""
         if e.errno in (errno.ELOOP, errno.ENOTDIR) and _is_symlink(dir_fd, name):
-            raise OutsideRunError(f"{self.uri(key)}: {self.uri(where)} is a symlink: the local store never follows "
+            context = "" if where == key else f"{self.uri(key)}: "
+            raise OutsideRunError(f"{context}{self.uri(where)} is a symlink: the local store never follows "
                                   "a symlink below the run prefix") from e
 
     def _put(self, key, buffers, token):
@@ -288,7 +302,7 @@ class LocalStore(Store):
         (a vanished one is skipped)."""
         base = f"{self.prefix.path}/{self.prefix.check_key(key_prefix)}" if key_prefix else self.prefix.path
         try:
-            with self._directory(f"{key_prefix}/x" if key_prefix else "x"):
+            with self._directory(key_prefix, is_dir=True) if key_prefix else self._directory("x"):
                 pass  # refuses a symlink on the way to the listed directory
             top = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except (KeyNotFoundError, FileNotFoundError):

@@ -37,6 +37,7 @@ from refpipe.storage.layout import (
     checkpoint_key,
     parse_checkpoint_key,
 )
+from refpipe.storage.local_store import LocalStore
 from refpipe.storage.store import Store
 from refpipe.trainer.pause import pause_point
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -73,8 +74,8 @@ def apply_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
 
 
 def _writer(store: Store, key: str):
-    if store.prefix.scheme == "file":
-        return dcp.FileSystemWriter(store.path(key))
+    if isinstance(store, LocalStore):  # DCP writes below this path: made without following a symlink
+        return dcp.FileSystemWriter(store.directory_path(key))
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     return FsspecWriter(store.uri(key), **store.fsspec_options)

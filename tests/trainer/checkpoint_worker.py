@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
-from refpipe.storage.errors import CheckpointError
+from refpipe.storage.errors import CheckpointError, OutsideRunError
 from refpipe.trainer.checkpoint import (
     apply_training_state,
     load_checkpoint,
@@ -61,7 +61,10 @@ def main(spec_path: str, rank: int) -> None:
         model.weight.add_(5.0)
     optimizer.state[model.weight]["exp_avg"].add_(7.0)
     torch.rand(10), np.random.rand(10), random.random()
-    info = newest_checkpoint(store)
+    try:
+        info = newest_checkpoint(store)
+    except OutsideRunError as e:  # checkpoints/ is a symlink: the store refuses to list it
+        info, out["newest_error"] = None, str(e)
     out["newest"] = None if info is None else [info.step, info.policy_version]
     if info is not None:
         fresh = training_state(model, optimizer, step=-1, policy_version=-1)

@@ -86,3 +86,17 @@ def test_no_checkpoint_is_none(local_config):
 
 if __name__ == "__main__":
     pytest.main([__file__])
+
+
+def test_a_checkpoints_directory_symlinked_out_of_the_run_is_never_written(tmp_path, local_config):
+    store = open_store(local_config)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    os.makedirs(store.prefix.path)
+    os.symlink(outside, store.path("checkpoints"))
+    ranks = run_ranks(tmp_path, local_config, step=2)
+    link = store.uri("checkpoints")
+    for r in ranks:
+        assert "is not published" in r["error"] and r["newest"] is None
+        assert r["newest_error"] == f"{link} is a symlink: the local store never follows a symlink below the run prefix"
+    assert list(outside.iterdir()) == []
