@@ -10,7 +10,6 @@ None of these helpers writes under the run prefix or imports torch.
 from __future__ import annotations
 
 import functools
-import json
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -25,8 +24,9 @@ from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.concurrency import bounded_map
 from refpipe.storage.config import StorageConfig
-from refpipe.storage.errors import ConfigError, KeyNotFoundError, RefpipeError
+from refpipe.storage.errors import ConfigError, DeleteRecordError, KeyNotFoundError, RefpipeError
 from refpipe.storage.layout import STEPS_PREFIX, parse_step_key, step_key, tombstone_key
+from refpipe.storage.ledger import read_delete_record
 from refpipe.storage.store import Store
 from refpipe.storage.uri import RunPrefix
 from rich.console import Console
@@ -176,14 +176,16 @@ def chunk_state(store: Store, ref: PayloadRef) -> ChunkState:
 
 
 def deleted_by(store: Store, ref: PayloadRef) -> str | None:
-    """``deleted by <holder> (<reason>)`` from the chunk's delete record, or None without one."""
+    """``deleted by <holder> (<reason>)`` from the chunk's delete record (``storage.ledger.read_delete_record``),
+    ``deleted (delete record <uri> is unreadable: ...)``, or None without one."""
+    key = tombstone_key(ref.branch_id)
     try:
-        record = json.loads(store.get(tombstone_key(ref.branch_id)))
+        record = read_delete_record(store.get(key), store.uri(key))
     except KeyNotFoundError:
         return None
-    except ValueError:
-        return "deleted (unreadable delete record)"
-    return f"deleted by {record.get('holder')} ({record.get('reason')})"
+    except DeleteRecordError as e:
+        return f"deleted ({e})"
+    return f"deleted by {record.holder} ({record.reason})"
 
 
 def chunk_states(store: Store, refs: Iterable[PayloadRef]) -> list[ChunkState]:

@@ -88,6 +88,10 @@ class DoubleDeleteError(StorageError):
         self.result = result
 
 
+class DeleteRecordError(StorageError, ValueError):
+    """A chunk's delete record is not what ``Ledger`` writes (not JSON, not an object, a field missing or mistyped)."""
+
+
 class UnknownRefError(StorageError, LookupError):
     """A delete named a chunk that was never kept (no commit marker, no delete record).
 

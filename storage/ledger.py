@@ -40,11 +40,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from pydantic import BaseModel, ConfigDict, ValidationError
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.errors import (
     ConfigError,
     DeleteKeysError,
+    DeleteRecordError,
     DoubleDeleteError,
     KeyExistsError,
     KeyNotFoundError,
@@ -91,6 +93,41 @@ def read_segment(data: bytes) -> list[tuple[int, dict | ValueError]]:
             continue
         out.append((number, event))
     return out
+
+
+class DeleteRecord(BaseModel):
+    """A chunk's delete record (``ledger/deletes/<aa>/<bb>/<branch_id>.json``): the exactly-once claim, written
+    once by ``Ledger`` (exclusive put) and read only through ``read_delete_record``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    branch_id: str
+    uri: str
+    """The deleted chunk's URI as its deleter saw it."""
+    holder: str
+    """The actor that deleted it."""
+    reason: str
+    """Why (the deletion path)."""
+    t: float
+    """Unix time of the claim, seconds."""
+    session: str
+    """The deleter's ledger session."""
+    claim: str
+    """Random per claim: a deleter whose put's answer was lost recognises its own record."""
+
+
+def read_delete_record(data: bytes, uri: str) -> DeleteRecord:
+    """The one reader of delete records: the ledger's claims (every holder's delete, the sweep) and the CLI's
+    ``deleted by`` lines (``show``, ``verify``, ``inspect``).
+
+    Raises:
+        DeleteRecordError: ``data`` is not a ``DeleteRecord`` (names ``uri`` and each field that is wrong).
+    """
+    try:
+        return DeleteRecord.model_validate_json(data)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'record'}: {err['msg']}" for err in e.errors())
+        raise DeleteRecordError(f"delete record {uri} is unreadable: {problems}") from None
 
 
 @dataclass
@@ -468,9 +505,9 @@ class Ledger:
                         f"(no commit marker, no delete record)")
             if pending is None:
                 claim = uuid.uuid4().hex
-                record = {"branch_id": target.branch_id, "uri": target.uri, "holder": self.actor, "reason": reason,
-                          "t": round(time.time(), 3), "session": self.session, "claim": claim}
-                pending = _Unfinished(target, reason, json.dumps(record).encode(), claim)
+                record = DeleteRecord(branch_id=target.branch_id, uri=target.uri, holder=self.actor, reason=reason,
+                                      t=round(time.time(), 3), session=self.session, claim=claim)
+                pending = _Unfinished(target, reason, record.model_dump_json().encode(), claim)
                 with self._lock:
                     self._unfinished[target.branch_id] = pending
             try:
@@ -503,20 +540,23 @@ class Ledger:
         this actor wrote it in an earlier session (a restarted holder releasing again what its
         earlier life had released)."""
         try:
-            first = json.loads(self.store.get(tomb))
+            first = read_delete_record(self.store.get(tomb), self.store.uri(tomb))
         except KeyNotFoundError:
             if claim is None:
                 return None
-            first = {"holder": "?", "reason": "delete record vanished"}
-        except ValueError:
-            first = {"holder": "?", "reason": "unreadable delete record"}
-        if claim is not None and first.get("claim") == claim:
+            return self._double_delete(target, reason, "?", "delete record vanished")
+        except DeleteRecordError as e:
+            return self._double_delete(target, reason, "?", str(e))
+        if claim is not None and first.claim == claim:
             return None
-        if first.get("holder") == self.actor and first.get("session") not in (None, self.session):
-            return _EarlierLife(first["session"])
+        if first.holder == self.actor and first.session != self.session:
+            return _EarlierLife(first.session)
+        return self._double_delete(target, reason, first.holder, first.reason)
+
+    def _double_delete(self, target: _Target, reason: str, first_holder: str, first_reason: str) -> DoubleDeleteError:
         return DoubleDeleteError(
-            f"chunk {target.uri} was already deleted by {first.get('holder')} ({first.get('reason')}); "
-            f"second delete from {self.actor} ({reason})", first_holder=first.get("holder"), second_holder=self.actor)
+            f"chunk {target.uri} was already deleted by {first_holder} ({first_reason}); "
+            f"second delete from {self.actor} ({reason})", first_holder=first_holder, second_holder=self.actor)
 
     @staticmethod
     def _raise_problems(result: DeleteResult) -> None:
@@ -529,4 +569,4 @@ class Ledger:
             f"({len(result.deleted)} other chunks deleted); first: {first}", result=result, **holders)
 
 
-__all__ = ["DeleteResult", "Ledger"]
+__all__ = ["DeleteRecord", "DeleteResult", "Ledger", "read_delete_record"]

@@ -13,7 +13,7 @@ from refpipe.pipeline.audit import audit
 from refpipe.pipeline.step_file import HEADER_MEMBER, StepFile
 from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.errors import ConfigError
-from refpipe.storage.layout import EVENTS_PREFIX, node_key, step_key
+from refpipe.storage.layout import EVENTS_PREFIX, node_key, step_key, tombstone_key
 from refpipe.storage.uri import RunPrefix
 from test_inspect import invoke
 from test_inspect_errors import assert_one_line_error
@@ -124,3 +124,22 @@ def test_a_forged_block_rows_in_zarr_json_is_a_verify_problem(local_run, block_r
         f"corrupt {store.uri(ref.key)}: zarr.json: block_rows={block_rows}: expected 512 (rows per verified block "
         "of chunk format 2)",
         "step 0: 7 chunks (2972 bytes), 4 micro batches: 1 problem"]
+
+
+def test_a_malformed_delete_record_is_a_verify_and_show_problem_not_a_crash(local_run):
+    """A deleted chunk whose delete record is ``[]``: ``refpipe verify`` ended with ``error: AttributeError: 'list'
+    object has no attribute 'get'`` (exit 2, the other chunks never reported). The one reader
+    (``storage.ledger.read_delete_record``) names the record and what is wrong; every other chunk is still checked."""
+    store = local_run.store
+    ref = StepFile.read(store, 0).header.refs[0]
+    store.delete_keys(list(chunk_keys(store, ref)))
+    store.put(tombstone_key(ref.branch_id), b"[]")
+    why = f"deleted (delete record {store.uri(tombstone_key(ref.branch_id))} is unreadable: record: Input should be " \
+          "an object)"
+    result = invoke(["verify", local_run.step_uris[0]])
+    assert result.exit_code == 1, result.output
+    assert result.stdout.splitlines() == [f"missing {store.uri(ref.key)}: {why}",
+                                          "step 0: 7 chunks (2972 bytes), 4 micro batches: 1 problem"]
+    shown = invoke(["inspect", local_run.step_uris[0]])
+    assert shown.exit_code == 0, shown.output
+    assert f"missing {ref.uri} (owner DP rank 0): {why}" in shown.stdout

@@ -1,8 +1,9 @@
-"""Sizes read from untrusted metadata never size a read or an allocation unchecked (issue 14 residuals).
+"""Untrusted metadata never sizes a read or an allocation unchecked, and has one reader (issue 14 residuals).
 
 A forged ``block_rows`` is refused by its one rule (``storage.chunk.check_block_rows``); a zstd frame
 is decoded only into a buffer of the ref's declared size, so a small frame that declares or expands
-to more is refused without allocating it (tracemalloc measures the Python and numpy allocations).
+to more is refused without allocating it (tracemalloc measures the Python and numpy allocations);
+a malformed delete record is refused by its one reader (``storage.ledger.read_delete_record``).
 Local backend only: these rules run on bytes already read, the same for every store.
 """
 
@@ -17,9 +18,9 @@ import pytest
 from pydantic import ValidationError
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.storage.chunk import PayloadRef
-from refpipe.storage.errors import ChunkCorruptError
+from refpipe.storage.errors import ChunkCorruptError, DoubleDeleteError
 from refpipe.storage.fetch import fetch_arrays
-from refpipe.storage.layout import DATA_NAME, node_key
+from refpipe.storage.layout import DATA_NAME, node_key, tombstone_key
 from refpipe.storage.ledger import Ledger
 from storage_helpers import FIELDS_CFG, Backend, make_backend, make_fields
 
@@ -152,3 +153,27 @@ def test_bytes_that_are_not_a_zstd_frame_are_named_so(backend):
     """Before: ``zstd frame does not decode: Zstd decompression error: ...`` from whichever check numcodecs met."""
     ref = forge_chunk(backend, keep(backend, "zstd"), b"PK\x03\x04" + bytes(60))
     assert fetch_peak_nbytes(backend, ref, "not a zstd frame (starts 504b0304, expected 28b52ffd)") < 256 * 1024
+
+
+@pytest.mark.parametrize("record,problem", [
+    (b"[]", "record: Input should be an object"),
+    (b"not json", "record: Invalid JSON: expected ident at line 1 column 2"),
+    (b'{"holder": 3, "reason": "died"}', "branch_id: Field required; uri: Field required; holder: Input should be a "
+                                        "valid string; t: Field required; session: Field required; claim: Field "
+                                        "required"),
+])
+def test_a_malformed_delete_record_is_a_double_delete_naming_it(backend, record, problem):
+    """The ledger's claim reads the record it lost to (``storage.ledger.read_delete_record``, the one reader; the CLI's
+    ``deleted by`` uses it too). Before: ``[]`` raised AttributeError out of ``Ledger.delete``; ``not json`` was
+    "deleted by ? (unreadable delete record)"; ``holder: 3`` was "deleted by 3 (died)", trusted."""
+    ref = keep(backend)
+    tomb = tombstone_key(ref.branch_id)
+    backend.raw.put(tomb, record)
+    with pytest.raises(DoubleDeleteError) as info:
+        Ledger(backend.store, "trainer_dp0").delete([ref], reason="trained")
+    assert str(info.value) == (
+        f"1 double deletes, 0 deletes of unknown refs (0 other chunks deleted); first: chunk {ref.uri} was already "
+        f"deleted by ? (delete record {backend.store.uri(tomb)} is unreadable: {problem}); second delete from "
+        "trainer_dp0 (trained)")
+    assert info.value.first_holder == "?" and backend.raw.get(tomb) == record
+    assert fetch_arrays(backend.store, ref)["routed_experts"].shape == (P + C, 3, 2)  # nothing deleted
