@@ -243,6 +243,9 @@ class StepFile:
         """Validate a step file's bytes (see ``read``); ``uri`` names it in errors."""
         try:
             zf = zipfile.ZipFile(io.BytesIO(data))
+            compressed = [i.filename for i in zf.infolist() if i.compress_type != zipfile.ZIP_STORED]
+            if compressed:  # a stored member reads at most the file's own bytes; a deflated one its declared size
+                raise ValueError(f"member {compressed[0]} is compressed: expected every member stored")
             raw = json.loads(zf.read(HEADER_MEMBER))
         except (zipfile.BadZipFile, KeyError, ValueError, EOFError) as e:
             raise StepFileError(f"step file {uri}: not a readable step file (truncated or foreign): {e}") from e
@@ -268,15 +271,35 @@ class StepFile:
         for name, dtype in STREAMS.items():
             member = member_name(dp_rank, index, name)
             try:
-                with self._zf.open(member) as f:
-                    a = np.lib.format.read_array(f, allow_pickle=False)
+                data = self._zf.read(member)  # stored (``from_bytes``): at most the step file's own bytes
+                f = io.BytesIO(data)
+                got_dtype, shape = _npy_header(f)
             except (KeyError, ValueError, zipfile.BadZipFile, EOFError) as e:
                 raise StepFileError(f"step file {self.uri}: member {member} unreadable: {e}") from e
-            if a.dtype.str != dtype or a.shape != (mb.num_tokens,):
-                raise StepFileError(f"step file {self.uri}: {member} is {a.dtype.str} {list(a.shape)}, "
+            if got_dtype.str != dtype or shape != (mb.num_tokens,):
+                raise StepFileError(f"step file {self.uri}: {member} is {got_dtype.str} {list(shape)}, "
                                     f"expected {dtype} [{mb.num_tokens}]")
-            out[name] = a
+            if len(data) - f.tell() != mb.num_tokens * got_dtype.itemsize:
+                raise StepFileError(f"step file {self.uri}: member {member} holds {len(data) - f.tell()} bytes of "
+                                    f"data, expected {mb.num_tokens * got_dtype.itemsize} ({dtype} [{mb.num_tokens}])")
+            out[name] = np.frombuffer(data, got_dtype, mb.num_tokens, f.tell()).copy()
         return out
+
+
+def _npy_header(f: io.BytesIO) -> tuple[np.dtype, tuple[int, ...]]:
+    """dtype and shape a ``.npy`` member declares (format 1.0 or 2.0, C order), read before any allocation.
+
+    Raises:
+        ValueError: not such a header.
+    """
+    version = np.lib.format.read_magic(f)
+    if version not in ((1, 0), (2, 0)):
+        raise ValueError(f".npy format {version}: expected (1, 0) or (2, 0)")
+    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, fortran_order, dtype = read(f)
+    if fortran_order and len(shape) > 1:
+        raise ValueError("Fortran order: expected C order")
+    return dtype, shape
 
 
 def check_step(header: StepHeader, step: int, uri: str) -> None:

@@ -50,7 +50,12 @@ class Fetched(NamedTuple):
 
 
 def rows_for(lay: ArrayLayout, ref: PayloadRef, num_tokens: int, counts: np.ndarray | None) -> int:
-    """Rows of ``lay`` that belong to the first ``num_tokens`` tokens of the branch."""
+    """Rows of ``lay`` that belong to the first ``num_tokens`` tokens of the branch.
+
+    Raises:
+        ChunkCorruptError: a ragged array's counts (read from the chunk) are negative or sum to more rows than
+            the ref declares for it: they would slice past the array (into the next one, or past its blocks).
+    """
     if lay.domain == "tokens":
         return num_tokens
     num_completion = max(0, num_tokens - ref.num_prompt_tokens)
@@ -58,7 +63,13 @@ def rows_for(lay: ArrayLayout, ref: PayloadRef, num_tokens: int, counts: np.ndar
         return num_completion
     if counts is None:
         raise ChunkCorruptError(f"chunk {ref.uri}: array {lay.name} is ragged but its counts were not read first")
-    return int(counts[:num_completion].sum())
+    kept = counts[:num_completion].astype(np.int64)
+    rows = int(kept.sum())
+    if (kept < 0).any() or rows > lay.shape[0]:
+        raise ChunkCorruptError(f"chunk {ref.uri}: array {lay.name}: counts of the first {num_completion} completion "
+                                f"tokens (min {kept.min()}) sum to {rows} rows: expected non-negative counts summing "
+                                f"to at most its {lay.shape[0]} rows")
+    return rows
 
 
 def fetch_arrays(store: Store, ref: PayloadRef, num_tokens: int | None = None) -> dict[str, np.ndarray]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import tracemalloc
 import zipfile
 
 import numpy as np
@@ -134,3 +135,61 @@ def test_a_file_holding_another_step_is_refused(published):
     with pytest.raises(StepFileError) as e:
         StepFile.read(store, 2)
     assert str(e.value) == f"step file {store.uri(step_key(2))}: header says step 7, expected step 2"
+
+
+def _with_member(data: bytes, member: str, body: bytes, compression: int = zipfile.ZIP_STORED) -> bytes:
+    """A copy of a step file with ``member``'s bytes replaced by ``body``, every member written with ``compression``."""
+    src, out = zipfile.ZipFile(io.BytesIO(data)), io.BytesIO()
+    with zipfile.ZipFile(out, "w", compression) as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, body if info.filename == member else src.read(info))
+    return out.getvalue()
+
+
+def _npy(shape: tuple[int, ...], data: bytes) -> bytes:
+    f = io.BytesIO()
+    np.lib.format.write_array_header_1_0(f, {"descr": "<i4", "fortran_order": False, "shape": shape})
+    return f.getvalue() + data
+
+
+@pytest.mark.parametrize("storage_config", ["local"], indirect=True)
+@pytest.mark.parametrize("declared, keep_bytes, message", [
+    (2**40, None, "dp0.mb0.input_ids.npy is <i4 [1099511627776], expected <i4 [{n}]"),
+    (None, -4, "member dp0.mb0.input_ids.npy holds {short} bytes of data, expected {full} (<i4 [{n}])"),
+])
+def test_a_stream_declaring_more_than_it_holds_is_refused_before_allocating(published, declared, keep_bytes,
+                                                                             message):
+    """A member's .npy header declaring 2**40 int32 (4 TiB) in a step file of a few KiB: numpy's ``read_array``
+    allocated the declared array before reading (``MemoryError`` out of ``StepFile.streams``: a trainer rank
+    crashed, ``refpipe verify`` printed ``error: MemoryError``); a header declaring the right shape over 4 bytes
+    too few was ``EOF: reading array data``. The declared size is now checked against the bytes held first."""
+    store, *_ = published
+    original = StepFile.read(store, 7)
+    n = original.header.micro_batches[0].num_tokens
+    data = original.streams(0, 0)["input_ids"].tobytes()
+    body = _npy((declared or n,), data[:keep_bytes])
+    store.put(step_key(7), _with_member(store.get(step_key(7)), "dp0.mb0.input_ids.npy", body))
+    step = StepFile.read(store, 7)
+    tracemalloc.start()
+    try:
+        with pytest.raises(StepFileError) as info:
+            step.streams(0, 0)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    expected = message.format(n=n, short=4 * n + (keep_bytes or 0), full=4 * n)
+    assert str(info.value) == f"step file {store.uri(step_key(7))}: {expected}"
+    assert peak < 64 * 1024, peak  # the member's bytes (< 1 KiB) and small change; not the declared 4 TiB
+
+
+@pytest.mark.parametrize("storage_config", ["local"], indirect=True)
+def test_a_step_file_with_a_compressed_member_is_refused(published):
+    """A deflated member decompresses to the size its zip entry declares, not the file's; our writer stores every
+    member. Before: read as any zip."""
+    store, *_ = published
+    step_file = store.get(step_key(7))
+    store.put(step_key(7), _with_member(step_file, "", b"", zipfile.ZIP_DEFLATED))
+    with pytest.raises(StepFileError) as info:
+        StepFile.read(store, 7)
+    assert str(info.value) == (f"step file {store.uri(step_key(7))}: not a readable step file (truncated or foreign): "
+                               f"member {HEADER_MEMBER} is compressed: expected every member stored")

@@ -17,12 +17,13 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 from refpipe.pipeline.keep import Branch, Keeper
-from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.chunk import PayloadRef, encode_chunk
+from refpipe.storage.chunks import put_chunk
 from refpipe.storage.errors import ChunkCorruptError, DoubleDeleteError
 from refpipe.storage.fetch import fetch_arrays
 from refpipe.storage.layout import DATA_NAME, node_key, tombstone_key
 from refpipe.storage.ledger import Ledger
-from storage_helpers import FIELDS_CFG, Backend, make_backend, make_fields
+from storage_helpers import FIELDS_CFG, Backend, make_backend, make_fields, stored_cut
 
 P, C = 4, 6
 PAYLOAD_NBYTES = 576
@@ -177,3 +178,24 @@ def test_a_malformed_delete_record_is_a_double_delete_naming_it(backend, record,
         "trainer_dp0 (trained)")
     assert info.value.first_holder == "?" and backend.raw.get(tomb) == record
     assert fetch_arrays(backend.store, ref)["routed_experts"].shape == (P + C, 3, 2)  # nothing deleted
+
+
+@pytest.mark.parametrize("num_tokens", [None, P + 2])
+@pytest.mark.parametrize("counts", [[100] * C, [-1, 5, 0, 0, 0, 0]])
+def test_ragged_counts_slicing_past_their_values_are_corrupt(backend, counts, num_tokens):
+    """A ref and chunk that agree (crcs and all) but whose ragged counts slice past the values they count. Before:
+    a whole read viewed ``sum(counts)`` rows from the values' offset on (the next array's bytes, or a numpy
+    ValueError), a cut read indexed block crcs past the ref's list (IndexError) or read negative rows."""
+    stored = stored_cut(make_fields(0, P, C), P, P + C)
+    stored["sampling_mask.counts"] = np.array(counts, np.int32)
+    chunk = encode_chunk("b2", stored, keep(backend).arrays, num_prompt_tokens=P, num_completion_tokens=C)
+    ref = PayloadRef(uri=put_chunk(backend.store, "b2", chunk), branch_id="b2", num_prompt_tokens=P,
+                     num_completion_tokens=C, arrays=chunk.arrays, nbytes=chunk.nbytes, checksum=chunk.checksum)
+    values = len(stored["sampling_mask.ids"])
+    completion = C if num_tokens is None else 2
+    kept = counts[:completion]
+    with pytest.raises(ChunkCorruptError) as info:
+        fetch_arrays(backend.store, ref, num_tokens)
+    assert str(info.value) == (
+        f"chunk {ref.uri}: array sampling_mask.ids: counts of the first {completion} completion tokens (min "
+        f"{min(kept)}) sum to {sum(kept)} rows: expected non-negative counts summing to at most its {values} rows")
