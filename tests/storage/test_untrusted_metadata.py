@@ -184,8 +184,8 @@ def test_a_malformed_delete_record_is_a_double_delete_naming_it(backend, record,
 @pytest.mark.parametrize("counts", [[100] * C, [-1, 5, 0, 0, 0, 0]])
 def test_ragged_counts_slicing_past_their_values_are_corrupt(backend, counts, num_tokens):
     """A ref and chunk that agree (crcs and all) but whose ragged counts slice past the values they count. Before:
-    a whole read viewed ``sum(counts)`` rows from the values' offset on (the next array's bytes, or a numpy
-    ValueError), a cut read indexed block crcs past the ref's list (IndexError) or read negative rows."""
+    counts of 100 were numpy's untyped ``ValueError: buffer is smaller than requested size`` on both read paths
+    (a smaller excess viewed the next array's bytes as values); a count of -1 was returned as data."""
     stored = stored_cut(make_fields(0, P, C), P, P + C)
     stored["sampling_mask.counts"] = np.array(counts, np.int32)
     chunk = encode_chunk("b2", stored, keep(backend).arrays, num_prompt_tokens=P, num_completion_tokens=C)
