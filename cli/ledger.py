@@ -89,7 +89,9 @@ def render_sweep(result: SweepResult, console: Console) -> None:
     _print_chunks(console, f"{verb}: retained chunks", result.retained)
     total = len(result.deleted) + len(result.finished_deletes) + len(result.removed_incomplete) + len(result.retained)
     console.print(f"{verb} {total} chunks" + (f"; {result.conflicts} already deleted by others" if result.conflicts
-                                              else ""), highlight=False)
+                                              else "")
+                  + (f"; removed {result.removed_directories} empty directories" if result.removed_directories
+                     else ""), highlight=False)
 
 
 @clean_errors

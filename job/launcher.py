@@ -333,8 +333,9 @@ class Launcher:
             deletes=dict(zip(("orchestrator", "trainer", "env worker discard"), deletes))))
 
     def finish(self, fleet: Fleet, *, failure: str | None) -> int:
-        """Audit the run, sweep what dead workers and failed deletes left (audited again), print the summary;
-        return the exit code.
+        """Audit the run, sweep what dead workers and failed deletes left (audited again), remove the empty
+        directories the finished run leaves (local backend: the payload shards), print the summary; return the
+        exit code.
 
         A failed run is audited as stopped, not finished: untrained step files keep their chunks
         for a restart, and ``refpipe sweep`` is left to the user.
@@ -348,6 +349,7 @@ class Launcher:
             self.deletes["sweep"] += len(swept.deleted)
             self.deletes["sweep: unfinished deletes finished"] += len(swept.finished_deletes)
             report = audit(self.store, stopped=True, finished=True)
+        removed_directories = 0 if failed else self.store.remove_empty_directories()  # every role has finished
         alignment_ok = self.alignment_max < self.cfg.job.alignment_tolerance
         resumed = None if self.life is None else {
             "life": self.life.life, "from_checkpoint_step": self.life.checkpoint_step,
@@ -361,6 +363,7 @@ class Launcher:
                    "alignment_max_abs_diff": self.alignment_max,
                    "alignment_on_policy_tokens": self.alignment_tokens,
                    "alignment_ok": alignment_ok, "dead_env_workers": sorted(fleet.dead), "audit": report.model_dump(),
+                   "removed_empty_directories": removed_directories,
                    **self.costs.summary()}
         self.store.put(SUMMARY_KEY, json.dumps(summary, indent=2).encode())
         self.store.put(REPORT_KEY, self.costs.plot(f"run {self.store.prefix.uri}"))

@@ -145,6 +145,8 @@ class SweepResult(BaseModel):
     """Retained chunks claimed and deleted exactly once (``retained=True``)."""
     conflicts: int = 0
     """Leaked chunks someone else deleted during the sweep (double or unknown deletes)."""
+    removed_directories: int = 0
+    """Empty directories removed below the run prefix (``stopped``/``abandon`` only; none on S3)."""
 
 
 def _live_sessions(store: Store, scan: RunScan) -> set[tuple[str, str]]:
@@ -300,7 +302,8 @@ def sweep(store: Store, *, stopped: bool = False, dry_run: bool = False, abandon
     Leaked committed chunks are claimed and deleted through ``Ledger.delete_nodes``; leftover
     objects of unfinished deletes and leaked incomplete keeps are removed (events
     ``finish_delete``, ``remove_incomplete``). Chunks of untrained step files are never touched,
-    unless the run is abandoned.
+    unless the run is abandoned. A ``stopped`` or ``abandon`` sweep then removes the empty directories
+    below the run prefix (``Store.remove_empty_directories``: payload shards of deleted chunks; none on S3).
 
     Args:
         stopped: as ``audit``: no process of the run is running. Checked by the sessions'
@@ -348,7 +351,8 @@ def sweep(store: Store, *, stopped: bool = False, dry_run: bool = False, abandon
     ledger.close()
     return SweepResult(dry_run=False, deleted=result.deleted, finished_deletes=report.unfinished_deletes,
                        removed_incomplete=[store.uri(n) for n in incomplete], retained=gone.deleted,
-                       conflicts=sum(len(r.double_deletes) + len(r.unknown) for r in (result, gone, claimed)))
+                       conflicts=sum(len(r.double_deletes) + len(r.unknown) for r in (result, gone, claimed)),
+                       removed_directories=store.remove_empty_directories() if stopped or abandon else 0)
 
 
 def _delete_nodes(ledger: Ledger, nodes: dict[str, list[str]], reason: str) -> DeleteResult:

@@ -272,6 +272,35 @@ class LocalStore(Store):
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
                 raise StorageError(f"cannot remove directory {self.uri(directory)}: {e.strerror}") from e
 
+    def remove_empty_directories(self):
+        """Bottom-up ``os.fwalk`` of the run prefix (symlinks never followed: ``rmdir(2)`` of one is ``ENOTDIR``,
+        and ``fwalk`` does not descend into them); ``rmdir`` relative to the parent's fd, a non-empty one stays."""
+        try:
+            top = os.open(self.prefix.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return 0
+        removed = 0
+        try:
+            for directory, dirs, _, dir_fd in os.fwalk(".", dir_fd=top, topdown=False, onerror=_raise_unless_gone):
+                removed += sum(self._rmdir_if_empty(dir_fd, os.path.normpath(f"{directory}/{name}"), name)
+                               for name in dirs)
+        except StorageError:
+            raise
+        except OSError as e:
+            raise StorageError(f"cannot list {self.prefix.uri} for empty directories: {e.strerror}") from e
+        finally:
+            os.close(top)
+        return removed
+
+    def _rmdir_if_empty(self, dir_fd: int, key: str, name: str) -> bool:
+        try:
+            os.rmdir(name, dir_fd=dir_fd)
+            return True
+        except OSError as e:
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT, errno.ENOTDIR):
+                return False
+            raise StorageError(f"cannot remove directory {self.uri(key)}: {e.strerror}") from e
+
     def exists(self, key):
         def stat() -> None:
             with self._directory(key) as (dir_fd, name):

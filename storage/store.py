@@ -224,6 +224,16 @@ class Store(abc.ABC):
     def list_prefix(self, key_prefix: str) -> list[str]:
         """Every key under ``key_prefix/`` (recursive, sorted; ``""`` = the whole run). Audits and inspection only."""
 
+    def remove_empty_directories(self) -> int:
+        """Remove every empty directory below the run prefix (never the prefix itself, nothing outside it); return
+        how many. The end-of-run cleanup of a stopped run only (a concurrent put may need a directory removed here).
+        Object stores have no directories: 0.
+
+        Raises:
+            StorageError: a directory could not be read or removed for another reason than holding entries.
+        """
+        return 0
+
     @abc.abstractmethod
     def list_sizes(self, key_prefix: str) -> dict[str, int]:
         """Every key under ``key_prefix/`` (recursive, ``""`` = the whole run) with its size in bytes, sorted by key.

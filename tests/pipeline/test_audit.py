@@ -253,3 +253,32 @@ def test_deletes_racing_the_audit_raise_no_false_alarm(local_config):
     assert report.outstanding_by_holder == {"trainer step 0": 1}  # listed present; its delete record came later
     assert report.deleted == 1 and report.missing == [] and report.unfinished_deletes == []
     assert report.violations == []
+
+
+def _empty_directories(path) -> list[str]:
+    return sorted(str(d.relative_to(path)) for d in path.rglob("*") if d.is_dir() and not d.is_symlink()
+                  and not any(d.iterdir()))
+
+
+def test_a_stopped_sweep_removes_the_empty_directories_of_a_finished_run_and_nothing_outside(local_config, tmp_path):
+    store = open_store(local_config)  # local only: S3 has no directories (Store.remove_empty_directories is 0)
+    keeper, orchestrator = make_keeper(store, local_config), Ledger(store, "orchestrator")
+    trainers = [Ledger(store, f"trainer_dp{r}") for r in range(2)]
+    refs = [keep(keeper, seed) for seed in range(4)]
+    publish(store, 0, refs, [0, 1, 0, 1])
+    train(store, trainers, 0)
+    close_all(keeper, orchestrator, trainers)
+    run_dir = tmp_path / "root" / "run_1"
+    outside = [tmp_path / "root" / "run_10" / "payloads" / "aa", tmp_path / "elsewhere" / "empty"]
+    for directory in outside:
+        directory.mkdir(parents=True)
+    (run_dir / "ledger" / "link").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    shards = sorted({f"payloads/{node_key(r.branch_id).split('/')[1]}" for r in refs})
+    assert _empty_directories(run_dir) == shards
+    assert sweep(store).removed_directories == 0  # a plain sweep: the run may still be running
+    assert _empty_directories(run_dir) == shards
+
+    assert sweep(store, stopped=True).removed_directories == len(shards) + 1  # the shards, then payloads/
+    assert _empty_directories(run_dir) == [] and not (run_dir / "payloads").exists()
+    assert all(d.is_dir() for d in outside) and (run_dir / "ledger" / "link").is_symlink()
+    assert audit(store, finished=True).clean
