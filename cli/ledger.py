@@ -64,6 +64,9 @@ def audit_run(
     stopped: StoppedOpt = False,
     finished: Annotated[bool, typer.Option(
         "--finished", help="The run is over (implies --stopped): chunks still outstanding are violations.")] = False,
+    incremental: Annotated[bool, typer.Option(
+        "--incremental", help="Read only what is new since the last incremental audit (ledger/audit/summary.json), "
+                              "then rewrite that summary.")] = False,
     s3_endpoint_url: EndpointOpt = None,
 ) -> None:
     """Audit a run: kept, shipped, deleted, outstanding by holder, leaked, double and unknown deletes.
@@ -72,7 +75,7 @@ def audit_run(
     """
     store = open_run(run_uri, s3_endpoint_url)
     with progress("auditing") as bar:
-        report = audit(store, stopped=stopped, finished=finished, progress=bar)
+        report = audit(store, stopped=stopped, finished=finished, incremental=incremental, progress=bar)
     if as_json:
         typer.echo(report.model_dump_json())
     else:

@@ -54,7 +54,8 @@ import socket
 from collections import Counter
 
 from pydantic import BaseModel, ConfigDict, computed_field
-from refpipe.pipeline.audit_scan import RunScan, committed, scan_run
+from refpipe.pipeline.audit_scan import RunScan, StaleSummaryError, committed, scan_run
+from refpipe.pipeline.audit_summary import load_summary, seed_scan, settle, write_summary
 from refpipe.storage.errors import DoubleDeleteError, RunStillRunningError, StepFileError, UnknownRefError
 from refpipe.storage.layout import ORCHESTRATOR_ACTOR, SWEEP_ACTOR
 from refpipe.storage.ledger import DeleteResult, Ledger
@@ -242,10 +243,12 @@ def judge(scan: RunScan, store: Store, *, stopped: bool = False, finished: bool 
     missing = sorted(n for n in expected if n not in scan.nodes and n not in scan.tombstoned)
     doubles = [p for p in scan.problems if p.get("event") == "double_delete"]
     uri = store.uri
+    settled = scan.settled
     report = dict(
         run_uri=store.prefix.uri, stopped=stopped, finished=finished,
-        kept=sum(committed(k) for n, k in scan.nodes.items() if n not in scan.tombstoned) + len(scan.tombstoned),
-        shipped=len(shipped), borrowed=len(borrowed), deleted=len(scan.tombstoned), present=len(scan.nodes),
+        kept=sum(committed(k) for n, k in scan.nodes.items() if n not in scan.tombstoned) + len(scan.tombstoned)
+        + settled["kept"], shipped=len(shipped) + settled["shipped"], borrowed=len(borrowed) + settled["borrowed"],
+        deleted=len(scan.tombstoned) + settled["deleted"], present=len(scan.nodes),
         outstanding=sum(holders.values()), outstanding_by_holder=dict(sorted(holders.items())), retained=retained,
         leaked=len(leaked), leaked_chunks=[uri(n) for n in leaked],
         incomplete_keeps=[uri(n) for n, k in sorted(scan.nodes.items()) if not committed(k)],
@@ -278,7 +281,7 @@ def _violations(r: dict) -> list[str]:
     return [f"{n} {what}" for n, what in checks if n]
 
 
-def audit(store: Store, *, stopped: bool = False, finished: bool = False,
+def audit(store: Store, *, stopped: bool = False, finished: bool = False, incremental: bool = False,
           progress: Progress | None = None) -> AuditReport:
     """Audit a run: kept, shipped, deleted, outstanding by holder, leaks and ledger violations.
 
@@ -290,9 +293,21 @@ def audit(store: Store, *, stopped: bool = False, finished: bool = False,
     Args:
         stopped: no process of the run is running (every session is dead).
         finished: the run is over (implies ``stopped``; outstanding chunks are violations).
+        incremental: start from the run's audit summary (``pipeline.audit_summary``: only step files and
+            segments not covered are read, delete records are checked per unsettled chunk instead of listed)
+            and write the new summary: the one write of an audit. A stale or unreadable summary is ignored.
         progress: a rich ``Progress`` to show listing and reading progress on.
     """
-    return judge(scan_run(store, progress), store, stopped=stopped, finished=finished)
+    if not incremental:
+        return judge(scan_run(store, progress), store, stopped=stopped, finished=finished)
+    summary = load_summary(store)
+    try:
+        scan = scan_run(store, progress, seed_scan(summary) if summary else None)
+    except StaleSummaryError:
+        scan = scan_run(store, progress)
+    report = judge(scan, store, stopped=stopped, finished=finished)
+    write_summary(store, settle(scan))
+    return report
 
 
 def sweep(store: Store, *, stopped: bool = False, dry_run: bool = False, abandon: bool = False,

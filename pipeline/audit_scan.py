@@ -16,7 +16,7 @@ Keys under ``ledger/deletes/`` that are not some branch's ``tombstone_key`` are 
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -46,6 +46,7 @@ from refpipe.storage.ledger import read_segment
 from refpipe.storage.store import Store
 from rich.progress import Progress
 
+UNPUBLISHED_SEGMENT = "not a published segment (its writer died mid-put)"
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -80,6 +81,16 @@ class RunScan:
     stray_keys: list[str] = field(default_factory=list)
     writers: dict[str, str] = field(default_factory=dict)
     """Node key -> writer, for the unshipped chunks without a keep event."""
+    covered_segments: set[str] = field(default_factory=set)
+    """Segment keys folded into this scan (from an audit summary, then every one read)."""
+    settled_steps: set[int] = field(default_factory=set)
+    """Steps an audit summary settled: not read (``pipeline.audit_summary``)."""
+    settled: Counter = field(default_factory=Counter)
+    """Settled chunks counted by an audit summary: ``kept``, ``deleted``, ``shipped``, ``borrowed``."""
+
+
+class StaleSummaryError(Exception):
+    """A segment or step file an audit summary covers is no longer listed: the summary is not used."""
 
 
 def committed(keys: Sequence[str]) -> bool:
@@ -102,7 +113,7 @@ def _list(store: Store, prefix: str, progress: Progress | None) -> list[str]:
     return keys
 
 
-def scan_run(store: Store, progress: Progress | None = None) -> RunScan:
+def scan_run(store: Store, progress: Progress | None = None, seed: RunScan | None = None) -> RunScan:
     """List and read everything the audit needs (no writes).
 
     Read in the order that keeps an audit of a live run free of false alarms: step files
@@ -110,25 +121,54 @@ def scan_run(store: Store, progress: Progress | None = None) -> RunScan:
     chunks), delete records before chunks (a record older than a present chunk means an
     unfinished delete), and a final check of the delete record of every chunk that a keep
     event or step file names but that was neither listed nor present (deleted meanwhile).
+
+    ``seed``: what an audit summary covers (``pipeline.audit_summary.seed_scan``); its segments and
+    settled steps are not read, and delete records are checked per named chunk instead of listed.
+
+    Raises:
+        StaleSummaryError: a segment or step file ``seed`` covers is no longer listed.
     """
-    scan = RunScan()
+    scan = seed or RunScan()
     _scan_steps(store, scan, progress)
     _scan_events(store, scan, progress)
-    for key in _list(store, DELETES_PREFIX, progress):
-        if node := parse_tombstone_key(key):
-            scan.tombstoned.add(node)
-        else:
-            scan.stray_keys.append(key)
+    if seed is None:
+        _list_deletes(store, scan, progress)
+    else:
+        _check_deletes(store, scan, _named(scan), progress)
     for key in _list(store, PAYLOADS_PREFIX, progress):
         if parsed := parse_payload_key(key):
             scan.nodes[parsed[0]].append(key)
         else:
             scan.stray_keys.append(key)
+    if seed is not None:
+        _check_deletes(store, scan, set(scan.nodes) - _named(scan), progress)
     _recheck_deletes(store, scan, progress)
     _scan_writers(store, scan, progress)
-    if not (scan.nodes or scan.tombstoned or scan.steps or scan.unreadable_steps or scan.sessions or scan.stray_keys):
+    if not (scan.nodes or scan.tombstoned or scan.steps or scan.unreadable_steps or scan.sessions or scan.stray_keys
+            or scan.settled_steps):
         raise RunNotFoundError(f"nothing under the run prefix {store.prefix.uri}: wrong URI or endpoint?")
     return scan
+
+
+def _list_deletes(store: Store, scan: RunScan, progress: Progress | None) -> None:
+    for key in _list(store, DELETES_PREFIX, progress):
+        if node := parse_tombstone_key(key):
+            scan.tombstoned.add(node)
+        else:
+            scan.stray_keys.append(key)
+
+
+def _named(scan: RunScan) -> set[str]:
+    """Chunks a keep, receive or retain event or a step file read names."""
+    return set(scan.keeps) | scan.received | scan.retained | {ref.key for h in scan.steps.values() for ref in h.refs}
+
+
+def _check_deletes(store: Store, scan: RunScan, nodes: set[str], progress: Progress | None) -> None:
+    """One ``exists`` of the delete record of each of ``nodes`` (an incremental audit lists none)."""
+    nodes = sorted(nodes)
+    found = _parallel(store, lambda n: store.exists(tombstone_key(branch_id_of(n))), nodes, progress,
+                      "checking delete records")
+    scan.tombstoned.update(n for n, deleted in zip(nodes, found) if deleted)
 
 
 def _recheck_deletes(store: Store, scan: RunScan, progress: Progress | None) -> None:
@@ -140,9 +180,17 @@ def _recheck_deletes(store: Store, scan: RunScan, progress: Progress | None) -> 
 
 
 def _scan_steps(store: Store, scan: RunScan, progress: Progress | None) -> None:
-    keys = []
+    keys, listed = [], set()
     for key in _list(store, STEPS_PREFIX, progress):
-        (keys if parse_step_key(key) is not None else scan.stray_keys).append(key)
+        step = parse_step_key(key)
+        if step is None:
+            scan.stray_keys.append(key)
+        elif step in scan.settled_steps and step_key(step) == key:
+            listed.add(step)
+        else:
+            keys.append(key)
+    if gone := scan.settled_steps - listed:
+        raise StaleSummaryError(f"{len(gone)} settled step files are gone, e.g. {store.uri(step_key(min(gone)))}")
 
     def read(key: str) -> StepHeader | str:
         step = parse_step_key(key)
@@ -161,12 +209,17 @@ def _scan_steps(store: Store, scan: RunScan, progress: Progress | None) -> None:
 
 
 def _scan_events(store: Store, scan: RunScan, progress: Progress | None) -> None:
-    segments = []
+    segments, listed = [], set()
     for key in _list(store, EVENTS_PREFIX, progress):
-        if parse_segment_key(key):
-            segments.append(key)
+        if not parse_segment_key(key):
+            scan.bad_records.append(f"{store.uri(key)}: {UNPUBLISHED_SEGMENT}")
+        elif key in scan.covered_segments:
+            listed.add(key)
         else:
-            scan.bad_records.append(f"{store.uri(key)}: not a published segment (its writer died mid-put)")
+            segments.append(key)
+    if gone := scan.covered_segments - listed:
+        raise StaleSummaryError(f"{len(gone)} ledger segments the audit summary covers are gone, e.g. {min(gone)}")
+    scan.covered_segments.update(segments)
     for key, data in zip(segments, _parallel(store, store.get, segments, progress, "reading ledger segments")):
         actor, session, _ = parse_segment_key(key)
         scan.sessions[actor].add(session)

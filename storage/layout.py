@@ -7,6 +7,7 @@ Keys are relative to the run prefix (``storage.uri.RunPrefix``)::
     ledger/events/<actor>/<pid>-<ms>-<seq>.jsonl   one ledger segment of a session ``<pid>-<ms>``
     ledger/deletes/<shard>/<sub>/<branch_id>.json  a chunk's delete record (tombstone), two levels of 256
     ledger/heartbeats/<actor>/<session>.json       a session's heartbeat (``storage.liveness``)
+    ledger/audit/summary.json                      the incremental audit's checkpoint (``pipeline.audit_summary``)
     steps/step_<N:08d>.npz                         step file of trainer step N
     config.json                                    the resolved run config (the main job)
     summary.json                                   the run summary (the main job)
@@ -38,6 +39,7 @@ STEPS_PREFIX = "steps"
 EVENTS_PREFIX = "ledger/events"
 DELETES_PREFIX = "ledger/deletes"
 HEARTBEATS_PREFIX = "ledger/heartbeats"
+AUDIT_SUMMARY_KEY = "ledger/audit/summary.json"
 AUTHKEY_KEY = "envs/authkey"
 DATA_NAME = "c.0"
 """Name of a node's chunk object (``.`` chunk key separator, one chunk)."""
