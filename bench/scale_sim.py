@@ -1,16 +1,24 @@
 """Metadata at scale: the lifecycle of N tiny chunks (keep, ship, release, audit) on a local directory.
 
-For each N (``--sizes``, default 10,000 and 100,000; 1,000,000 with ``--sizes 10000,100000,1000000``):
-keep N branches of 1 prompt + 1 completion token with routing only (``[2, 1, 1]`` uint8, one
-env worker through the real keep path), ship them in steps of 1,024 (one step file each, one
-DP rank), release each step through the trainer's ledger (``Ledger.delete``: commit-marker
-check, exclusive delete record, unlinks), then audit the finished run (``pipeline.audit.audit``).
+For each N (``--sizes``, default 10,000 and 100,000; 1,000,000 with ``--sizes 10000,100000,1000000``),
+in steps of 1,024 chunks: keep branches of 1 prompt + 1 completion token with routing only
+(``[2, 1, 1]`` uint8, one env worker through the real keep path), ship them (one step file, one
+DP rank), release them through the trainer's ledger (``Ledger.delete``: commit-marker check,
+exclusive delete record, unlinks) and audit incrementally; then audit the finished run
+(``pipeline.audit.audit``), incrementally and in full.
 Prints per N the seconds of each phase, the largest directory (entries) and where it is, and
 the audit seconds per chunk. Last line: one JSON object with ``max_entries_per_dir`` (at the
 largest N), ``max_entries_per_dir_at_10M`` and its directory (each kind of directory's largest
 extrapolated linearly from the smallest and largest N), and ``audit_seconds_growth`` (audit
 seconds per chunk at the largest N over the smallest: 1.0 means the audit costs the same per
-chunk at every size; the audit reads every delete record's listing, so it stays linear in N).
+chunk at every size; a full audit lists every delete record, so it stays linear in N). The
+incremental audit (``audit(incremental=True)``) runs after every step (``step_audit_s_min_max``) and
+once more at the end:
+``incremental_audit_seconds`` is that last one per N (it reads what is new: the last step's
+1,024 chunks and the closing segments), and ``incremental_audit_seconds_growth`` its seconds at
+the largest N over the smallest (1.0: each audit costs what is new, whatever the run's size;
+what still grows with N is the listing of ``steps/`` and ``ledger/events/`` and the summary's
+list of covered segments, one key per 1,024 chunks and per segment).
 
 Feasibility: on the shared 2-core machine this project is measured on, the lifecycle runs at
 ~100-200 chunks/s (keep ~5 ms, release ~5 ms per chunk, CPU-bound), so 1M chunks would take
@@ -45,34 +53,48 @@ PER_STEP = 1024
 TOKENS = 2
 
 
-def keep_all(store: Store, storage: StorageConfig, n: int) -> list:
-    """Keep ``n`` tiny branches (one env worker); return their refs."""
-    ledger = Ledger(store, "env_worker_0")
-    keeper = Keeper(store, ledger, FIELDS, storage)
+STREAMS = {"input_ids": np.zeros(TOKENS, np.int32), "loss_mask": np.ones(TOKENS, bool),
+           "advantages": np.zeros(TOKENS, np.float32), "inference_logprobs": np.zeros(TOKENS, np.float32),
+           "position_ids": np.arange(TOKENS, dtype=np.int32), "temperatures": np.ones(TOKENS, np.float32)}
+
+
+def ship(store: Store, step: int, step_refs: list) -> None:
+    """Publish step ``step`` shipping ``step_refs`` (one micro batch per ref, DP rank 0)."""
+    records = [MicroBatchRecord(dp_rank=0, index=i, num_padding_tokens=0, has_routing=True,
+                                sequences=[SequenceRecord(num_tokens=TOKENS, env_name="sim", ref=i)])
+               for i in range(len(step_refs))]
+    header = StepHeader(schema_version=SCHEMA_VERSION, run_uri=store.prefix.uri, step=step, seq_len=TOKENS,
+                        dp_world_size=1, micro_batches=records, refs=step_refs, owners=[0] * len(step_refs),
+                        fields=FIELDS)
+    publish_step_file(store, header, {(0, r.index): STREAMS for r in records})
+
+
+def lifecycle(store: Store, storage: StorageConfig, n: int) -> dict[str, float | list[float]]:
+    """Per step of ``PER_STEP`` chunks: keep them (one env worker), ship them, release them through the trainer's
+    ledger, then audit incrementally (``stopped``: no waiting on the live sessions' heartbeats). Returns seconds:
+    ``keep_s``, ``ship_release_s`` (sums) and ``step_audits_s`` (one per step)."""
+    keeper = Keeper(store, Ledger(store, "env_worker_0"), FIELDS, storage)
+    trainer = Ledger(store, "trainer_dp0")
     routing = np.zeros((TOKENS, 1, 1), np.uint8)
-    refs = [keeper.keep(Branch(1, 1, {"routed_experts": routing}, branch_id=f"b{i:08d}")) for i in range(n)]
-    ledger.close()
-    return refs
-
-
-def ship_and_release(store: Store, refs: list) -> None:
-    """One step file per ``PER_STEP`` refs (one micro batch per ref, DP rank 0), each released after."""
-    ledger = Ledger(store, "trainer_dp0")
-    streams = {"input_ids": np.zeros(TOKENS, np.int32), "loss_mask": np.ones(TOKENS, bool),
-               "advantages": np.zeros(TOKENS, np.float32), "inference_logprobs": np.zeros(TOKENS, np.float32),
-               "position_ids": np.arange(TOKENS, dtype=np.int32), "temperatures": np.ones(TOKENS, np.float32)}
-    for step, first in enumerate(range(0, len(refs), PER_STEP)):
-        step_refs = refs[first:first + PER_STEP]
-        records = [MicroBatchRecord(dp_rank=0, index=i, num_padding_tokens=0, has_routing=True,
-                                    sequences=[SequenceRecord(num_tokens=TOKENS, env_name="sim", ref=i)])
-                   for i in range(len(step_refs))]
-        header = StepHeader(schema_version=SCHEMA_VERSION, run_uri=store.prefix.uri, step=step, seq_len=TOKENS,
-                            dp_world_size=1, micro_batches=records, refs=step_refs, owners=[0] * len(step_refs),
-                            fields=FIELDS)
-        publish_step_file(store, header, {(0, r.index): streams for r in records})
-        ledger.delete(step_refs, reason=f"trained step {step}")
-        ledger.record("release", step=step, dp_rank=0)
-    ledger.close()
+    seconds: dict = {"keep_s": 0.0, "ship_release_s": 0.0, "step_audits_s": []}
+    for step, first in enumerate(range(0, n, PER_STEP)):
+        started = time.perf_counter()
+        refs = [keeper.keep(Branch(1, 1, {"routed_experts": routing}, branch_id=f"b{i:08d}"))
+                for i in range(first, min(n, first + PER_STEP))]
+        keeper.ledger.flush()
+        shipped = time.perf_counter()
+        ship(store, step, refs)
+        trainer.delete(refs, reason=f"trained step {step}")
+        trainer.record("release", step=step, dp_rank=0)
+        trainer.flush()
+        audited = time.perf_counter()
+        audit(store, stopped=True, incremental=True)
+        seconds["keep_s"] += shipped - started
+        seconds["ship_release_s"] += audited - shipped
+        seconds["step_audits_s"].append(time.perf_counter() - audited)
+    keeper.ledger.close()
+    trainer.close()
+    return seconds
 
 
 SHARD = re.compile(r"[0-9a-f]{2}")
@@ -110,17 +132,18 @@ def simulate(tmp: str, n: int) -> dict:
         storage = StorageConfig(root=run_dir, run_id="sim")
         store = open_store(storage)
         row: dict = {"chunks": n}
+        seconds = lifecycle(store, storage, n)
+        row["keep_s"], row["ship_release_s"] = round(seconds["keep_s"], 2), round(seconds["ship_release_s"], 2)
+        row["step_audit_s_min_max"] = [round(min(seconds["step_audits_s"]), 3), round(max(seconds["step_audits_s"]), 3)]
         started = time.perf_counter()
-        refs = keep_all(store, storage, n)
-        row["keep_s"] = round(time.perf_counter() - started, 2)
-        started = time.perf_counter()
-        ship_and_release(store, refs)
-        row["ship_release_s"] = round(time.perf_counter() - started, 2)
+        incremental = audit(store, finished=True, incremental=True)
+        row["incremental_audit_s"] = round(time.perf_counter() - started, 3)
         started = time.perf_counter()
         report = audit(store, finished=True)
         row["audit_s"] = round(time.perf_counter() - started, 3)
-        if not report.clean or report.deleted != n:
-            raise SystemExit(f"N={n}: audit not clean: {report.violations[:3]} deleted={report.deleted}")
+        if not report.clean or report.deleted != n or incremental != report:
+            raise SystemExit(f"N={n}: audit not clean or incremental != full: {report.violations[:3]} "
+                             f"deleted={report.deleted} incremental deleted={incremental.deleted}")
         row["audit_us_per_chunk"] = round(row["audit_s"] / n * 1e6, 2)
         row["classes"] = directory_classes(store.prefix.path)
         row["max_entries_per_dir"], row["largest_dir"] = max((e, name) for name, e in row["classes"].items())
@@ -151,7 +174,10 @@ def main() -> None:
                       "largest_dir": last["largest_dir"], "max_entries_per_dir_at_10M": at_10m,
                       "largest_dir_at_10M": at_10m_dir,
                       "audit_seconds": [r["audit_s"] for r in rows],
-                      "audit_seconds_growth": round(last["audit_us_per_chunk"] / first["audit_us_per_chunk"], 2)}))
+                      "audit_seconds_growth": round(last["audit_us_per_chunk"] / first["audit_us_per_chunk"], 2),
+                      "incremental_audit_seconds": [r["incremental_audit_s"] for r in rows],
+                      "incremental_audit_seconds_growth": round(last["incremental_audit_s"]
+                                                                / first["incremental_audit_s"], 2)}))
 
 
 if __name__ == "__main__":
