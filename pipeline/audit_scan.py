@@ -159,8 +159,9 @@ def _list_deletes(store: Store, scan: RunScan, progress: Progress | None) -> Non
 
 
 def _named(scan: RunScan) -> set[str]:
-    """Chunks a keep, receive or retain event or a step file read names."""
-    return set(scan.keeps) | scan.received | scan.retained | {ref.key for h in scan.steps.values() for ref in h.refs}
+    """Chunks a keep, receive, retain or unfinished_delete event or a step file read names."""
+    return set(scan.keeps) | scan.received | scan.retained | set(scan.unfinished) \
+        | {ref.key for h in scan.steps.values() for ref in h.refs}
 
 
 def _check_deletes(store: Store, scan: RunScan, nodes: set[str], progress: Progress | None) -> None:

@@ -4,7 +4,7 @@ Stored at ``ledger/audit/summary.json`` (``storage.layout.AUDIT_SUMMARY_KEY``), 
 incremental audit (a plain put: two auditors racing each write a correct summary). It records:
 
 - ``segments``: the ledger segments already folded, and the fold of their events (sessions, opens, closes,
-  keeps, receives, releases, trained, retains, double and unknown deletes, bad records). Segments are
+  keeps, receives, releases, trained, retains, unfinished, double and unknown deletes, bad records). Segments are
   written once by an exclusive put and never change, so a fold stays true.
 - ``settled_steps`` and ``settled`` counts: a chunk is *settled* once its delete record exists and its
   objects are gone; a step once every chunk it ships is settled. A settled chunk's state is final (branch ids
@@ -59,6 +59,8 @@ class AuditSummary(BaseModel):
     released: dict[int, int]
     trained: dict[int, int]
     retained: list[str]
+    unfinished: dict[str, tuple[str, str]]
+    """Unsettled node -> ``(actor, session)`` of its last ``unfinished_delete`` event."""
     problems: list[dict]
     bad_records: list[str]
 
@@ -76,7 +78,7 @@ def seed_scan(summary: AuditSummary) -> RunScan:
     scan = RunScan(settled=Counter(summary.settled), covered_segments=set(summary.segments),
                    settled_steps=set(summary.settled_steps), keeps=dict(summary.keeps),
                    received=set(summary.received), released=dict(summary.released), trained=dict(summary.trained),
-                   retained=set(summary.retained), problems=list(summary.problems),
+                   retained=set(summary.retained), unfinished=dict(summary.unfinished), problems=list(summary.problems),
                    bad_records=list(summary.bad_records), closed=set(summary.closed),
                    opens={(a, s): (pid, host) for a, s, pid, host in summary.opens})
     for actor, sessions in summary.sessions.items():
@@ -105,7 +107,8 @@ def settle(scan: RunScan) -> AuditSummary:
         opens=[(a, s, pid, host) for (a, s), (pid, host) in sorted(scan.opens.items())],
         keeps={n: k for n, k in scan.keeps.items() if n not in done},
         received=sorted(scan.received - done), released=scan.released, trained=scan.trained,
-        retained=sorted(scan.retained - done), problems=scan.problems,
+        retained=sorted(scan.retained - done), unfinished={n: c for n, c in scan.unfinished.items() if n not in done},
+        problems=scan.problems,
         bad_records=[r for r in scan.bad_records if not r.endswith(UNPUBLISHED_SEGMENT)])  # listed again each time
 
 

@@ -90,4 +90,4 @@ def test_a_stale_or_broken_summary_is_ignored_and_a_reappearing_settled_chunk_is
     report = audit(store, incremental=True)
     assert report.unfinished_deletes == audit(store).unfinished_deletes == [refs[0].uri]
     assert report.violations == ["4 leaked chunks (present, no live holder; `refpipe sweep` deletes them)",
-                                 "1 unfinished deletes (delete record written, objects still present)"]
+                                 "1 unfinished deletes (objects still present; `refpipe sweep` finishes them)"]
