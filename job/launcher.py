@@ -112,7 +112,7 @@ class Launcher:
         with _sigterm_as_interrupt():
             try:
                 fleet = connect_fleet(self.store, self.cfg.job.num_env_workers, self.cfg.job.step_deadline_s,
-                                      env_procs or [], trainers or [])
+                                      env_procs or [], trainers or [], self.cfg.orchestrator.dp_world_size)
             except (TimeoutError, KeyboardInterrupt) as e:
                 for proc in (env_procs or []) + (trainers or []):
                     proc.kill()
@@ -122,7 +122,7 @@ class Launcher:
             self.orchestrator = Orchestrator(self.cfg.orchestrator, self.store, fields=self.cfg.fields)
             failure = self.drive(fleet)
         if not trainers and failure is None:
-            self._wait_for_trainer_finish()
+            failure = self._wait_for_trainer_finish(fleet)
         return self.finish(fleet, failure=failure)
 
     def drive(self, fleet: Fleet) -> str | None:
@@ -190,7 +190,7 @@ class Launcher:
         deadline = time.monotonic() + self.cfg.job.step_deadline_s
         with self.view:
             while self.trained < self.cfg.job.num_steps:
-                check_trainers(fleet)
+                self.check_trainers(fleet)
                 self.dispatch(fleet)
                 self.collect(fleet, timeout_s=0.1)
                 progressed = self.build_step() | self.poll_trainer()
@@ -370,12 +370,27 @@ class Launcher:
         return 0 if report.clean and alignment_ok and not failed else 1
 
 
-    def _wait_for_trainer_finish(self) -> None:
+    def _wait_for_trainer_finish(self, fleet: Fleet) -> str | None:
         """Roles started elsewhere: wait (up to ``job.step_deadline_s``) until rank 0 wrote the trainer's
-        finish metrics, i.e. every rank finished its last release, before the final sweep and audit."""
+        finish metrics, i.e. every rank finished its last release, before the final sweep and audit; return
+        why the run failed meanwhile (a trainer rank died), else None."""
         deadline = time.monotonic() + self.cfg.job.step_deadline_s
         while not self.store.exists(FINISH_METRICS_KEY) and time.monotonic() < deadline:
+            try:
+                self.check_trainers(fleet)
+            except RunError as e:
+                self.console.log(f"[red]run stopped: {e}")
+                return f"RunError: {e}"
             time.sleep(0.5)
+        return None
+
+    def check_trainers(self, fleet: Fleet) -> None:
+        """Raise if a trainer rank is known dead (``Fleet.dead_trainers``), naming it and what to do next."""
+        dead = fleet.dead_trainers()
+        if dead:
+            raise RunError(f"trainer dead: {'; '.join(dead)}. The run cannot go on: stop its other roles (env-server "
+                           f"replicas, trainer ranks), then continue it from its newest checkpoint with "
+                           f"`refpipe run --resume {self.store.prefix.uri}`")
 
     def trainer_finished(self) -> None:
         """Count the trainer's last release and its ranks' peak RSS (nothing if it did not finish)."""
@@ -386,13 +401,6 @@ class Launcher:
         self.deletes["trainer"] += finished["deletes"]
         for rank, nbytes in enumerate(finished["peak_rss_bytes"]):
             self.costs.process_rss(f"trainer_rank_{rank}", nbytes)
-
-
-def check_trainers(fleet: Fleet) -> None:
-    """Raise if a trainer rank this process started failed."""
-    for rank, proc in enumerate(fleet.trainers):
-        if proc.poll() not in (None, 0):
-            raise RunError(f"trainer rank {rank} exited with code {proc.returncode}; see its log above")
 
 
 @contextlib.contextmanager

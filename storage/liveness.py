@@ -11,7 +11,8 @@ changed between two looks; dead once the body said closed, or did not change for
 the writer stated, or has no heartbeat at all. Two shortcuts need no waiting and hold on the
 reader's own host only: a session of this very process is live while its ``Ledger`` object is,
 and a session whose pid no longer exists on this host is dead. Everything else costs the reader
-up to one interval (live) or one timeout (dead).
+up to one interval (live) or one timeout (dead). ``SessionWatch`` judges the same way without
+blocking, for a process that looks again and again (the orchestrator watching the trainer ranks).
 
 No shared mutable file: each heartbeat object has one writer.
 """
@@ -84,25 +85,35 @@ def _read(store: Store, key: str) -> bytes | None:
         return None
 
 
+CLOSED = "closed"
+"""``SessionWatch``'s reason for a session that ended cleanly (its last beat said so)."""
+
+
 def _verdict_now(body: bytes | None) -> bool | None:
     """Live/dead when one look decides it (missing, closed, unreadable, or a local shortcut), else None."""
+    return _look(body)[0]
+
+
+def _look(body: bytes | None) -> tuple[bool | None, str]:
+    """``(_verdict_now, why)``: why a session is dead, or whose it is (``pid <pid> on <host>``)."""
     if body is None:
-        return False
+        return False, "no heartbeat"
     try:
         beat = json.loads(body)
         actor, session, pid, host = beat["actor"], beat["session"], int(beat["pid"]), beat["host"]
     except (ValueError, KeyError, TypeError):
-        return False
+        return False, "unreadable heartbeat"
     if beat.get("closed"):
-        return False
+        return False, CLOSED
+    whose = f"pid {pid} on {host}"
     if host == socket.gethostname():
         if pid == os.getpid():
             if (actor, session) in _LOCAL:
                 gc.collect()  # an owner only a reference cycle keeps is gone
-            return (actor, session) in _LOCAL
+            return (actor, session) in _LOCAL, "its owner in this process is gone"
         if not _pid_exists(pid):
-            return False
-    return None
+            return False, f"{whose} exited"
+    return None, whose
 
 
 def _pid_exists(pid: int) -> bool:
@@ -149,3 +160,37 @@ def live_sessions(store: Store, sessions: Iterable[tuple[str, str]]) -> set[tupl
             elif waited >= pending[s][0]:
                 del pending[s]
     return live
+
+
+class SessionWatch:
+    """Liveness of sessions looked at again and again, without blocking (module docstring).
+
+    Each ``dead`` call reads every given session's heartbeat once. A session whose heartbeat
+    changed between two looks is ``seen_live``; a session is dead at a look when that look decides
+    it (closed, no heartbeat, or a local shortcut), or when its heartbeat is still the body an
+    earlier look first saw at least the writer's stated timeout ago, by this process's monotonic
+    clock. Called from one thread (the orchestrator's loop).
+    """
+
+    def __init__(self, store: Store):
+        self.store = store
+        self.seen_live: set[tuple[str, str]] = set()
+        self._seen: dict[tuple[str, str], tuple[bytes, float]] = {}
+
+    def dead(self, sessions: Iterable[tuple[str, str]]) -> dict[tuple[str, str], str]:
+        """The sessions of ``sessions`` that are dead by now -> why (``CLOSED`` for a clean end)."""
+        now, dead = time.monotonic(), {}
+        for s in sessions:
+            body = _read(self.store, heartbeat_key(*s))
+            verdict, why = _look(body)
+            if verdict is False:
+                dead[s] = why
+                continue
+            body_seen, since = self._seen.get(s, (None, now))
+            if body != body_seen:
+                if body_seen is not None or verdict:
+                    self.seen_live.add(s)
+                self._seen[s] = (body, now)
+            elif verdict is None and now - since >= (timeout_s := float(json.loads(body)["timeout_s"])):
+                dead[s] = f"{why}: heartbeat {self.store.uri(heartbeat_key(*s))} unchanged for {timeout_s:g} s"
+        return dead

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 from refpipe.cli.main import app
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.layout import AUTHKEY_KEY, CONFIG_KEY, SUMMARY_KEY, address_key
+from refpipe.trainer.pause import ENV
 from test_main_job import write_config
 from typer.testing import CliRunner
 
@@ -96,3 +99,50 @@ def test_two_nodes_each_role_started_on_its_own_train_to_a_clean_audit(tmp_path)
     address = json.loads(store.get(address_key(1)))
     assert (address["host"], address["pid"]) == ("127.0.0.1", envs[1].pid)
     assert "audit clean; alignment ok" in out
+
+
+def test_orchestrate_stops_naming_a_trainer_node_that_was_sigkilled(tmp_path):
+    """The trainer runs under torchrun as "node trainer-b"; once its tree is SIGKILLed mid-step, `refpipe orchestrate`
+    stops by the trainer's ledger heartbeat (1 s interval, 4 s timeout), not after the 120 s step deadline."""
+    from test_resume import _tree, as_node
+
+    root = tmp_path / "root"
+    config = tmp_path / "dies.toml"
+    config.write_text(f'[storage]\nroot = "{root}"\nrun_id = "dies"\nheartbeat_interval_s = 1.0\n'
+                      "heartbeat_timeout_s = 4.0\n[job]\nnum_steps = 3\nnum_env_workers = 1\ntrainer_world_size = 1\n"
+                      "warm_start_steps = 20\neval_every_steps = 0\nstep_deadline_s = 120\n"
+                      "[orchestrator]\nseq_len = 128\ndp_world_size = 1\ngroups_per_step = 2\ngroup_size = 4\n"
+                      "[trainer]\nstep_timeout_s = 120\ncollective_timeout_s = 120\n")
+    node_b = as_node("trainer-b")
+    init = CliRunner().invoke(app, ["init", "--config", str(config)])
+    assert init.exit_code == 0, init.output
+    run, marker = str(root / "dies"), tmp_path / "paused"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    server = subprocess.Popen([f"{BIN}/refpipe", "env-server", run, "--replica", "0", "--host", "127.0.0.1"], env=env)
+    orchestrator = subprocess.Popen([f"{BIN}/refpipe", "orchestrate", run], env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+    trainer = subprocess.Popen([*node_b, f"{BIN}/torchrun", "--nnodes", "1", "--nproc-per-node", "1", "--master-addr",
+                                "127.0.0.1", "--master-port", str(_free_port()), "-m", "refpipe.job.train_rank", run],
+                               env={**env, ENV: f"train:1:{marker}"})  # step 0 trained; stays in step 1's train
+    try:
+        while not marker.exists():
+            assert trainer.poll() is None and orchestrator.poll() is None, orchestrator.communicate()[0]
+            time.sleep(0.2)
+        tree = _tree(trainer.pid)  # the torchrun agent and its worker
+        for pid in tree:
+            os.kill(pid, signal.SIGKILL)
+        out, _ = orchestrator.communicate(timeout=300)
+    finally:
+        for proc in (server, orchestrator, trainer):
+            proc.kill()
+            proc.wait()
+    store = open_store(StorageConfig(root=str(root), run_id="dies"))
+    [beat] = store.list_prefix("ledger/heartbeats/trainer_dp0")
+    worker = int(beat.rpartition("/")[2].split("-")[0])  # the session id is <pid>-<ms>
+    assert worker in tree[1:]
+    summary = json.loads(store.get(SUMMARY_KEY))
+    assert (orchestrator.returncode, server.returncode, summary["failed"], summary["trained_steps"]) == (1, 0, True, 1)
+    assert summary["failure"] == (
+        f"RunError: trainer dead: trainer_dp0 (pid {worker} on trainer-b: heartbeat {store.uri(beat)} unchanged for "
+        f"4 s). The run cannot go on: stop its other roles (env-server replicas, trainer ranks), then continue it "
+        f"from its newest checkpoint with `refpipe run --resume {store.prefix.uri}`"), out
