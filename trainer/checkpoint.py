@@ -141,11 +141,28 @@ def newest_checkpoint(store: Store) -> CheckpointInfo | None:
         if parsed := parse_checkpoint_key(key):
             files.setdefault(parsed[0], set()).add(parsed[1])
     for step in sorted(files, reverse=True):
-        if {DCP_METADATA_NAME, CHECKPOINT_MARKER_NAME} <= files[step]:
-            marker = json.loads(store.get(f"{checkpoint_key(step)}/{CHECKPOINT_MARKER_NAME}"))
-            return CheckpointInfo(step, int(marker["policy_version"]), store.uri(checkpoint_key(step)))
-        log.warning("checkpoint %s is incomplete (no %s): skipped", store.uri(checkpoint_key(step)),
-                    " and no ".join(sorted({DCP_METADATA_NAME, CHECKPOINT_MARKER_NAME} - files[step])))
+        uri = store.uri(checkpoint_key(step))
+        if not {DCP_METADATA_NAME, CHECKPOINT_MARKER_NAME} <= files[step]:
+            log.warning("checkpoint %s is incomplete (no %s): skipped", uri,
+                        " and no ".join(sorted({DCP_METADATA_NAME, CHECKPOINT_MARKER_NAME} - files[step])))
+        elif (version := _marker_version(store, step)) is not None:
+            return CheckpointInfo(step, version, uri)
+    return None
+
+
+def _marker_version(store: Store, step: int) -> int | None:
+    """The policy version in checkpoint ``step``'s commit marker; None (with a warning) for a marker that is
+    not ``{"step": <step>, "policy_version": <int >= 0>, ...}``."""
+    key = f"{checkpoint_key(step)}/{CHECKPOINT_MARKER_NAME}"
+    try:
+        marker = json.loads(store.get(key))
+        version = marker["policy_version"] if marker["step"] == step else None
+        if type(version) is int and version >= 0:
+            return version
+    except (ValueError, TypeError, KeyError):
+        pass
+    log.warning("checkpoint %s: its %s is not {\"step\": %d, \"policy_version\": <int >= 0>, ...}: skipped",
+                store.uri(checkpoint_key(step)), CHECKPOINT_MARKER_NAME, step)
     return None
 
 

@@ -20,14 +20,17 @@ acts on the same one.
 
 from __future__ import annotations
 
-import json
+import logging
 from dataclasses import dataclass
 
 import torch.distributed as dist
 from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.layout import EVENTS_PREFIX, STEPS_PREFIX, parse_step_key, tombstone_key, trainer_actor
+from refpipe.storage.ledger import read_segment
 from refpipe.storage.store import Store
 from refpipe.trainer.checkpoint import CheckpointInfo, newest_checkpoint
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -73,12 +76,16 @@ def _read_plan(store: Store, dp_world_size: int) -> ResumePlan:
 
 
 def _highest_release(store: Store, dp_rank: int) -> int:
+    """The highest step DP rank ``dp_rank`` recorded a ``release`` of in any life (-1: none). An unreadable
+    record is skipped with a warning: at worst the rank releases a step again, and its own earlier delete
+    records make that a no-op, never a double delete."""
     highest = -1
     for key in store.list_prefix(f"{EVENTS_PREFIX}/{trainer_actor(dp_rank)}"):
-        for line in store.get(key).splitlines():
-            event = json.loads(line)
-            if event.get("event") == "release":
-                highest = max(highest, int(event["step"]))
+        for number, event in read_segment(store.get(key)):
+            if isinstance(event, dict) and event["event"] == "release" and type(event.get("step")) is int:
+                highest = max(highest, event["step"])
+            elif isinstance(event, ValueError) or event["event"] == "release":
+                log.warning("%s line %d: not a readable ledger event (%s): skipped", store.uri(key), number, event)
     return highest
 
 

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 from refpipe.storage.backends import open_store
+from refpipe.storage.layout import segment_key, trainer_actor
 from refpipe.trainer.checkpoint import checkpoint_key, newest_checkpoint
+from refpipe.trainer.resume import _highest_release
 
 WORKER = Path(__file__).with_name("checkpoint_worker.py")
 
@@ -100,3 +102,30 @@ def test_a_checkpoints_directory_symlinked_out_of_the_run_is_never_written(tmp_p
         assert "is not published" in r["error"] and r["newest"] is None
         assert r["newest_error"] == f"{link} is a symlink: the local store never follows a symlink below the run prefix"
     assert list(outside.iterdir()) == []
+
+
+@pytest.mark.parametrize("marker", [b"{", b"[]", b'{"step": 5}', b'{"step": 4, "policy_version": 6}',
+                                    b'{"step": 5, "policy_version": "6"}', b'{"step": 5, "policy_version": -1}'])
+def test_a_newer_checkpoint_with_a_malformed_marker_is_skipped_with_a_warning(local_config, caplog, marker):
+    store = open_store(local_config)
+    for step, body in ((3, b'{"step": 3, "policy_version": 4, "world_size": 2}'), (5, marker)):
+        store.put(f"checkpoints/step_0000000{step}/.metadata", b"x")
+        store.put(f"checkpoints/step_0000000{step}/commit.json", body)
+    with caplog.at_level(logging.WARNING):
+        info = newest_checkpoint(store)
+    assert (info.step, info.policy_version) == (3, 4)
+    assert (f"checkpoint {store.uri('checkpoints/step_00000005')}: its commit.json is not "
+            '{"step": 5, "policy_version": <int >= 0>, ...}: skipped') in caplog.text
+
+
+def test_unreadable_release_records_are_skipped_when_planning_a_resume(local_config, caplog):
+    store = open_store(local_config)
+    events = [b'{"event": "release", "step": 2, "dp_rank": 0}', b"not json", b'{"event": "release", "step": "9"}',
+              b'{"event": "keep"}', b'{"event": "release", "step": 4, "dp_rank": 0}']
+    store.put(segment_key(trainer_actor(0), "s1", 0), b"\n".join(events) + b"\n")
+    with caplog.at_level(logging.WARNING):
+        assert _highest_release(store, 0) == 4
+        assert _highest_release(store, 1) == -1
+    uri = store.uri(segment_key(trainer_actor(0), "s1", 0))
+    assert f"{uri} line 2: not a readable ledger event" in caplog.text
+    assert f"{uri} line 3: not a readable ledger event" in caplog.text
