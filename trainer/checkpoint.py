@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from refpipe.storage.errors import CheckpointError
 from refpipe.storage.layout import (
     CHECKPOINT_MARKER_NAME,
@@ -40,9 +39,18 @@ from refpipe.storage.layout import (
 from refpipe.storage.local_store import LocalStore
 from refpipe.storage.store import Store
 from refpipe.trainer.pause import pause_point
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 log = logging.getLogger(__name__)
+
+
+def _dcp():
+    """``torch.distributed.checkpoint``, imported on first use: its import is a large share of a process's start
+    (the launcher and ``newest_checkpoint`` never need it, a trainer rank only once it saves or loads)."""
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.state_dict  # noqa: F401 -- get_state_dict/set_state_dict below
+
+    return dcp
+
 
 @dataclass(frozen=True)
 class CheckpointInfo:
@@ -58,7 +66,7 @@ def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, 
     """The state one checkpoint holds for this rank: model and optimizer (DCP's FQN-keyed state dicts,
     identical on every rank of a replicated model), this rank's RNG states (torch, numpy, Python, under
     ``rng_rank<r>``), ``step`` and ``policy_version``. Every rank calls it before ``save_checkpoint``."""
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = _dcp().state_dict.get_state_dict(model, optimizer)
     rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
     return {"model": model_state, "optimizer": optimizer_state, f"rng_rank{dist.get_rank()}": rng,
             "step": step, "policy_version": policy_version}
@@ -66,7 +74,8 @@ def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, 
 
 def apply_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
     """Put a loaded ``training_state`` back: model, optimizer and this rank's RNG states."""
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    _dcp().state_dict.set_state_dict(model, optimizer, model_state_dict=state["model"],
+                                     optim_state_dict=state["optimizer"])
     rng = state[f"rng_rank{dist.get_rank()}"]
     torch.set_rng_state(rng["torch"])
     np.random.set_state(rng["numpy"])
@@ -75,7 +84,7 @@ def apply_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
 
 def _writer(store: Store, key: str):
     if isinstance(store, LocalStore):  # DCP writes below this path: made without following a symlink
-        return dcp.FileSystemWriter(store.directory_path(key))
+        return _dcp().FileSystemWriter(store.directory_path(key))
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     return FsspecWriter(store.uri(key), **store.fsspec_options)
@@ -83,7 +92,7 @@ def _writer(store: Store, key: str):
 
 def _reader(store: Store, key: str):
     if store.prefix.scheme == "file":
-        return dcp.FileSystemReader(store.path(key))
+        return _dcp().FileSystemReader(store.path(key))
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
     return FsspecReader(store.uri(key), **store.fsspec_options)
@@ -108,7 +117,7 @@ def save_checkpoint(store: Store, state: dict, group: dist.ProcessGroup) -> str:
     """
     step = int(state["step"])
     key = checkpoint_key(step)
-    ok = torch.ones(1, dtype=torch.int32)
+    ok, dcp = torch.ones(1, dtype=torch.int32), _dcp()
     try:
         dcp.save(state, storage_writer=_writer(store, key))
     except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 -- any rank's failure is agreed on first
@@ -175,6 +184,7 @@ def load_checkpoint(store: Store, step: int, state: dict) -> dict:
     Raises:
         CheckpointError: the checkpoint cannot be read.
     """
+    dcp = _dcp()
     try:
         dcp.load(state, storage_reader=_reader(store, checkpoint_key(step)))
     except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 -- CheckpointException is a BaseException
