@@ -101,6 +101,7 @@ def _look(body: bytes | None) -> tuple[bool | None, str]:
     try:
         beat = json.loads(body)
         actor, session, pid, host = beat["actor"], beat["session"], int(beat["pid"]), beat["host"]
+        _timing(beat)
     except (ValueError, KeyError, TypeError):
         return False, "unreadable heartbeat"
     if beat.get("closed"):
@@ -114,6 +115,18 @@ def _look(body: bytes | None) -> tuple[bool | None, str]:
         if not _pid_exists(pid):
             return False, f"{whose} exited"
     return None, whose
+
+
+def _timing(beat: dict) -> tuple[float, float]:
+    """``(timeout_s, interval_s)`` a heartbeat states, within ``StorageConfig``'s bounds.
+
+    Raises:
+        ValueError: missing, not numbers, or out of bounds (a reader would wait forever on a NaN or huge one).
+    """
+    timeout_s, interval_s = float(beat["timeout_s"]), float(beat["interval_s"])
+    if not (0 < interval_s <= 600 and 2 * interval_s <= timeout_s <= 3600):
+        raise ValueError(f"timeout_s={timeout_s}, interval_s={interval_s}: outside StorageConfig's bounds")
+    return timeout_s, interval_s
 
 
 def _pid_exists(pid: int) -> bool:
@@ -145,8 +158,7 @@ def live_sessions(store: Store, sessions: Iterable[tuple[str, str]]) -> set[tupl
         if verdict:
             live.add(s)
         elif verdict is None:
-            stated = json.loads(body)
-            pending[s] = (float(stated["timeout_s"]), float(stated["interval_s"]))
+            pending[s] = _timing(json.loads(body))
     started = time.monotonic()
     while pending:
         time.sleep(max(0.05, min(1.0, min(interval for _, interval in pending.values()) / 2)))
@@ -191,6 +203,6 @@ class SessionWatch:
                 if body_seen is not None or verdict:
                     self.seen_live.add(s)
                 self._seen[s] = (body, now)
-            elif verdict is None and now - since >= (timeout_s := float(json.loads(body)["timeout_s"])):
+            elif verdict is None and now - since >= (timeout_s := _timing(json.loads(body))[0]):
                 dead[s] = f"{why}: heartbeat {self.store.uri(heartbeat_key(*s))} unchanged for {timeout_s:g} s"
         return dead

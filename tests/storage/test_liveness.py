@@ -19,8 +19,9 @@ from refpipe.pipeline.audit import audit, sweep
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import ConfigError
-from refpipe.storage.layout import node_key, tombstone_key
+from refpipe.storage.layout import heartbeat_key, node_key, tombstone_key
 from refpipe.storage.ledger import Ledger
+from refpipe.storage.liveness import SessionWatch, live_sessions
 
 CHILD = """
 import json, sys
@@ -95,3 +96,14 @@ def test_a_stopped_process_is_dead_after_its_timeout_swept_once_and_cannot_delet
     after = audit(store, finished=True)
     assert (after.kept, after.deleted, after.leaked, after.double_deletes) == (2, 2, 0, 2)
 
+
+
+@pytest.mark.parametrize("timing", [{}, {"timeout_s": "x", "interval_s": 5},
+                                    {"timeout_s": float("nan"), "interval_s": 5},
+                                    {"timeout_s": 1e30, "interval_s": 5}, {"timeout_s": 15, "interval_s": 0}])
+def test_a_heartbeat_stating_no_usable_timeout_is_unreadable_so_dead(local_config, timing):
+    store = open_store(local_config)
+    beat = {"actor": "env_worker_0", "session": "7-1", "pid": 7, "host": "another-node", "beat": 3, **timing}
+    store.put(heartbeat_key("env_worker_0", "7-1"), json.dumps(beat).encode())
+    assert live_sessions(store, [("env_worker_0", "7-1")]) == set()
+    assert SessionWatch(store).dead([("env_worker_0", "7-1")]) == {("env_worker_0", "7-1"): "unreadable heartbeat"}
