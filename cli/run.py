@@ -39,8 +39,7 @@ def run_job(config: Optional[Path] = typer.Option(
             cfg = load_config(config or DEFAULT_CONFIG)
         code = Launcher(cfg, console, resume=bool(resume)).run()
     except RefpipeError as e:  # raised before the run started: bad config, root, credentials, existing run
-        console.print(f"[red]error:[/] {markup_safe(e)}", soft_wrap=True, highlight=False)
-        raise typer.Exit(2) from None
+        _fail(console, e)
     except KeyboardInterrupt:  # before the fleet started (warm start): only config.json and weights were written
         console.print("[red]interrupted before the run started[/]", highlight=False)
         raise typer.Exit(130) from None
@@ -64,7 +63,7 @@ def _resume_config(run_uri: str, config: Optional[Path], s3_endpoint_url: Option
 
 
 def _fail(console: Console, e: Exception) -> None:
-    console.print(f"[red]error:[/] {e}", soft_wrap=True, highlight=False)
+    console.print(f"[red]error:[/] {markup_safe(e)}", soft_wrap=True, highlight=False)
     raise typer.Exit(2) from None
 
 

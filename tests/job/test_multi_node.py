@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from refpipe.cli.main import app
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
@@ -65,6 +66,15 @@ def test_init_writes_the_run_config_with_an_absolute_root_and_prints_the_command
     assert (wrong.returncode, wrong.stdout) == (2, "")
     assert wrong.stderr == (f"error: WORLD_SIZE=3 (torchrun --nnodes x --nproc-per-node): run {uri} expects 2 "
                             "ranks (orchestrator.dp_world_size x trainer.model_parallel_size)\n")
+
+
+@pytest.mark.parametrize("command", [["orchestrate"], ["env-server", "--replica", "0"]])
+def test_a_role_given_a_run_that_is_not_there_says_so_in_one_line_with_its_path_as_given(tmp_path, command):
+    missing = tmp_path / "[x]" / "run"  # rich markup in a path: printed as text, never parsed
+    result = CliRunner().invoke(app, [command[0], str(missing), *command[1:]])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.output.startswith("error: ") and result.output.count("\n") == 1
+    assert f"file://{missing}" in result.output
 
 
 def test_two_nodes_each_role_started_on_its_own_train_to_a_clean_audit(tmp_path):
