@@ -76,6 +76,7 @@ class Launcher:
         self.cfg, self.console, self.resume = cfg, console, resume
         self.store: Store = open_store(cfg.storage)
         self.view = ProgressView(console, cfg)
+        self.orchestrator: Orchestrator | None = None
         self.next_request, self.next_step, self.trained = 0, 0, 0
         self.deletes: Counter[str] = Counter()
         self.kept_chunks = self.kept_bytes = 0
@@ -110,16 +111,18 @@ class Launcher:
         roles run elsewhere, in which case the trainer's end is read from the run.
         """
         with _sigterm_as_interrupt():
-            try:
+            try:  # the orchestrator's ledger session first: a second live orchestrator is refused at once
+                self.orchestrator = Orchestrator(self.cfg.orchestrator, self.store, fields=self.cfg.fields)
                 fleet = connect_fleet(self.store, self.cfg.job.num_env_workers, self.cfg.job.step_deadline_s,
                                       env_procs or [], trainers or [], self.cfg.orchestrator.dp_world_size)
-            except (TimeoutError, KeyboardInterrupt) as e:
+            except (RefpipeError, TimeoutError, KeyboardInterrupt) as e:
                 for proc in (env_procs or []) + (trainers or []):
                     proc.kill()
+                if self.orchestrator is not None:
+                    self.orchestrator.shutdown()
                 if isinstance(e, TimeoutError):
                     raise RunError(str(e)) from e
                 raise
-            self.orchestrator = Orchestrator(self.cfg.orchestrator, self.store, fields=self.cfg.fields)
             failure = self.drive(fleet)
         if not trainers and failure is None:
             failure = self._wait_for_trainer_finish(fleet)

@@ -20,7 +20,8 @@ import pytest
 from refpipe.cli.main import app
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
-from refpipe.storage.layout import AUTHKEY_KEY, CONFIG_KEY, SUMMARY_KEY, address_key
+from refpipe.storage.layout import AUTHKEY_KEY, CONFIG_KEY, ORCHESTRATOR_ACTOR, SUMMARY_KEY, address_key
+from refpipe.storage.ledger import Ledger
 from refpipe.trainer.pause import ENV
 from test_main_job import write_config
 from typer.testing import CliRunner
@@ -75,6 +76,21 @@ def test_a_role_given_a_run_that_is_not_there_says_so_in_one_line_with_its_path_
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert result.output.startswith("error: ") and result.output.count("\n") == 1
     assert f"file://{missing}" in result.output
+
+
+def test_a_second_orchestrator_is_refused_at_once_naming_the_live_one(tmp_path, monkeypatch):
+    config = write_config(tmp_path, tmp_path / "root", "solo", warm_start_steps=0)
+    monkeypatch.chdir(tmp_path)
+    assert CliRunner().invoke(app, ["init", "--config", config]).exit_code == 0
+    store = open_store(StorageConfig(root=str(tmp_path / "root"), run_id="solo"))
+    first = Ledger(store, ORCHESTRATOR_ACTOR)  # the live orchestrator
+    try:
+        second = CliRunner().invoke(app, ["orchestrate", store.prefix.uri])
+    finally:
+        first.close()
+    assert second.exit_code == 2 and second.output.startswith("error: ") and "Traceback" not in second.output
+    assert second.output.startswith(f"error: ledger actor 'orchestrator' of run {store.prefix.uri} already has a "
+                                    f"live session {first.session} ")
 
 
 def test_two_nodes_each_role_started_on_its_own_train_to_a_clean_audit(tmp_path):
