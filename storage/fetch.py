@@ -109,10 +109,11 @@ def fetch_into(store: Store, ref: PayloadRef, num_tokens: int | None, out: Mappi
         As ``fetch_arrays``; ValueError also for a destination of another dtype or shape,
         read-only or not C-contiguous.
     """
+    data_key, _ = chunk_keys(store, ref)
+    ref = ref.model_copy(update={"uri": store.uri(ref.key)})  # errors name the chunk read, not where it was kept
     n = ref.num_tokens if num_tokens is None else num_tokens
     if not 0 <= n <= ref.num_tokens:
         raise ValueError(f"num_tokens={n} for chunk {ref.uri}: expected 0..{ref.num_tokens}")
-    data_key, _ = chunk_keys(store, ref)
     try:  # the ref says the chunk was kept: a 404 may be a stale cache or a lagging replica, so read again
         return store.retrying(f"read {ref.uri}", lambda: _fetch(store, data_key, ref, n, dict(out)),
                               retry=KeyNotFoundError)

@@ -93,3 +93,21 @@ def test_a_copied_run_is_audited_swept_and_deleted_in_the_copy_only(local_run, t
     assert fetch_arrays(local_run.store, local_run.refs["a"])["topk_ids"].shape == local_run.refs["a"].arrays[
         "topk_ids"].shape
 
+
+
+def test_a_corrupt_chunk_of_a_copied_run_is_named_in_the_copy(local_run, tmp_path):
+    """verify and show name the chunk they read (in the run as opened), never the path its writer recorded."""
+    copy_root = tmp_path / "copy"
+    shutil.copytree(local_run.config.root, copy_root, symlinks=True)
+    copy = _reopen(local_run, str(copy_root))
+    header = StepFile.read(copy.store, 1).header
+    ref = header.refs[0]
+    mb = next(mb for mb in header.micro_batches if any(seq.ref == 0 for seq in mb.sequences))
+    data_key = chunk_keys(copy.store, ref)[0]
+    corrupted = bytearray(copy.store.get(data_key))
+    corrupted[0] ^= 0xFF
+    copy.store.put(data_key, bytes(corrupted))
+    for command in (["verify"], ["show", "--dp-rank", str(mb.dp_rank), "--micro-batch", str(mb.index)]):
+        result = invoke([command[0], copy.step_uris[1], *command[1:]])
+        assert result.exit_code != 0 and f"chunk {copy.store.uri(ref.key)}: " in result.output, result.output
+        assert local_run.config.root not in result.output.replace(str(copy_root), "<copy>")
