@@ -28,6 +28,7 @@ from collections import Counter
 from dataclasses import replace
 
 import torch
+from refpipe.cli.text import markup_safe
 from refpipe.job.config import RunConfig
 from refpipe.job.env_worker import GroupRequest, GroupResult
 from refpipe.job.fleet import Fleet, connect_fleet, stop_fleet
@@ -370,6 +371,8 @@ class Launcher:
                    **self.costs.summary()}
         self.store.put(SUMMARY_KEY, json.dumps(summary, indent=2).encode())
         self.store.put(REPORT_KEY, self.costs.plot(f"run {self.store.prefix.uri}"))
+        self.console.print(f"wrote {markup_safe(self.store.uri(SUMMARY_KEY))} and "
+                           f"{markup_safe(self.store.uri(REPORT_KEY))}", soft_wrap=True, highlight=False)
         return 0 if report.clean and alignment_ok and not failed else 1
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, replace
 
+from refpipe.cli.text import markup_safe
 from refpipe.pipeline.audit import AuditReport
 from refpipe.pipeline.step_file import StepHeader
 from refpipe.storage.layout import env_worker_actor
@@ -114,6 +115,8 @@ class ProgressView:
         verdict = "[green]audit clean" if report.clean else "[red]audit FAILED"
         self.console.print(f"{verdict}; alignment {'ok' if alignment_ok else 'FAILED'}")
         if failure:
-            self.console.print(f"[red]run FAILED: {failure}. Chunks of any untrained steps are kept; once no process "
-                               f"of the run is left, `refpipe sweep --stopped {report.run_uri}` removes what no "
-                               "step file holds.", soft_wrap=True)
+            uri = markup_safe(report.run_uri)
+            self.console.print(f"[red]run FAILED: {markup_safe(failure)}. Chunks of any untrained steps are kept: "
+                               f"continue the run from its newest checkpoint with `refpipe run --resume {uri}`, or, "
+                               f"to end it once no process of the run is left, `refpipe sweep --stopped {uri}` "
+                               "removes what no step file holds.", soft_wrap=True, highlight=False)

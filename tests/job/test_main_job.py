@@ -82,6 +82,8 @@ def test_main_job_trains_through_refpipe_and_ends_clean(request, backend):
     assert deletes["orchestrator eval"] >= cfg.orchestrator.group_size
     assert sum(deletes.values()) == summary["audit"]["deleted"]
     assert "audit clean; alignment ok" in text
+    run = open_store(cfg.storage).prefix.uri
+    assert f"wrote {run}/summary.json and {run}/report.png" in text.replace("\n", "")
     assert_costs(cfg, summary)
 
 
