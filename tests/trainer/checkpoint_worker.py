@@ -31,6 +31,8 @@ from refpipe.trainer.dist import init_process_group, new_data_group
 def snapshot(model, optimizer) -> dict:
     return {"weight": model.weight.detach().flatten().tolist(),
             "exp_avg": optimizer.state[model.weight]["exp_avg"].flatten().tolist(),
+            "exp_avg_sq": optimizer.state[model.weight]["exp_avg_sq"].flatten().tolist(),
+            "adam_step": float(optimizer.state[model.weight]["step"]),
             "draws": [torch.rand(2).tolist(), np.random.rand(2).tolist(), [random.random()]]}
 
 
@@ -60,6 +62,8 @@ def main(spec_path: str, rank: int) -> None:
     with torch.no_grad():
         model.weight.add_(5.0)
     optimizer.state[model.weight]["exp_avg"].add_(7.0)
+    optimizer.state[model.weight]["exp_avg_sq"].add_(3.0)
+    optimizer.state[model.weight]["step"].add_(5)
     torch.rand(10), np.random.rand(10), random.random()
     try:
         info = newest_checkpoint(store)
