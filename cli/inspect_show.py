@@ -61,8 +61,9 @@ def _fetch(store: Store, header: StepHeader, mb: MicroBatchRecord) -> dict[int, 
             return fetch_arrays(store, ref, keep[i])
         except ChunkNotFoundError as e:
             why = deleted_by(store, ref) or "no delete record"
-            raise ChunkNotFoundError(f"micro batch dp_rank={mb.dp_rank} index={mb.index}: chunk {store.uri(ref.key)} is "
-                                     f"gone ({why}); a trainer would drop this micro batch") from e
+            raise ChunkNotFoundError(f"micro batch dp_rank={mb.dp_rank} index={mb.index}: chunk "
+                                     f"{store.uri(ref.key)} is gone ({why}); a trainer would drop this micro "
+                                     "batch") from e
 
     return dict(zip(keep, parallel_map(store, one, list(keep), "fetching chunks")))
 
