@@ -25,6 +25,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 from _args import positive_int  # noqa: E402  (bench/ is sys.path[0] when run as a script)
 
 REFPIPE = os.path.join(os.path.dirname(sys.executable), "refpipe")
@@ -66,10 +67,11 @@ def peak_held(root: Path, run_id: str, cfg: Path) -> int:
     return peak[0]
 
 
-def _tree(pid: int) -> list[int]:
-    """``pid`` and its descendants (trainer ranks run in their own sessions, so not one process group)."""
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [pid] + [d for child in map(int, out.split()) for d in _tree(child)]
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and its descendants (trainer ranks run in their own sessions, so not one process group)."""
+    for member in [pid, *(child.pid for child in psutil.Process(pid).children(recursive=True))]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(member, signal.SIGKILL)
 
 
 def resume_wall_s(root: Path, steps: int, every: int) -> float:
@@ -80,11 +82,7 @@ def resume_wall_s(root: Path, steps: int, every: int) -> float:
     proc = subprocess.Popen([REFPIPE, "run", "--config", str(cfg)], env=env, stdout=subprocess.DEVNULL)
     while not marker.exists():
         time.sleep(0.2)
-    for pid in _tree(proc.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    _kill_tree(proc.pid)
     proc.wait()
     started = time.perf_counter()
     subprocess.run([REFPIPE, "run", "--resume", str(root / "killed")], check=True, stdout=subprocess.DEVNULL)

@@ -10,6 +10,7 @@ time (a mismatch would stop the run, exit 1).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from refpipe.cli.main import app
 from refpipe.job.train_rank import check_replay
@@ -50,8 +52,14 @@ def write_config(tmp_path: Path, storage: StorageConfig, *, release: str, num_st
 
 
 def _tree(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [pid] + [d for child in map(int, out.split()) for d in _tree(child)]
+    """``pid`` and every process below it."""
+    return [pid, *(child.pid for child in psutil.Process(pid).children(recursive=True))]
+
+
+def _kill_tree(pid: int) -> None:
+    for member in _tree(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(member, signal.SIGKILL)
 
 
 def as_node(hostname: str) -> list[str]:
@@ -80,11 +88,7 @@ def life(tmp_path: Path, args: list[str], pause: str | None, store,
         assert proc.poll() is None, f"life ended before pausing at {pause}: {proc.communicate()[0]}"
         assert time.monotonic() < deadline, f"never paused at {pause}"
         time.sleep(0.2)
-    for pid in _tree(proc.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    _kill_tree(proc.pid)
     proc.communicate()
     return None
 
@@ -186,8 +190,7 @@ def test_a_second_resume_and_a_stopped_sweep_are_refused_by_heartbeats_of_anothe
             f"error: refusing to sweep {store.prefix.uri} as stopped: {running} are still running (heartbeat live); "
             "stop the run first, or pass --force if those processes are not part of the run\n"))
     finally:
-        for pid in _tree(first.pid):
-            os.kill(pid, signal.SIGKILL)
+        _kill_tree(first.pid)
         first.wait()
     report = json.loads(CliRunner().invoke(app, ["audit", store.prefix.uri, "--json"]).stdout)
     assert report["live_sessions"] == []  # every heartbeat unchanged for 4 s, by this process's clock
