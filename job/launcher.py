@@ -227,10 +227,10 @@ class Launcher:
             if not live:
                 raise RunError("every env-server replica died; see the log above")
             worker = min(live, key=lambda w: len(fleet.in_flight[w]))
-            fleet.in_flight[worker][request.request_id] = request
             if fleet.send(worker, request):
+                fleet.in_flight[worker][request.request_id] = request
                 return
-            fleet.close(worker)
+            fleet.close(worker)  # never reached: the next live replica gets it below, not a re-dispatch too
             self.lost(fleet, worker)
 
     def lost(self, fleet: Fleet, worker: int) -> None:

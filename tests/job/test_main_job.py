@@ -250,3 +250,22 @@ def _cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode()
     except FileNotFoundError:
         return ""
+
+
+def test_a_group_whose_send_fails_goes_to_one_other_replica_once(tmp_path, local_config):
+    """Replica 0's connection is gone when a group is sent to it: replica 1 gets that group exactly once."""
+    from multiprocessing import Pipe
+
+    from refpipe.job.env_worker import GroupRequest
+    from refpipe.job.fleet import Fleet
+
+    launcher = Launcher(small_config(local_config), Console(file=io.StringIO()))
+    (gone, gone_peer), (live, live_peer) = Pipe(), Pipe()
+    gone_peer.close()
+    fleet = Fleet(conns=[gone, live], in_flight=[{}, {}])
+    launcher.send(fleet, GroupRequest(0, "g000000", 0))
+    received = []
+    while live_peer.poll(0.5):
+        received.append(live_peer.recv())
+    assert received == [GroupRequest(0, "g000000", 0)]
+    assert (fleet.dead, fleet.in_flight) == ({0}, [{}, {0: GroupRequest(0, "g000000", 0)}])
