@@ -23,12 +23,11 @@ from refpipe.storage.backends import open_store
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.concurrency import bounded_map
-from refpipe.storage.config import StorageConfig
+from refpipe.storage.config import run_storage
 from refpipe.storage.errors import ConfigError, DeleteRecordError, KeyNotFoundError, RefpipeError
 from refpipe.storage.layout import STEPS_PREFIX, parse_step_key, step_key, tombstone_key
 from refpipe.storage.ledger import read_delete_record
 from refpipe.storage.store import Store
-from refpipe.storage.uri import RunPrefix
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -88,13 +87,9 @@ def open_run(run_uri: str, s3_endpoint_url: str | None) -> Store:
     """The store of the run at ``run_uri`` (``/abs/root/run_0``, ``file://...``, ``s3://b/p/run_0``).
 
     Raises:
-        ConfigError: not ``<root>/<run_id>`` or an unknown scheme.
+        ConfigError: not ``<root>/<run_id>`` or an unknown scheme (``storage.config.run_storage``).
     """
-    head, _, run_id = _absolute(run_uri).rstrip("/").rpartition("/")
-    if not head or head.endswith(":/"):
-        raise ConfigError(f"run URI {run_uri!r}: expected <root>/<run_id>")
-    RunPrefix.from_root(head, run_id)  # a ConfigError naming the root or run id, before StorageConfig validates
-    return open_store(StorageConfig(root=head, run_id=run_id, s3_endpoint_url=s3_endpoint_url))
+    return open_store(run_storage(run_uri, s3_endpoint_url))
 
 
 @dataclass(frozen=True)

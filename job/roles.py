@@ -31,26 +31,13 @@ from multiprocessing.connection import Client, Connection
 from pydantic import ValidationError
 from refpipe.job.config import RunConfig
 from refpipe.storage.backends import open_store
-from refpipe.storage.config import StorageConfig
+from refpipe.storage.config import run_storage
 from refpipe.storage.errors import ConfigError, KeyExistsError, KeyNotFoundError
 from refpipe.storage.layout import AUTHKEY_KEY, CONFIG_KEY, address_key
 from refpipe.storage.store import Store
 
 LAUNCHER_PID_ENV = "REFPIPE_LAUNCHER_PID"
 """Set by ``refpipe run`` for the processes it starts: they exit when that process is gone."""
-
-
-def run_storage(run_uri: str, s3_endpoint_url: str | None = None) -> StorageConfig:
-    """Storage config of the run at ``run_uri`` (a local path, ``file://`` or ``s3://`` URI).
-
-    Raises:
-        ConfigError: not ``<root>/<run_id>``.
-    """
-    uri = run_uri if "://" in run_uri else os.path.abspath(os.path.expanduser(run_uri))
-    root, _, run_id = uri.rstrip("/").rpartition("/")
-    if not root or root.endswith(":/"):
-        raise ConfigError(f"run URI {run_uri!r}: expected <root>/<run_id>")
-    return StorageConfig(root=root, run_id=run_id, s3_endpoint_url=s3_endpoint_url)
 
 
 def open_run(run_uri: str, s3_endpoint_url: str | None = None) -> tuple[RunConfig, Store]:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from refpipe.storage.errors import ConfigError
 from refpipe.storage.uri import RunPrefix
 
 
@@ -50,3 +52,17 @@ class StorageConfig(BaseModel):
         """Refuse at configuration a root or run id that has no run prefix (``RunPrefix.from_root``)."""
         RunPrefix.from_root(self.root, self.run_id)
         return self
+
+
+def run_storage(run_uri: str, s3_endpoint_url: str | None = None) -> StorageConfig:
+    """Storage config of the run at ``run_uri`` (a local path, ``file://`` or ``s3://`` URI).
+
+    Raises:
+        ConfigError: not ``<root>/<run_id>``, an unknown scheme, or a root or run id ``RunPrefix`` refuses.
+    """
+    uri = run_uri if "://" in run_uri else os.path.abspath(os.path.expanduser(run_uri))
+    root, _, run_id = uri.rstrip("/").rpartition("/")
+    if not root or root.endswith(":/"):
+        raise ConfigError(f"run URI {run_uri!r}: expected <root>/<run_id>")
+    RunPrefix.from_root(root, run_id)  # a ConfigError naming the root or run id, before StorageConfig validates
+    return StorageConfig(root=root, run_id=run_id, s3_endpoint_url=s3_endpoint_url)

@@ -172,3 +172,10 @@ def test_orchestrate_stops_naming_a_trainer_node_that_was_sigkilled(tmp_path):
         f"RunError: trainer dead: trainer_dp0 (pid {worker} on trainer-b: heartbeat {store.uri(beat)} unchanged for "
         f"4 s). The run cannot go on: stop its other roles (env-server replicas, trainer ranks), then continue it "
         f"from its newest checkpoint with `refpipe run --resume {store.prefix.uri}`"), out
+
+
+@pytest.mark.parametrize("command", [["orchestrate"], ["env-server", "--replica", "0"]])
+def test_a_role_given_a_bad_run_id_says_so_in_one_line(tmp_path, command):
+    result = CliRunner().invoke(app, [command[0], str(tmp_path / "bad id"), *command[1:]])
+    assert (result.exit_code, result.output) == (
+        2, "error: run_id 'bad id': expected 1-128 of [A-Za-z0-9._-], not starting with a dot\n")
