@@ -36,13 +36,13 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.chunks import chunk_keys
+from refpipe.storage.concurrency import bounded_map
 from refpipe.storage.errors import (
     ConfigError,
     DeleteKeysError,
@@ -401,8 +401,7 @@ class Ledger:
             (repeats if t.branch_id in seen else firsts).append(t)
             seen.add(t.branch_id)
         started = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=max(1, min(max_concurrency, len(firsts)))) as pool:
-            claims = list(pool.map(lambda t: self._claim(t, reason), firsts))
+        claims = bounded_map(lambda t: self._claim(t, reason), firsts, max(1, max_concurrency))
         self._add_seconds(time.perf_counter() - started)
         doomed = [t for t, problem in zip(firsts, claims) if problem is None or isinstance(problem, _EarlierLife)]
         earlier = {t.uri for t, problem in zip(firsts, claims) if isinstance(problem, _EarlierLife)}

@@ -20,9 +20,9 @@ import os
 import stat
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from refpipe.storage.concurrency import bounded_map
 from refpipe.storage.errors import KeyNotFoundError, OutsideRunError, StorageError
 from refpipe.storage.local_errors import classify
 from refpipe.storage.store import WRITE_TOKEN, Store
@@ -229,13 +229,9 @@ class LocalStore(Store):
         by_directory: dict[str, list[str]] = {}
         for key in keys:
             by_directory.setdefault(self.prefix.check_key(key).rpartition("/")[0], []).append(key)
-        if len(by_directory) <= 1:
-            parts = [self._delete_in(directory, items) for directory, items in by_directory.items()]
-        else:
-            # rmdir(2) waits on the filesystem (~2-5 ms each on ext4 with discard, a metadata round trip on
-            # Lustre) while costing little CPU: empty the branch directories in parallel
-            with ThreadPoolExecutor(min(_DELETE_THREADS, len(by_directory))) as pool:
-                parts = list(pool.map(lambda item: self._delete_in(*item), by_directory.items()))
+        # rmdir(2) waits on the filesystem (~2-5 ms each on ext4 with discard, a metadata round trip on
+        # Lustre) while costing little CPU: empty the branch directories in parallel
+        parts = bounded_map(lambda item: self._delete_in(*item), list(by_directory.items()), _DELETE_THREADS)
         return {key: error for part in parts for key, error in part.items()}
 
     def _delete_in(self, directory: str, keys: list[str]) -> dict[str, StorageError]:

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import fsspec
+from refpipe.storage.concurrency import bounded_map
 from refpipe.storage.errors import KeyNotFoundError, StorageError, TransientStorageError
 from refpipe.storage.s3_errors import classify, error_code, is_transient_code
 from refpipe.storage.store import WRITE_TOKEN, Store
@@ -215,9 +215,8 @@ class S3Store(Store):
             return self._listing(key_prefix, lambda: self.fs.find(directory, detail=True))
 
         # one listing per sub-directory (a shard of payloads/), in parallel: a LIST page holds 1,000 keys
-        with ThreadPoolExecutor(max(1, min(self.config.max_concurrent_fetches, len(directories)))) as pool:
-            for found in pool.map(find, directories):
-                sizes.update((name, info["size"]) for name, info in found.items())
+        for found in bounded_map(find, directories, max(1, self.config.max_concurrent_fetches)):
+            sizes.update((name, info["size"]) for name, info in found.items())
         root = self.prefix.path + "/"
         return dict(sorted((name[len(root):], size) for name, size in sizes.items()
                            if name.startswith(base + "/")))
