@@ -100,6 +100,8 @@ class FaultProxy:
         self.requests: list[tuple[str, str, str | None]] = []
         self._seen: Counter[tuple[int, str]] = Counter()
         self._lock = threading.Lock()
+        self._held = 0
+        self._released = threading.Condition(self._lock)
         self._client = None
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self._server.daemon_threads = True
@@ -134,6 +136,17 @@ class FaultProxy:
                 self.hits[fault.kind] += 1
                 return fault
         return None
+
+    def settle(self, timeout_s: float = 60.0) -> None:
+        """Wait until every request a ``delay`` fault held has been forwarded (the server's state is final)."""
+        with self._released:
+            if not self._released.wait_for(lambda: self._held == 0, timeout_s):
+                raise TimeoutError(f"{self._held} held request(s) not forwarded after {timeout_s} s")
+
+    def _hold(self, delta: int) -> None:
+        with self._released:
+            self._held += delta
+            self._released.notify_all()
 
     def log(self, method: str, key: str, kind: str | None) -> None:
         with self._lock:
@@ -171,8 +184,13 @@ class FaultProxy:
                 if kind in ("slowdown", "conflict", "404", "denied"):
                     return self._error(kind)
                 if kind == "delay":
+                    proxy._hold(1)
                     time.sleep(fault.delay_s)
-                status, headers, data = self._forward(body)
+                try:
+                    status, headers, data = self._forward(body)
+                finally:
+                    if kind == "delay":
+                        proxy._hold(-1)
                 if kind == "reset_after":
                     return self._reset()
                 if kind == "500_after":

@@ -3,8 +3,9 @@ fault proxy (``tests/fault_proxy.py``) in front of each S3 server (moto, Seaweed
 
 Operations: keep, publish step, flush ledger, fetch whole, fetch truncated, delete, weights put. Faults:
 see ``fault_proxy.KINDS``. A fault is injected once into the named request; the store's retries (2,
-backoff 10 ms, timeout 0.5 s) absorb it. Each case asserts what is stored, the retries and write-token
-recoveries counted, the ``DeleteResult`` per ref, and that the audit of the run is clean afterwards.
+backoff 10 ms; read timeout 1.5 s for the ``delay`` fault, 30 s otherwise) absorb it. Each case asserts
+what is stored, the retries and write-token recoveries counted, the ``DeleteResult`` per ref, and that the
+audit of the run is clean afterwards.
 Faults that do not apply to an operation are not in its list (a PUT has no body to cut short; a
 ``DeleteObjects`` is the only request with per-key errors).
 """
@@ -12,7 +13,6 @@ Faults that do not apply to an operation are not in its list (a PUT has no body 
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import pytest
@@ -46,18 +46,25 @@ def assert_retries(store, proxy, kind: str, method: str, requests: int = 1) -> N
     clean = [r for r in proxy.requests if r[:2] == faulted[0][:2] and r[2] is None]
     assert len(faulted) == 1 and len(clean) == requests, proxy.requests
     assert store.retries == 1 or (kind in RESENT_BELOW and method != "POST" and store.retries == 0)
-DELAY_S = 1.0
+DELAY_S = 2.0
+DELAY_TIMEOUT_S = 1.5
+"""A ``delay`` fault holds its request ``DELAY_S``, past the store's ``DELAY_TIMEOUT_S`` read timeout, which
+times it out (one retry); a fault-free request on a loaded 2-core CI host takes far below ``DELAY_TIMEOUT_S``
+(0.5 s was not: a SeaweedFS request timed out once and counted a second retry)."""
+OTHER_TIMEOUT_S = 30.0
+"""Cases without a ``delay`` fault never time out: their exact retry counts must not depend on host load."""
 
 
 @pytest.fixture(params=["moto", "seaweedfs"])
 def run(request):
     """``(direct store, store through the proxy, proxy)`` of a fresh run on each S3 server."""
     config = request.getfixturevalue("s3_config" if request.param == "moto" else "seaweed_config")
+    timeout = DELAY_TIMEOUT_S if request.node.callspec.params.get("kind") == "delay" else OTHER_TIMEOUT_S
     with FaultProxy(config.s3_endpoint_url) as proxy:
         faulty = config.model_copy(update={"s3_endpoint_url": proxy.url, "max_retries": 2, "retry_backoff_s": 0.01,
-                                           "s3_timeout_s": 0.5})
+                                           "s3_timeout_s": timeout})
         yield open_store(config), open_store(faulty), proxy
-        time.sleep(DELAY_S if proxy.hits["delay"] else 0)  # let a held request reach the server before teardown
+        proxy.settle()  # a held request reaches the server before teardown
 
 
 def _fault(kind: str, method: str, key: str, **kw) -> Fault:
@@ -69,12 +76,6 @@ def _assert_write_recovered(store, proxy, kind: str) -> None:
     assert store.idempotent_puts == (1 if kind in APPLIED else 0)
 
 
-def _settle(proxy) -> None:
-    """Wait until a held (``delay``) request has been forwarded, so the server's state is final."""
-    if proxy.hits["delay"]:
-        time.sleep(DELAY_S)
-
-
 @pytest.mark.parametrize("kind", WRITE_FAULTS)
 @pytest.mark.parametrize("target", ["c.0", "zarr.json"])
 def test_keep(run, kind, target):
@@ -82,7 +83,7 @@ def test_keep(run, kind, target):
     keeper = make_keeper(store, store.config)
     proxy.add(_fault(kind, "PUT", f"/{target}"))
     ref = keep(keeper, seed=1)
-    _settle(proxy)
+    proxy.settle()
     _assert_write_recovered(store, proxy, kind)
     assert sorted(k for k in direct.list_prefix("payloads")) == sorted(chunk_keys(direct, ref))
     assert fetch_arrays(direct, ref)["topk_ids"].shape == (NUM_COMPLETION, 2)
@@ -104,7 +105,7 @@ def test_publish_step(run, kind):
     refs = [keep(keeper, seed=s) for s in range(2)]
     proxy.add(_fault(kind, "PUT", f"/{step_key(0)}"))
     header = publish(store, 0, refs, [0, 1])
-    _settle(proxy)
+    proxy.settle()
     _assert_write_recovered(store, proxy, kind)
     assert StepFile.read(direct, 0).header == header
     assert direct.list_prefix("steps") == [step_key(0)]
@@ -118,7 +119,7 @@ def test_flush_ledger(run, kind):
     ledger.record("receive", branch_ids=["a"])
     ledger.flush()
     ledger.close()
-    _settle(proxy)
+    proxy.settle()
     _assert_write_recovered(store, proxy, kind)
     segments = [[json.loads(line)["event"] for line in direct.get(k).splitlines()]
                 for k in direct.list_prefix("ledger/events/env_worker_0")]
@@ -131,7 +132,7 @@ def test_weights_put(run, kind):
     model = torch.nn.Linear(3, 2)
     proxy.add(_fault(kind, "PUT", f"/{weights_key(0)}"))
     publish_weights(store, model, 0)
-    _settle(proxy)
+    proxy.settle()
     _assert_write_recovered(store, proxy, kind)
     assert direct.list_prefix("weights") == [LATEST_WEIGHTS_KEY, weights_key(0)]
 
@@ -168,7 +169,7 @@ def test_delete_claim_put(run, kind):
     refs, keeper = _kept_pair(direct)
     proxy.add(_fault(kind, "PUT", f"/{tombstone_key(refs[0].branch_id)}"))
     result = Ledger(store, "trainer_dp0").delete(refs, reason="trained")
-    _settle(proxy)
+    proxy.settle()
     assert [result.outcome(r.uri) for r in refs] == ["deleted", "deleted"] and result.failed == {}
     _assert_write_recovered(store, proxy, kind)
     _assert_deleted(direct, refs)
@@ -180,7 +181,7 @@ def test_delete_objects_request(run, kind):
     refs, _ = _kept_pair(direct)
     proxy.add(_fault(kind, "POST", "/" + chunk_keys(direct, refs[0])[0]))
     result = Ledger(store, "trainer_dp0").delete(refs, reason="trained")
-    _settle(proxy)
+    proxy.settle()
     assert result.deleted == [r.uri for r in refs] and result.failed == {}
     assert store.retries == 1
     _assert_deleted(direct, refs)
