@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from refpipe.cli.text import markup_safe
+from refpipe.cli.inspect_common import fail
 from refpipe.storage.errors import RefpipeError
 from rich.console import Console
 
@@ -39,7 +39,7 @@ def run_job(config: Optional[Path] = typer.Option(
             cfg = load_config(config or DEFAULT_CONFIG)
         code = Launcher(cfg, console, resume=bool(resume)).run()
     except RefpipeError as e:  # raised before the run started: bad config, root, credentials, existing run
-        _fail(console, e)
+        fail(str(e))
     except KeyboardInterrupt:  # before the fleet started (warm start): only config.json and weights were written
         console.print("[red]interrupted before the run started[/]", highlight=False)
         raise typer.Exit(130) from None
@@ -62,11 +62,6 @@ def _resume_config(run_uri: str, config: Optional[Path], s3_endpoint_url: Option
     return cfg
 
 
-def _fail(console: Console, e: Exception) -> None:
-    console.print(f"[red]error:[/] {markup_safe(e)}", soft_wrap=True, highlight=False)
-    raise typer.Exit(2) from None
-
-
 def init_run(config: Path = typer.Option(Path("configs/local.toml"), "--config", "-c",
                                          help="Run config (TOML); see configs/ and the README's config reference."),
              ) -> None:
@@ -81,7 +76,7 @@ def init_run(config: Path = typer.Option(Path("configs/local.toml"), "--config",
         launcher = Launcher(load_config(config), console)
         launcher.prepare()
     except RefpipeError as e:
-        _fail(console, e)
+        fail(str(e))
     uri = launcher.store.prefix.uri
     console.print(f"run {uri} is ready; start each role, on any node that reaches the run (in any order):",
                   soft_wrap=True, highlight=False)
@@ -105,7 +100,7 @@ def orchestrate(run: str = typer.Argument(..., metavar="RUN_URI", help=RUN_HELP)
         cfg, _ = open_run(run, s3_endpoint_url)
         code = Launcher(cfg, console).orchestrate()
     except (RefpipeError, TimeoutError) as e:
-        _fail(console, e)
+        fail(str(e))
     except KeyboardInterrupt:
         console.print("[red]interrupted before the run started[/]", highlight=False)
         raise typer.Exit(130) from None
@@ -124,7 +119,7 @@ def env_server(run: str = typer.Argument(..., metavar="RUN_URI", help=RUN_HELP),
     try:
         serve_replica(run, replica, host, s3_endpoint_url)
     except RefpipeError as e:
-        _fail(Console(stderr=True), e)
+        fail(str(e))
 
 
 def train_rank(run: str = typer.Argument(..., metavar="RUN_URI", help=RUN_HELP),
@@ -138,4 +133,4 @@ def train_rank(run: str = typer.Argument(..., metavar="RUN_URI", help=RUN_HELP),
     try:
         main(run, s3_endpoint_url, resume=resume)
     except RefpipeError as e:
-        _fail(Console(stderr=True), e)
+        fail(str(e))

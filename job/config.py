@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import secrets
 import tomllib
 from pathlib import Path
@@ -19,7 +20,7 @@ from refpipe.job.task import TaskConfig
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.orchestrator import OrchestratorConfig
 from refpipe.storage.config import StorageConfig
-from refpipe.storage.errors import ConfigError
+from refpipe.storage.errors import ConfigError, validation_problems
 from refpipe.trainer.config import TrainerConfig
 
 
@@ -115,8 +116,8 @@ def load_config(path: str | Path) -> RunConfig:
     path = Path(path)
     try:
         text = path.read_text()
-        raw = RunConfig.model_validate_json(text).model_dump() if path.suffix == ".json" else tomllib.loads(text)
-    except (OSError, tomllib.TOMLDecodeError, ValidationError) as e:
+        raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (OSError, tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"config {path}: cannot read: {e}") from e
     storage = raw.setdefault("storage", {})
     if storage.get("run_id", "auto") == "auto":
@@ -125,4 +126,4 @@ def load_config(path: str | Path) -> RunConfig:
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(f"config {path}: {e}") from e
+        raise ConfigError(f"config {path}: {validation_problems(e)}") from e

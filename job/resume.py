@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from refpipe.job.config import RunConfig
 from refpipe.pipeline.audit_scan import scan_run
 from refpipe.storage.config import StorageConfig
-from refpipe.storage.errors import ConfigError, KeyNotFoundError
+from refpipe.storage.errors import ConfigError, KeyNotFoundError, validation_problems
 from refpipe.storage.layout import CONFIG_KEY, EVENTS_PREFIX, ORCHESTRATOR_ACTOR, SUMMARY_KEY, parse_segment_key
 from refpipe.storage.store import Store
 from refpipe.trainer.checkpoint import newest_checkpoint
@@ -56,7 +56,8 @@ def resume_config(store: Store, storage: StorageConfig, override: Path | None) -
     try:
         cfg = RunConfig.model_validate(merged)
     except ValidationError as e:
-        raise ConfigError(f"run {store.prefix.uri}: config.json with the changes of {override} is invalid: {e}") from e
+        raise ConfigError(f"run {store.prefix.uri}: config.json with the changes of {override} is invalid: "
+                          f"{validation_problems(e)}") from e
     wanted = cfg.model_dump()
     changed = sorted(f"{section}.{key}" for section, values in given.items() if section != "storage"
                      for key in values if wanted[section][key] != saved[section][key])

@@ -32,7 +32,7 @@ from pydantic import ValidationError
 from refpipe.job.config import RunConfig
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import run_storage
-from refpipe.storage.errors import ConfigError, KeyExistsError, KeyNotFoundError
+from refpipe.storage.errors import ConfigError, KeyExistsError, KeyNotFoundError, validation_problems
 from refpipe.storage.layout import AUTHKEY_KEY, CONFIG_KEY, address_key
 from refpipe.storage.store import Store
 
@@ -57,7 +57,7 @@ def open_run(run_uri: str, s3_endpoint_url: str | None = None) -> tuple[RunConfi
     except KeyNotFoundError as e:
         raise ConfigError(f"run {store.prefix.uri}: no {CONFIG_KEY} (start the run with `refpipe init`)") from e
     except ValidationError as e:
-        raise ConfigError(f"run {store.prefix.uri}: {CONFIG_KEY} is not a run config: {e}") from e
+        raise ConfigError(f"run {store.prefix.uri}: {CONFIG_KEY} is not a run config: {validation_problems(e)}") from e
     kept = {} if s3_endpoint_url is None else {"s3_endpoint_url": s3_endpoint_url}
     storage = cfg.storage.model_copy(update={"root": storage.root, "run_id": storage.run_id, **kept})
     return cfg.model_copy(update={"storage": storage}), open_store(storage)

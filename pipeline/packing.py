@@ -28,7 +28,7 @@ from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.samples import Sample
 from refpipe.pipeline.step_file import SCHEMA_VERSION, STREAMS, MicroBatchRecord, SequenceRecord, StepHeader
 from refpipe.storage.chunk import PayloadRef
-from refpipe.storage.errors import PackingError
+from refpipe.storage.errors import PackingError, validation_problems
 
 PADDING_ENV_NAME = "padding"
 """``env_name`` of padding dummies in step files."""
@@ -179,8 +179,7 @@ def step_contents(packed: Sequence[PackedMicroBatch], *, step: int, run_uri: str
                             dp_world_size=dp_world_size, micro_batches=records, refs=refs, owners=owners,
                             fields=fields, metrics=dict(metrics))
     except ValidationError as e:
-        problems = "; ".join(str(err.get("ctx", {}).get("error", err["msg"])) for err in e.errors())
-        raise PackingError(f"step {step}: {problems}") from e
+        raise PackingError(f"step {step}: {validation_problems(e)}") from e
     streams = {(mb.dp_rank, mb.index): {name: np.concatenate([getattr(s, name) for s in mb.samples])
                                         for name in STREAMS} for mb in packed}
     return header, streams

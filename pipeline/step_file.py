@@ -28,7 +28,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from refpipe.pipeline.fields import FIELDS, FieldsConfig, trailing_shape
 from refpipe.storage.chunk import PayloadRef
-from refpipe.storage.errors import StepFileError
+from refpipe.storage.errors import StepFileError, validation_problems
 from refpipe.storage.layout import step_key
 from refpipe.storage.store import Store
 
@@ -255,7 +255,7 @@ class StepFile:
         try:
             header = StepHeader.model_validate(raw)
         except ValidationError as e:
-            raise StepFileError(f"step file {uri}: invalid header: {e}") from e
+            raise StepFileError(f"step file {uri}: invalid header: {validation_problems(e)}") from e
         return cls(header, zf, uri)
 
     def streams(self, dp_rank: int, index: int) -> dict[str, np.ndarray]:

@@ -134,3 +134,23 @@ class CheckpointError(RefpipeError, RuntimeError):
 
 class ReplayMismatchError(RefpipeError, RuntimeError):
     """A step replayed after a restart assembled micro batches that differ from the first time."""
+
+
+def validation_problems(error: Exception) -> str:
+    """One line naming each problem of a pydantic ``ValidationError``: ``<field path>: <message> (got <value>)``,
+    joined by ``; `` (the field path is left out where the model itself is wrong; the value only where it
+    is a scalar, cut at 60 characters). The one way a validation error becomes a refpipe error's
+    message (pydantic's own text spans lines and links to its docs)."""
+    problems = []
+    for err in error.errors():
+        where = ".".join(map(str, err["loc"]))
+        custom = err["type"] in ("value_error", "assertion_error") and "error" in err.get("ctx", {})
+        message = str(err["ctx"]["error"]) if custom else err["msg"]  # not "Value error, <ours>"
+        scalar = isinstance(err["input"], (str, bytes, int, float)) and err["type"] != "missing"
+        got = f" (got {_cut(repr(err['input']), 60)})" if scalar else ""
+        problems.append(f"{where}: {message}{got}" if where else f"{message}{got}")
+    return "; ".join(problems)
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."

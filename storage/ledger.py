@@ -52,6 +52,7 @@ from refpipe.storage.errors import (
     KeyNotFoundError,
     StorageError,
     UnknownRefError,
+    validation_problems,
 )
 from refpipe.storage.layout import (
     HEARTBEATS_PREFIX,
@@ -126,8 +127,7 @@ def read_delete_record(data: bytes, uri: str) -> DeleteRecord:
     try:
         return DeleteRecord.model_validate_json(data)
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'record'}: {err['msg']}" for err in e.errors())
-        raise DeleteRecordError(f"delete record {uri} is unreadable: {problems}") from None
+        raise DeleteRecordError(f"delete record {uri} is unreadable: {validation_problems(e)}") from None
 
 
 @dataclass

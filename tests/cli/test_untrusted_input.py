@@ -43,9 +43,9 @@ def test_a_negative_shape_in_a_step_file_is_one_line(local_run):
     uri = rewrite_header(local_run.store, 0, negative)
     for command in (["show", uri, "--micro-batch", "0"], ["inspect", uri], ["verify", uri]):
         result = invoke(command)
-        assert_one_line_error(result, f"error: step file {uri}: invalid header: 1 validation error for StepHeader; "
-                                      "refs.0; Value error, array 'routed_experts': shape [-5, 2, 2]: expected at "
-                                      "least one dimension, none negative")
+        assert_one_line_error(result, f"error: step file {uri}: invalid header: refs.0: array "
+                                      "'routed_experts': shape [-5, 2, 2]: expected at least one dimension, none "
+                                      "negative")
 
 
 def test_a_ref_declaring_2e8_rows_is_a_verify_problem_not_a_memory_error(local_run):
@@ -134,8 +134,8 @@ def test_a_malformed_delete_record_is_a_verify_and_show_problem_not_a_crash(loca
     ref = StepFile.read(store, 0).header.refs[0]
     store.delete_keys(list(chunk_keys(store, ref)))
     store.put(tombstone_key(ref.branch_id), b"[]")
-    why = f"deleted (delete record {store.uri(tombstone_key(ref.branch_id))} is unreadable: record: Input should be " \
-          "an object)"
+    tomb = store.uri(tombstone_key(ref.branch_id))
+    why = f"deleted (delete record {tomb} is unreadable: Input should be an object)"
     result = invoke(["verify", local_run.step_uris[0]])
     assert result.exit_code == 1, result.output
     assert result.stdout.splitlines() == [f"missing {store.uri(ref.key)}: {why}",
@@ -143,3 +143,16 @@ def test_a_malformed_delete_record_is_a_verify_and_show_problem_not_a_crash(loca
     shown = invoke(["inspect", local_run.step_uris[0]])
     assert shown.exit_code == 0, shown.output
     assert f"missing {ref.uri} (owner DP rank 0): {why}" in shown.stdout
+
+
+def test_an_invalid_config_is_one_line_naming_each_field_and_value(tmp_path):
+    """Before: pydantic's own text, ``2 validation errors for RunConfig\\njob.num_steps\\n  Input should be ... For
+    further information visit https://errors.pydantic.dev/...`` printed with escaped newlines."""
+    config = tmp_path / "bad.toml"
+    config.write_text(f'[job]\nnum_steps = "abc"\nnum_env_workers = 0\n[storage]\nroot = "{tmp_path}/root"\n[bogus]\n'
+                      'x = 1\n')
+    result = invoke(["run", "--config", str(config)])
+    assert_one_line_error(result, f"error: config {config}: job.num_steps: Input should be a valid integer, unable "
+                                  "to parse string as an integer (got 'abc'); job.num_env_workers: Input should be "
+                                  "greater than or equal to 1 (got 0); bogus: Extra inputs are not permitted\n")
+    assert not (tmp_path / "root").exists()

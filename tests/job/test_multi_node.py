@@ -60,7 +60,7 @@ def test_init_writes_the_run_config_with_an_absolute_root_and_prints_the_command
                          "  torchrun --nnodes N --nproc-per-node M --rdzv-backend c10d --rdzv-endpoint HOST:29500 "
                          f"--rdzv-id prep -m refpipe.job.train_rank {uri}     # N x M = 2"]
     again = CliRunner().invoke(app, ["init", "--config", config])
-    assert again.exit_code == 2 and "already exists: choose another storage.run_id" in again.stdout
+    assert again.exit_code == 2 and "already exists: choose another storage.run_id" in again.stderr
     wrong = subprocess.run([sys.executable, "-m", "refpipe.job.train_rank", str(root / "prep")],
                            env={**os.environ, "RANK": "0", "WORLD_SIZE": "3"}, capture_output=True, text=True,
                            timeout=120)

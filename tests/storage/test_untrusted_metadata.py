@@ -157,11 +157,11 @@ def test_bytes_that_are_not_a_zstd_frame_are_named_so(backend):
 
 
 @pytest.mark.parametrize("record,problem", [
-    (b"[]", "record: Input should be an object"),
-    (b"not json", "record: Invalid JSON: expected ident at line 1 column 2"),
+    (b"[]", "Input should be an object"),
+    (b"not json", "Invalid JSON: expected ident at line 1 column 2 (got b'not json')"),
     (b'{"holder": 3, "reason": "died"}', "branch_id: Field required; uri: Field required; holder: Input should be a "
-                                        "valid string; t: Field required; session: Field required; claim: Field "
-                                        "required"),
+                                        "valid string (got 3); t: Field required; session: Field required; claim: "
+                                        "Field required"),
 ])
 def test_a_malformed_delete_record_is_a_double_delete_naming_it(backend, record, problem):
     """The ledger's claim reads the record it lost to (``storage.ledger.read_delete_record``, the one reader; the CLI's
