@@ -82,6 +82,9 @@ class Launcher:
         self.deletes: Counter[str] = Counter()
         self.kept_chunks = self.kept_bytes = 0
         self.alignment_max = 0.0
+        self.signals: list[int] = []
+        """SIGINT (Ctrl-C) and SIGTERM received by ``run``/``orchestrate`` in the main thread: the first sets the
+        exit code, 128 + its number (the shell's convention)."""
         self.alignment_tokens = 0
         self.rewards: list[float] = []
         self.rows: dict[int, StepRow] = {}
@@ -97,7 +100,7 @@ class Launcher:
     def run(self) -> int:
         """``refpipe run``: initialise the run, start the replicas and trainer ranks here, orchestrate;
         return the process exit code (0: audit clean and alignment within tolerance)."""
-        with _sigterm_as_interrupt():  # SIGTERM before the fleet exists ends like Ctrl-C (KeyboardInterrupt)
+        with _signals_as_interrupt(self.signals):  # SIGTERM before the fleet exists ends like Ctrl-C
             if self.resume:
                 self.prepare_resume()
             else:
@@ -111,7 +114,7 @@ class Launcher:
         ``env_procs``/``trainers``: the subprocesses ``run`` started (watched, stopped); none when the
         roles run elsewhere, in which case the trainer's end is read from the run.
         """
-        with _sigterm_as_interrupt():
+        with _signals_as_interrupt(self.signals):
             try:  # the orchestrator's ledger session first: a second live orchestrator is refused at once
                 self.orchestrator = Orchestrator(self.cfg.orchestrator, self.store, fields=self.cfg.fields)
                 fleet = connect_fleet(self.store, self.cfg.job.num_env_workers, self.cfg.job.step_deadline_s,
@@ -137,7 +140,7 @@ class Launcher:
         except RefpipeError as e:
             failure = f"{type(e).__name__}: {e}"
         except KeyboardInterrupt:
-            failure = "interrupted (Ctrl-C or SIGTERM)"
+            failure = f"interrupted ({signal.Signals(self.signals[0]).name})" if self.signals else "interrupted"
         finally:
             if failure:
                 self.console.log(f"[red]run stopped: {failure}")
@@ -339,7 +342,8 @@ class Launcher:
     def finish(self, fleet: Fleet, *, failure: str | None) -> int:
         """Audit the run, sweep what dead workers and failed deletes left (audited again), remove the empty
         directories the finished run leaves (local backend: the payload shards), print the summary; return the
-        exit code.
+        exit code: 0 audit clean and alignment within tolerance, 128 + the signal's number after SIGINT/SIGTERM
+        (130, 143), else 1.
 
         A failed run is audited as stopped, not finished: untrained step files keep their chunks
         for a restart, and ``refpipe sweep`` is left to the user.
@@ -373,6 +377,8 @@ class Launcher:
         self.store.put(REPORT_KEY, self.costs.plot(f"run {self.store.prefix.uri}"))
         self.console.print(f"wrote {markup_safe(self.store.uri(SUMMARY_KEY))} and "
                            f"{markup_safe(self.store.uri(REPORT_KEY))}", soft_wrap=True, highlight=False)
+        if self.signals:
+            return 128 + self.signals[0]
         return 0 if report.clean and alignment_ok and not failed else 1
 
 
@@ -410,16 +416,23 @@ class Launcher:
 
 
 @contextlib.contextmanager
-def _sigterm_as_interrupt():
-    """In the main thread, let SIGTERM stop the run like Ctrl-C (so the fleet is stopped and audited)."""
+def _signals_as_interrupt(received: list[int]):
+    """In the main thread, let SIGINT (Ctrl-C) and SIGTERM alike stop the run with ``KeyboardInterrupt`` (so the
+    fleet is stopped and audited), appending the signal's number to ``received``."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+    def interrupt(signum, frame):
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    previous = {signum: signal.signal(signum, interrupt) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _free_port() -> int:

@@ -182,7 +182,8 @@ def test_config_that_cannot_train_is_refused_before_anything_starts(tmp_path):
 
 
 def test_sigterm_stops_the_run_its_workers_and_trainers(tmp_path):
-    """SIGTERM to `refpipe run`: the launcher stops the fleet, audits as stopped, exits 1; nothing lingers."""
+    """SIGTERM to `refpipe run`: the launcher stops the fleet, audits as stopped, exits 143 (128 + SIGTERM, the shell's
+    convention; it exited 1 like a failed audit); nothing lingers."""
     import subprocess
     import sys
 
@@ -198,8 +199,8 @@ def test_sigterm_stops_the_run_its_workers_and_trainers(tmp_path):
     children = _children(proc.pid)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 1, out
-    assert "run FAILED: interrupted" in out
+    assert proc.returncode == 143, out
+    assert "run FAILED: interrupted (SIGTERM)" in out
     summary = json.loads(store.get(SUMMARY_KEY))
     assert summary["failed"] and summary["audit"]["leaked"] == 0
     time.sleep(1)
