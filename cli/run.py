@@ -93,11 +93,12 @@ def orchestrate(run: str = typer.Argument(..., metavar="RUN_URI", help=RUN_HELP)
     """The orchestrator of a run prepared by `refpipe init`: connects to every env-server replica, builds the
     step files, ends with the ledger audit (exit 0 only if clean and the alignment check passed)."""
     from refpipe.job.launcher import Launcher
-    from refpipe.job.roles import open_run
+    from refpipe.job.roles import open_run, refuse_ended
 
     console = Console()
     try:
-        cfg, _ = open_run(run, s3_endpoint_url)
+        cfg, store = open_run(run, s3_endpoint_url)
+        refuse_ended(store)
         code = Launcher(cfg, console).orchestrate()
     except (RefpipeError, TimeoutError) as e:
         fail(str(e))

@@ -33,7 +33,7 @@ from refpipe.job.config import RunConfig
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import run_storage
 from refpipe.storage.errors import ConfigError, KeyExistsError, KeyNotFoundError, validation_problems
-from refpipe.storage.layout import AUTHKEY_KEY, CONFIG_KEY, address_key
+from refpipe.storage.layout import AUTHKEY_KEY, CONFIG_KEY, SUMMARY_KEY, address_key
 from refpipe.storage.store import Store
 
 LAUNCHER_PID_ENV = "REFPIPE_LAUNCHER_PID"
@@ -61,6 +61,31 @@ def open_run(run_uri: str, s3_endpoint_url: str | None = None) -> tuple[RunConfi
     kept = {} if s3_endpoint_url is None else {"s3_endpoint_url": s3_endpoint_url}
     storage = cfg.storage.model_copy(update={"root": storage.root, "run_id": storage.run_id, **kept})
     return cfg.model_copy(update={"storage": storage}), open_store(storage)
+
+
+def refuse_ended(store: Store) -> None:
+    """``refpipe orchestrate``, before it opens its ledger session: refuse a run whose orchestrator already ended
+    (it wrote ``summary.json``). Orchestrating it again waited ``job.step_deadline_s`` for replicas behind the
+    stale addresses of the ended life and added a ledger session to the run.
+
+    Raises:
+        ConfigError: the run finished (nothing to do), or ended failed or unreadably (continue it with
+            ``refpipe run --resume``).
+    """
+    try:
+        summary = json.loads(store.get(SUMMARY_KEY))
+        failure = summary["failure"] if summary["failed"] else None
+        trained = int(summary["trained_steps"])
+    except KeyNotFoundError:
+        return
+    except (ValueError, TypeError, KeyError) as e:
+        failure = f"unreadable {SUMMARY_KEY}: {type(e).__name__}"
+    uri = store.prefix.uri
+    if failure is None:
+        raise ConfigError(f"run {uri} already finished ({trained} steps trained, audit in {store.uri(SUMMARY_KEY)}): "
+                          "nothing to orchestrate; start a new run with `refpipe init`")
+    raise ConfigError(f"run {uri} already ended ({failure}); continue it from its newest checkpoint with `refpipe run "
+                      f"--resume {uri}`")
 
 
 def write_run_config(cfg: RunConfig, store: Store) -> RunConfig:

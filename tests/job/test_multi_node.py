@@ -179,3 +179,28 @@ def test_a_role_given_a_bad_run_id_says_so_in_one_line(tmp_path, command):
     result = CliRunner().invoke(app, [command[0], str(tmp_path / "bad id"), *command[1:]])
     assert (result.exit_code, result.output) == (
         2, "error: run_id 'bad id': expected 1-128 of [A-Za-z0-9._-], not starting with a dot\n")
+
+
+@pytest.mark.parametrize("summary,problem", [
+    ({"failed": False, "failure": None, "trained_steps": 3},
+     "already finished (3 steps trained, audit in {summary}): nothing to orchestrate; start a new run with `refpipe "
+     "init`"),
+    ({"failed": True, "failure": "RunError: trainer dead", "trained_steps": 1},
+     "already ended (RunError: trainer dead); continue it from its newest checkpoint with `refpipe run --resume "
+     "{run}`"),
+    ("not json", "already ended (unreadable summary.json: JSONDecodeError); continue it from its newest checkpoint "
+                 "with `refpipe run --resume {run}`"),
+], ids=["finished", "failed", "unreadable"])
+def test_orchestrating_an_ended_run_is_refused_at_once_and_adds_no_session(tmp_path, monkeypatch, summary, problem):
+    """Before: `refpipe orchestrate` on a finished run opened an orchestrator session in its ledger and waited
+    ``job.step_deadline_s`` (326 s) for replicas behind the ended life's stale address files."""
+    config = write_config(tmp_path, tmp_path / "root", "ended", warm_start_steps=0)
+    monkeypatch.chdir(tmp_path)
+    assert CliRunner().invoke(app, ["init", "--config", config]).exit_code == 0
+    store = open_store(StorageConfig(root=str(tmp_path / "root"), run_id="ended"))
+    store.put(SUMMARY_KEY, summary.encode() if isinstance(summary, str) else json.dumps(summary).encode())
+    before = sorted(store.list_prefix(""))
+    result = CliRunner().invoke(app, ["orchestrate", store.prefix.uri])
+    expected = problem.format(summary=store.uri(SUMMARY_KEY), run=store.prefix.uri)
+    assert (result.exit_code, result.output) == (2, f"error: run {store.prefix.uri} {expected}\n")
+    assert sorted(store.list_prefix("")) == before
