@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection
 
 from pydantic import ValidationError
@@ -131,7 +132,8 @@ def authkey(store: Store) -> bytes:
 
 def connect_replica(store: Store, replica: int, key: bytes, deadline: float, alive=lambda: True) -> Connection:
     """Connect to env-server replica ``replica`` once its address is published (a stale address of
-    an earlier life is retried until the replica rewrites it).
+    an earlier life is retried until the replica rewrites it, also when another run's replica now listens there:
+    its auth key differs).
 
     Raises:
         TimeoutError: no connection before ``deadline`` (``time.monotonic()``), or ``alive()`` turned
@@ -146,8 +148,8 @@ def connect_replica(store: Store, replica: int, key: bytes, deadline: float, ali
             return Client((address["host"], int(address["port"])), authkey=key)
         except KeyNotFoundError:
             pass
-        except (OSError, ValueError, KeyError) as e:
-            last = f"{type(e).__name__}: {e}"
+        except (OSError, ValueError, KeyError, AuthenticationError) as e:  # AuthenticationError: another run's
+            last = f"{type(e).__name__}: {e}"                                 # replica took the stale address
         time.sleep(0.2)
     raise TimeoutError(f"env-server replica {replica} of {store.prefix.uri}: not reachable ({last})")
 

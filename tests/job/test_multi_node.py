@@ -204,3 +204,29 @@ def test_orchestrating_an_ended_run_is_refused_at_once_and_adds_no_session(tmp_p
     expected = problem.format(summary=store.uri(SUMMARY_KEY), run=store.prefix.uri)
     assert (result.exit_code, result.output) == (2, f"error: run {store.prefix.uri} {expected}\n")
     assert sorted(store.list_prefix("")) == before
+
+
+def test_a_stale_address_where_another_runs_replica_listens_is_retried_then_named(tmp_path):
+    """Before: ``multiprocessing.AuthenticationError`` (the other run's auth key) escaped ``connect_replica`` as a
+    traceback at once instead of being retried like any stale address until the deadline."""
+    import threading
+    from multiprocessing import AuthenticationError
+    from multiprocessing.connection import Listener
+
+    from refpipe.job.roles import connect_replica
+
+    store = open_store(StorageConfig(root=str(tmp_path), run_id="stale"))
+    with Listener(("127.0.0.1", 0), authkey=b"another run") as other:
+        def serve():
+            for _ in range(100):
+                try:
+                    other.accept().close()
+                except (AuthenticationError, OSError, EOFError):
+                    pass
+
+        threading.Thread(target=serve, daemon=True).start()
+        store.put(address_key(0), json.dumps({"host": "127.0.0.1", "port": other.address[1]}).encode())
+        with pytest.raises(TimeoutError) as info:
+            connect_replica(store, 0, b"this run", time.monotonic() + 1.0)
+    assert str(info.value) == (f"env-server replica 0 of {store.prefix.uri}: not reachable (AuthenticationError: "
+                               "digest sent was rejected)")
