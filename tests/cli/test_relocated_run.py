@@ -96,7 +96,8 @@ def test_a_copied_run_is_audited_swept_and_deleted_in_the_copy_only(local_run, t
 
 
 def test_a_corrupt_chunk_of_a_copied_run_is_named_in_the_copy(local_run, tmp_path):
-    """verify and show name the chunk they read (in the run as opened), never the path its writer recorded."""
+    """verify (exit 1: a problem found) and show (exit 2: an error) name the chunk they read (in the run as opened),
+    never the path its writer recorded."""
     copy_root = tmp_path / "copy"
     shutil.copytree(local_run.config.root, copy_root, symlinks=True)
     copy = _reopen(local_run, str(copy_root))
@@ -107,7 +108,7 @@ def test_a_corrupt_chunk_of_a_copied_run_is_named_in_the_copy(local_run, tmp_pat
     corrupted = bytearray(copy.store.get(data_key))
     corrupted[0] ^= 0xFF
     copy.store.put(data_key, bytes(corrupted))
-    for command in (["verify"], ["show", "--dp-rank", str(mb.dp_rank), "--micro-batch", str(mb.index)]):
+    for command, code in ((["verify"], 1), (["show", "--dp-rank", str(mb.dp_rank), "--micro-batch", str(mb.index)], 2)):
         result = invoke([command[0], copy.step_uris[1], *command[1:]])
-        assert result.exit_code != 0 and f"chunk {copy.store.uri(ref.key)}: " in result.output, result.output
+        assert result.exit_code == code and f"chunk {copy.store.uri(ref.key)}: " in result.output, result.output
         assert local_run.config.root not in result.output.replace(str(copy_root), "<copy>")
