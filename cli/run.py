@@ -29,7 +29,7 @@ def run_job(config: Optional[Path] = typer.Option(
     from refpipe.job.config import load_config
     from refpipe.job.launcher import Launcher
 
-    console = Console()
+    console = Console(soft_wrap=True)  # a piped log (SLURM, CI) keeps each step line whole
     try:
         if resume:
             cfg = _resume_config(resume, config, s3_endpoint_url, console)
@@ -71,7 +71,7 @@ def init_run(config: Path = typer.Option(Path("configs/local.toml"), "--config",
     from refpipe.job.launcher import Launcher
     from refpipe.job.roles import start_commands
 
-    console = Console()
+    console = Console(soft_wrap=True)  # a piped log (SLURM, CI) keeps each step line whole
     try:
         launcher = Launcher(load_config(config), console)
         launcher.prepare()
@@ -95,7 +95,7 @@ def orchestrate(run: str = typer.Argument(..., metavar="RUN_URI", help=RUN_HELP)
     from refpipe.job.launcher import Launcher
     from refpipe.job.roles import open_run, refuse_ended
 
-    console = Console()
+    console = Console(soft_wrap=True)  # a piped log (SLURM, CI) keeps each step line whole
     try:
         cfg, store = open_run(run, s3_endpoint_url)
         refuse_ended(store)

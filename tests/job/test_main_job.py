@@ -183,9 +183,12 @@ def test_config_that_cannot_train_is_refused_before_anything_starts(tmp_path):
 
 def test_sigterm_stops_the_run_its_workers_and_trainers(tmp_path):
     """SIGTERM to `refpipe run`: the launcher stops the fleet, audits as stopped, exits 143 (128 + SIGTERM, the shell's
-    convention; it exited 1 like a failed audit); nothing lingers."""
+    convention; it exited 1 like a failed audit); nothing lingers. Its piped log keeps the 82-column step lines
+    whole."""
     import subprocess
     import sys
+
+    from refpipe.job.progress import COLUMNS, _line
 
     root = tmp_path / "root"
     path = write_config(tmp_path, root, "term", num_steps=50)
@@ -201,6 +204,7 @@ def test_sigterm_stops_the_run_its_workers_and_trainers(tmp_path):
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 143, out
     assert "run FAILED: interrupted (SIGTERM)" in out
+    assert _line(COLUMNS) in out.splitlines()  # piped (80 columns): each progress line stays whole, it wrapped
     summary = json.loads(store.get(SUMMARY_KEY))
     assert summary["failed"] and summary["audit"]["leaked"] == 0
     time.sleep(1)
