@@ -130,11 +130,11 @@ def inspect_step(
     plot_path = refuse_inside_run(target.store, str(plot), "--plot") if plot else None
     header = load_step(target).header
     summary = summarize(header, target.uri, chunk_states(target.store, header.refs))
+    if plot_path:  # first: a reader that closes the pipe early (`| head`) ends the command at the print
+        from refpipe.cli.inspect_plot import plot_micro_batches
+
+        plot_micro_batches(summary, plot_path)
     if as_json:
         typer.echo(json.dumps(summary, indent=1))
     else:
         render(summary, Console())
-    if plot_path:
-        from refpipe.cli.inspect_plot import plot_micro_batches
-
-        plot_micro_batches(summary, plot_path)

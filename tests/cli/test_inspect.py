@@ -339,3 +339,17 @@ def test_plot_legend_names_each_entry_once():
 
     labels = [h.get_label() for h in legend_handles({"math": (0, 0, 1, 1), "padding": (1, 0, 0, 1)})]
     assert labels == ["math", "dummy sequence (padding)", "padding tokens", "borrowed dummy", "chunk missing"]
+
+
+def test_inspect_plot_is_written_when_the_reader_closes_the_pipe_early(local_run, tmp_path):
+    """``refpipe inspect STEP --plot P | head -1``: before, the table's print hit the closed pipe first and the
+    PNG was never drawn."""
+    import os
+    import subprocess
+    import sys
+
+    png = tmp_path / "step0.png"
+    refpipe = os.path.join(os.path.dirname(sys.executable), "refpipe")
+    subprocess.run(f"{refpipe} inspect {local_run.step_uris[0]} --plot {png} | head -c 1 > /dev/null", shell=True,
+                   check=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
