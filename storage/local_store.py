@@ -123,17 +123,6 @@ class LocalStore(Store):
         finally:
             os.close(fd)
 
-    def directory_path(self, key: str) -> str:
-        """Path of directory ``key`` under the run prefix, created with its parents one component at a time
-        without following a symlink: for writers that take a path (DCP's ``FileSystemWriter`` in
-        ``trainer.checkpoint``), so they never write outside the run.
-
-        Raises:
-            OutsideRunError: a component below the run prefix is a symlink (or not a directory).
-        """
-        with self._directory(key, create=True, is_dir=True):
-            return self.path(key)
-
     def _step(self, dir_fd: int, part: str, key: str, where: str, create: bool) -> int:
         """An ``O_PATH`` fd of directory ``part`` inside ``dir_fd``, never through a symlink."""
         flags = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -160,41 +149,38 @@ class LocalStore(Store):
             raise OutsideRunError(f"{context}{self.uri(where)} is a symlink: the local store never follows "
                                   "a symlink below the run prefix") from e
 
-    def _put(self, key, buffers, token):
+    def _put(self, key, buffers, token, durable):
         def op() -> None:
             with self._directory(key, create=True) as (dir_fd, name):
                 if token is not None and _HAVE_TMPFILE:
-                    self._put_unnamed(dir_fd, name, buffers, token)
+                    self._put_unnamed(dir_fd, name, buffers, token, durable)
                 else:
-                    self._put_named(dir_fd, name, buffers, token)
+                    self._put_named(dir_fd, name, buffers, token, durable)
 
         try:
             op()
         except OSError as e:
             raise classify("cannot write", self.uri(key), e) from e
 
-    def _put_unnamed(self, dir_fd: int, name: str, buffers, token: str) -> None:
+    def _put_unnamed(self, dir_fd: int, name: str, buffers, token: str, durable: bool) -> None:
         try:
             fd = os.open(".", os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o666, dir_fd=dir_fd)
         except OSError as e:
             if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
                 raise
-            return self._put_named(dir_fd, name, buffers, token)  # no O_TMPFILE on this filesystem
+            return self._put_named(dir_fd, name, buffers, token, durable)  # no O_TMPFILE on this filesystem
         try:
-            _write_all(fd, buffers)
-            _set_token(fd, token)
+            _fill(fd, buffers, token, durable)
             os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dir_fd)  # linkat(AT_SYMLINK_FOLLOW) of the unnamed file
         finally:
             os.close(fd)
 
-    def _put_named(self, dir_fd: int, name: str, buffers, token: str | None) -> None:
+    def _put_named(self, dir_fd: int, name: str, buffers, token: str | None, durable: bool) -> None:
         """``token`` None: write a temp name and rename it over ``name``; else set the token and link it exclusively."""
         tmp = f"{name}.tmp-{uuid.uuid4().hex[:12]}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=dir_fd)
         try:
-            _write_all(fd, buffers)
-            if token is not None:
-                _set_token(fd, token)
+            _fill(fd, buffers, token, durable)
         except BaseException:
             os.unlink(tmp, dir_fd=dir_fd)
             raise
@@ -363,6 +349,16 @@ _DELETE_THREADS = 8
 _WRITE_PIECE_BYTES = 512 << 10
 """Bytes per ``write(2)``. On ext4 under Linux 6.18 one write of >= 2 MiB took ~3x as long as the same
 bytes in <= 1 MiB writes (measured for bench/keep_fetch.py); smaller pieces cost nothing elsewhere."""
+
+
+def _fill(fd: int, buffers, token: str | None, durable: bool) -> None:
+    """Write the new file's bytes, set its write token (if any), and ``fsync`` it when ``durable`` (before a name
+    makes it visible)."""
+    _write_all(fd, buffers)
+    if token is not None:
+        _set_token(fd, token)
+    if durable:
+        os.fsync(fd)
 
 
 def _set_token(fd: int, token: str) -> None:

@@ -50,22 +50,17 @@ class S3Store(Store):
         return {"prefix": self.prefix, "config": self.config, "_fs": None, "_pid": -1, "retries": 0,
                 "idempotent_puts": 0}
 
-    @property
-    def fsspec_options(self) -> dict:
-        """Options ``fsspec.core.url_to_fs`` needs to reach this run's URIs from another library (DCP's fsspec
-        writer): the run's endpoint and region, no instance or listings cache."""
+    def _new_fs(self):
+        # One retry layer, ``Store.retrying`` (config.max_retries): s3fs and botocore each retry up to 5x
+        # by default, which multiplies into minutes against a dead endpoint and resends writes below us.
+        timeout = self.config.s3_timeout_s
         client_kwargs = {}
         if self.config.s3_endpoint_url:
             client_kwargs["endpoint_url"] = self.config.s3_endpoint_url
         if self.config.s3_region:
             client_kwargs["region_name"] = self.config.s3_region
-        return {"skip_instance_cache": True, "use_listings_cache": False, "client_kwargs": client_kwargs}
-
-    def _new_fs(self):
-        # One retry layer, ``Store.retrying`` (config.max_retries): s3fs and botocore each retry up to 5x
-        # by default, which multiplies into minutes against a dead endpoint and resends writes below us.
-        timeout = self.config.s3_timeout_s
-        fs = fsspec.core.url_to_fs(self.prefix.uri, **self.fsspec_options,
+        fs = fsspec.core.url_to_fs(self.prefix.uri, skip_instance_cache=True, use_listings_cache=False,
+                                   client_kwargs=client_kwargs,
                                    config_kwargs={"retries": {"total_max_attempts": 1, "mode": "standard"},
                                                   "connect_timeout": timeout, "read_timeout": timeout})[0]
         fs.retries = 1
@@ -116,7 +111,7 @@ class S3Store(Store):
             done += n
         return len(data)
 
-    def _put(self, key, buffers, token):
+    def _put(self, key, buffers, token, durable):  # a PUT's 200 means stored durably: ``durable`` asks nothing more
         bucket, object_key = self._split(key)
         uri, body = self.uri(key), b"".join(buffers)
         exclusive = {} if token is None else {"IfNoneMatch": "*", "Metadata": {WRITE_TOKEN: token}}

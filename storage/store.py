@@ -143,10 +143,12 @@ class Store(abc.ABC):
             StorageError: any other failure (``TransientStorageError`` once retries are spent).
         """
 
-    def put(self, key: str, data: Data, *, exclusive: bool = False) -> None:
+    def put(self, key: str, data: Data, *, exclusive: bool = False, durable: bool = False) -> None:
         """Write ``data`` (one buffer, or a list/tuple of buffers written in order) at ``key``.
 
-        Readers never see a partial object. With ``exclusive=True`` exactly one of any number of concurrent
+        Readers never see a partial object. ``durable``: on return the bytes survive a crash of the host, not
+        only of the process (a filesystem ``fsync``s the file before it appears; an S3 PUT always is): checkpoints.
+        With ``exclusive=True`` exactly one of any number of concurrent
         puts of ``key`` succeeds; the others raise ``KeyExistsError``. An exclusive put stores a write token
         (``WRITE_TOKEN``: this writer and the body's hash) with the object, atomically; when it finds the key
         present, the object's token is read (one HEAD or ``getxattr``), and when it is this writer's for
@@ -160,11 +162,11 @@ class Store(abc.ABC):
         buffers = buffers_of(data)
         what = f"PUT {self.uri(key)}"
         if not exclusive:
-            self.retrying(what, lambda: self._put(key, buffers, None))
+            self.retrying(what, lambda: self._put(key, buffers, None, durable))
             return
         token = f"{self.writer}.{body_hash(buffers)}"
         try:
-            self.retrying(what, lambda: self._put(key, buffers, token))
+            self.retrying(what, lambda: self._put(key, buffers, token, durable))
         except KeyExistsError:
             if self._token(key) != token:
                 raise
@@ -172,9 +174,9 @@ class Store(abc.ABC):
                 self.idempotent_puts += 1
 
     @abc.abstractmethod
-    def _put(self, key: str, buffers: list | tuple, token: str | None) -> None:
+    def _put(self, key: str, buffers: list | tuple, token: str | None, durable: bool) -> None:
         """One attempt of ``put`` (errors classified, not retried); ``token``: exclusive, store it as the object's
-        write token in the same atomic step."""
+        write token in the same atomic step; ``durable``: as in ``put``."""
 
     @abc.abstractmethod
     def _token(self, key: str) -> str | None:

@@ -9,9 +9,10 @@ Layout under the run prefix::
 A checkpoint covering step ``N`` holds every effect of steps ``<= N``: model and optimizer
 state, every rank's RNG states, the step and the policy version. It counts only once it has
 both DCP's ``.metadata`` and the commit marker; ``newest_checkpoint`` skips a newer one that
-lacks either (a crash mid-write) with a warning. On a filesystem DCP writes with
-``FileSystemWriter`` (files fsynced, ``.metadata`` renamed into place); on S3 with its
-fsspec writer, built with the run's own store settings (endpoint, region).
+lacks either (a crash mid-write) with a warning. DCP reads and writes through the run's ``Store``
+(``trainer.checkpoint_store``): every file is one exclusive, durable put (write token, retries, error
+classification, confinement to the run prefix) on a directory and on S3 alike; ``.metadata`` appears at
+once, never renamed into place.
 
 Which ranks call what, in which order: every rank calls ``save_checkpoint`` (collectives:
 DCP's plan exchange, an all-reduce of every rank's success, a broadcast of the marker's
@@ -36,7 +37,6 @@ from refpipe.storage.layout import (
     checkpoint_key,
     parse_checkpoint_key,
 )
-from refpipe.storage.local_store import LocalStore
 from refpipe.storage.store import Store
 from refpipe.trainer.pause import pause_point
 
@@ -50,6 +50,13 @@ def _dcp():
     import torch.distributed.checkpoint.state_dict  # noqa: F401 -- get_state_dict/set_state_dict below
 
     return dcp
+
+
+def _checkpoint_store():
+    """``trainer.checkpoint_store`` (it imports DCP: on first use, as ``_dcp``)."""
+    from refpipe.trainer import checkpoint_store
+
+    return checkpoint_store
 
 
 @dataclass(frozen=True)
@@ -82,22 +89,6 @@ def apply_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
     random.setstate(rng["python"])
 
 
-def _writer(store: Store, key: str):
-    if isinstance(store, LocalStore):  # DCP writes below this path: made without following a symlink
-        return _dcp().FileSystemWriter(store.directory_path(key))
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-    return FsspecWriter(store.uri(key), **store.fsspec_options)
-
-
-def _reader(store: Store, key: str):
-    if store.prefix.scheme == "file":
-        return _dcp().FileSystemReader(store.path(key))
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-    return FsspecReader(store.uri(key), **store.fsspec_options)
-
-
 def save_checkpoint(store: Store, state: dict, group: dist.ProcessGroup) -> str:
     """Every rank: write ``state`` (from ``training_state``) as the checkpoint of ``state["step"]``; publish it.
 
@@ -119,7 +110,7 @@ def save_checkpoint(store: Store, state: dict, group: dist.ProcessGroup) -> str:
     key = checkpoint_key(step)
     ok, dcp = torch.ones(1, dtype=torch.int32), _dcp()
     try:
-        dcp.save(state, storage_writer=_writer(store, key))
+        dcp.save(state, storage_writer=_checkpoint_store().StoreWriter(store, key))
     except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 -- any rank's failure is agreed on first
         log.error("checkpoint of step %d: this rank's write failed: %s", step, e)
         ok.zero_()
@@ -128,7 +119,7 @@ def save_checkpoint(store: Store, state: dict, group: dist.ProcessGroup) -> str:
     if ok.item() and dist.get_rank() == 0:
         marker = {"step": step, "policy_version": int(state["policy_version"]), "world_size": dist.get_world_size()}
         try:
-            store.put(f"{key}/{CHECKPOINT_MARKER_NAME}", json.dumps(marker).encode())
+            store.put(f"{key}/{CHECKPOINT_MARKER_NAME}", json.dumps(marker).encode(), exclusive=True, durable=True)
         except Exception as e:  # noqa: BLE001 -- the other ranks must learn that the marker failed
             log.error("checkpoint of step %d: commit marker failed: %s", step, e)
             ok.zero_()
@@ -186,7 +177,7 @@ def load_checkpoint(store: Store, step: int, state: dict) -> dict:
     """
     dcp = _dcp()
     try:
-        dcp.load(state, storage_reader=_reader(store, checkpoint_key(step)))
+        dcp.load(state, storage_reader=_checkpoint_store().StoreReader(store, checkpoint_key(step)))
     except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 -- CheckpointException is a BaseException
         raise CheckpointError(f"checkpoint {store.uri(checkpoint_key(step))}: cannot load: {e}") from e
     return state

@@ -1,7 +1,8 @@
 """The store fault matrix (issue 13): every operation of a run x every fault kind, through the loopback
 fault proxy (``tests/fault_proxy.py``) in front of each S3 server (moto, SeaweedFS), with exact outcomes.
 
-Operations: keep, publish step, flush ledger, fetch whole, fetch truncated, delete, weights put. Faults:
+Operations: keep, publish step, flush ledger, fetch whole, fetch truncated, delete, weights put, checkpoint put
+and get (DCP through the store, a one-rank gloo world in this process). Faults:
 see ``fault_proxy.KINDS``. A fault is injected once into the named request; the store's retries (2,
 backoff 10 ms; read timeout 1.5 s for the ``delay`` fault, 30 s otherwise) absorb it. Each case asserts
 what is stored, the retries and write-token recoveries counted, the ``DeleteResult`` per ref, and that the
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from audit_helpers import NUM_COMPLETION, NUM_PROMPT, keep, make_keeper, publish
+from checkpoint_helpers import FILES, STEP, assert_loads_back, one_rank_world, save, trained
 from fault_proxy import Fault, FaultProxy
 from refpipe.job.weights import publish_weights
 from refpipe.pipeline.audit import audit
@@ -26,7 +28,7 @@ from refpipe.storage.backends import open_store
 from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.errors import ChunkNotFoundError, TransientStorageError
 from refpipe.storage.fetch import fetch_arrays
-from refpipe.storage.layout import LATEST_WEIGHTS_KEY, step_key, tombstone_key, weights_key
+from refpipe.storage.layout import LATEST_WEIGHTS_KEY, checkpoint_key, step_key, tombstone_key, weights_key
 from refpipe.storage.ledger import Ledger
 
 WRITE_FAULTS = ["reset_before", "reset_after", "500_after", "slowdown", "conflict", "delay"]
@@ -135,6 +137,39 @@ def test_weights_put(run, kind):
     proxy.settle()
     _assert_write_recovered(store, proxy, kind)
     assert direct.list_prefix("weights") == [LATEST_WEIGHTS_KEY, weights_key(0)]
+
+
+@pytest.fixture(scope="module")
+def world():
+    with one_rank_world() as group:
+        yield group
+
+
+@pytest.mark.parametrize("kind,target", [*((k, "__0_0.distcp") for k in WRITE_FAULTS), ("reset_after", ".metadata")])
+def test_checkpoint_put(run, world, kind, target):
+    """A rank's share (a file DCP closes) and DCP's ``.metadata`` (a file DCP renames into place): one exclusive put
+    each, with its write token. ``.metadata`` takes the same ``Store.put`` as the share; only its lost answer is
+    a case here (the rename path's own one)."""
+    direct, store, proxy = run
+    model, optimizer = trained()
+    proxy.add(_fault(kind, "PUT", f"/{checkpoint_key(STEP)}/{target}"))
+    assert save(store, world, model, optimizer) == direct.uri(checkpoint_key(STEP))
+    proxy.settle()
+    _assert_write_recovered(store, proxy, kind)
+    assert direct.list_prefix("checkpoints") == FILES
+    assert_loads_back(direct, model, optimizer)
+
+
+@pytest.mark.parametrize("kind", ["500_after", "short_body", "404"])
+def test_checkpoint_get(run, world, kind):
+    """A rank's share read back: the ``Store.get`` of every read fault kind but the slow ones (``delay`` costs 2 s a
+    case and takes the same retry as ``500_after``; the resets are resent by aiohttp too)."""
+    direct, store, proxy = run
+    model, optimizer = trained()
+    save(direct, world, model, optimizer)
+    proxy.add(_fault(kind, "GET", f"/{checkpoint_key(STEP)}/__0_0.distcp"))
+    assert_loads_back(store, model, optimizer)
+    assert_retries(store, proxy, kind, "GET")
 
 
 @pytest.mark.parametrize("kind", READ_FAULTS)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from audit_helpers import NUM_COMPLETION, NUM_PROMPT, keep, make_keeper, publish
+from checkpoint_helpers import FILES, assert_loads_back, one_rank_world, save, trained
 from fault_os import OsFault, OsFaults, read_only, refusing, tmpfs
 from refpipe.job.weights import publish_weights
 from refpipe.pipeline.audit import audit
@@ -109,6 +110,36 @@ def test_weights_put(run, code, after):
     publish_weights(store, torch.nn.Linear(3, 2), 0)
     _assert_write_recovered(store, faults, "link", name, code, after)
     assert store.list_prefix("weights") == [LATEST_WEIGHTS_KEY, weights_key(0)]
+
+
+@pytest.fixture(scope="module")
+def world():
+    with one_rank_world() as group:
+        yield group
+
+
+@pytest.mark.parametrize("code,after,name", [*((c, a, "__0_0.distcp") for c, a in WRITE_FAULTS),
+                                             ("EIO", True, ".metadata")], ids=[*WRITE_IDS, "EIO_after-.metadata"])
+def test_checkpoint_put(run, world, code, after, name):
+    """A rank's share (a file DCP closes) and DCP's ``.metadata`` (a file DCP renames into place): one exclusive put
+    each (``linkat``), with its write token."""
+    store, faults = run
+    model, optimizer = trained()
+    _fault(faults, "link", name, code, after)
+    save(store, world, model, optimizer)
+    _assert_write_recovered(store, faults, "link", name, code, after)
+    assert store.list_prefix("checkpoints") == FILES
+    assert_loads_back(store, model, optimizer)
+
+
+@pytest.mark.parametrize("code", READ_FAULTS)
+def test_checkpoint_get(run, world, code):
+    store, faults = run
+    model, optimizer = trained()
+    save(store, world, model, optimizer)
+    _fault(faults, "open", "__0_0.distcp", code)
+    assert_loads_back(store, model, optimizer)
+    assert faults.hits == [("open", "__0_0.distcp", code)] and store.retries == 1
 
 
 def test_a_plain_put_is_retried(run):

@@ -15,7 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from checkpoint_helpers import FILES, assert_loads_back, one_rank_world, save, trained
 from refpipe.storage.backends import open_store
+from refpipe.storage.errors import CheckpointError
 from refpipe.storage.layout import segment_key, trainer_actor
 from refpipe.trainer.checkpoint import checkpoint_key, newest_checkpoint
 from refpipe.trainer.resume import _highest_release
@@ -78,6 +81,39 @@ def test_a_rank_whose_write_fails_fails_the_checkpoint_on_every_rank(tmp_path, l
     for r in ranks:
         assert "is not published" in r["error"] and r["newest"] is None
     assert not store.exists("checkpoints/step_00000002/commit.json")
+
+
+@pytest.fixture(scope="module")
+def world():
+    with one_rank_world() as group:
+        yield group
+
+
+def test_an_unpublished_earlier_write_is_deleted_before_the_checkpoint_is_written_again(local_config, world, caplog):
+    """A life that died writing checkpoint 3 left DCP's files without a commit marker; the next life's write of
+    checkpoint 3 (every put exclusive) deletes them first."""
+    store = open_store(local_config)
+    for name in (".metadata", "__0_0.distcp", "__1_0.distcp"):
+        store.put(f"{checkpoint_key(3)}/{name}", b"dead life", exclusive=True)
+    model, optimizer = trained()
+    with caplog.at_level(logging.WARNING):
+        save(store, world, model, optimizer)
+    assert (f"checkpoint {store.uri(checkpoint_key(3))}: deleting 3 files of an unpublished earlier write before "
+            "writing it") in caplog.text
+    assert store.list_prefix("checkpoints") == FILES
+    assert_loads_back(store, model, optimizer)
+
+
+def test_a_published_checkpoint_is_never_written_again(local_config, world):
+    store = open_store(local_config)
+    model, optimizer = trained()
+    save(store, world, model, optimizer)
+    before = {key: store.get(key) for key in FILES}
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    with pytest.raises(CheckpointError, match=r"step_00000003 of step 3: a rank's write or the commit marker failed"):
+        save(store, world, model, optimizer)
+    assert {key: store.get(key) for key in store.list_prefix("checkpoints")} == before
 
 
 def test_no_checkpoint_is_none(local_config):
