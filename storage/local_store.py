@@ -39,7 +39,8 @@ class LocalStore(Store):
     xattrs: then an applied put whose answer was lost stays ``KeyExistsError``) and ``linkat(2)``
     it to the key, which fails atomically with ``EEXIST`` when the key exists: one new
     directory entry per object and no temp name (where the filesystem lacks
-    ``O_TMPFILE``: a named temp file, ``link(2)``, ``unlink(2)``). ``get`` is
+    ``O_TMPFILE``: a named temp file, ``link(2)``, ``unlink(2)``). A ``durable`` put ``fsync``s the file
+    before it gets its name (the directory entry itself is not synced). ``get`` is
     ``open``, ``pread``, ``close`` (plus an ``fstat`` for whole reads); ``get_into`` is ``open``,
     ``fstat``, ``preadv`` (one call for all buffers, repeated only after a short read), ``close``. ``delete_keys``
     unlinks in order per directory and removes branch directories it empties,
