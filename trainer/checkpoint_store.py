@@ -57,8 +57,8 @@ class _PutOnClose(io.BytesIO):
 
 
 class StoreFileSystem(FileSystemBase):
-    """DCP's file operations on ``store``; paths are store keys. Not shared between threads of one writer beyond
-    DCP's own use (one writer thread per rank by default)."""
+    """DCP's file operations on ``store``; paths are store keys. One per ``StoreWriter`` or ``StoreReader`` (the temp
+    files it holds are that writer's)."""
 
     def __init__(self, store: Store):
         self.store = store
