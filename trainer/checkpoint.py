@@ -72,11 +72,35 @@ def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, 
                    policy_version: int) -> dict:
     """The state one checkpoint holds for this rank: model and optimizer (DCP's FQN-keyed state dicts,
     identical on every rank of a replicated model), this rank's RNG states (torch, numpy, Python, under
-    ``rng_rank<r>``), ``step`` and ``policy_version``. Every rank calls it before ``save_checkpoint``."""
-    model_state, optimizer_state = _dcp().state_dict.get_state_dict(model, optimizer)
+    ``rng_rank<r>``), ``step`` and ``policy_version``. Every rank calls it before ``save_checkpoint``, and for a
+    fresh model and optimizer as the template ``load_checkpoint`` fills (``_state_dicts``)."""
+    model_state, optimizer_state = _state_dicts(model, optimizer)
     rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
     return {"model": model_state, "optimizer": optimizer_state, f"rng_rank{dist.get_rank()}": rng,
             "step": step, "policy_version": policy_version}
+
+
+def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """DCP's model and optimizer state dicts, the optimizer's with every parameter's state (Adam: ``step``,
+    ``exp_avg``, ``exp_avg_sq``) even before its first step.
+
+    DCP loads only the keys of the template it is given. A fresh optimizer (a resumed rank's template) has no
+    state yet; ``get_state_dict`` materialises it (one step with lr 0 on zero gradients, parameters unchanged)
+    only when no parameter holds a gradient, and a trainer may keep zero gradients allocated
+    (``job.train_rank.PolicyTrainer``): then the template had no moments, none were loaded, and a resumed Adam
+    restarted from zero. So the gradients are set aside around the call. The same rule holds when saving (an
+    optimizer that never stepped is saved materialised, and goes on from that state), so saved == loaded.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grads = [p.grad for p in params]
+    if not optimizer.state:
+        for p in params:
+            p.grad = None
+    try:
+        return _dcp().state_dict.get_state_dict(model, optimizer)
+    finally:
+        for p, grad in zip(params, grads):
+            p.grad = grad
 
 
 def apply_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:

@@ -1,8 +1,10 @@
 """One rank of a checkpoint test world: ``python checkpoint_worker.py <spec.json> <rank>``.
 
 Trains a small linear model one Adam step, saves it as the checkpoint of ``spec["step"]`` (policy
-version ``step + 1``), records the parameters and the next RNG draws, scrambles model, optimizer and
-RNG, loads the newest complete checkpoint back and records the same again, into ``rank<r>.json``.
+version ``step + 1``), records the parameters, Adam's state and the next RNG draws, scrambles the RNG,
+loads the newest complete checkpoint into a fresh model and optimizer, as a resumed trainer rank does
+(zero gradients allocated, like ``job.train_rank.PolicyTrainer``), and records the same again, into
+``rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,16 @@ def snapshot(model, optimizer) -> dict:
             "exp_avg": optimizer.state[model.weight]["exp_avg"].flatten().tolist(),
             "exp_avg_sq": optimizer.state[model.weight]["exp_avg_sq"].flatten().tolist(),
             "adam_step": float(optimizer.state[model.weight]["step"]),
+            "grads_allocated": all(p.grad is not None for p in model.parameters()),
             "draws": [torch.rand(2).tolist(), np.random.rand(2).tolist(), [random.random()]]}
+
+
+def fresh_model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A model with other weights than the trained one, and an Adam with no state yet; zero gradients allocated."""
+    model = torch.nn.Linear(3, 2)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    return model, torch.optim.Adam(model.parameters(), lr=0.1)
 
 
 def main(spec_path: str, rank: int) -> None:
@@ -45,11 +56,10 @@ def main(spec_path: str, rank: int) -> None:
     torch.manual_seed(rank)  # different RNG streams per rank; the model itself is the same on both
     np.random.seed(rank)
     random.seed(rank)
-    model = torch.nn.Linear(3, 2)
+    model, optimizer = fresh_model_and_optimizer()
     with torch.no_grad():
         model.weight.copy_(torch.arange(6.0).reshape(2, 3))
         model.bias.zero_()
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     model(torch.ones(1, 3)).sum().backward()
     optimizer.step()
     out = {}
@@ -59,11 +69,7 @@ def main(spec_path: str, rank: int) -> None:
     except CheckpointError as e:
         out["error"] = str(e)
     out["saved"] = snapshot(model, optimizer)
-    with torch.no_grad():
-        model.weight.add_(5.0)
-    optimizer.state[model.weight]["exp_avg"].add_(7.0)
-    optimizer.state[model.weight]["exp_avg_sq"].add_(3.0)
-    optimizer.state[model.weight]["step"].add_(5)
+    model, optimizer = fresh_model_and_optimizer()  # a later life: nothing of the first one in memory
     torch.rand(10), np.random.rand(10), random.random()
     try:
         info = newest_checkpoint(store)
