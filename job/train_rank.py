@@ -35,7 +35,7 @@ from refpipe.job.loss import policy_loss
 from refpipe.job.model import MoELM
 from refpipe.job.report import peak_rss_bytes
 from refpipe.job.roles import exit_with_launcher, open_run
-from refpipe.job.weights import load_weights, publish_weights
+from refpipe.job.weights import check_same_weights, load_weights, publish_weights
 from refpipe.storage.errors import ConfigError, KeyNotFoundError, ReplayMismatchError
 from refpipe.storage.layout import FINISH_METRICS_KEY, metrics_key, step_key
 from refpipe.storage.store import Store
@@ -81,6 +81,9 @@ class PolicyTrainer:
         self.optimizer = torch.optim.Adam(model.parameters(), lr=cfg.job.learning_rate)
         self.version = 0
         self.stats = StepStats()
+        self.earlier_weights_from: int | None = None
+        """In a later life: samples of versions ``>=`` this one in the step being trained were taken with an earlier
+        life's weights of that number, which this life does not have (``ResumePlan.diverged_from``): off-policy."""
 
     def __call__(self, micro_batches: list[TrainMicroBatch]) -> None:
         """Forward/backward every fetched micro batch, all-reduce gradients, step the optimizer.
@@ -124,10 +127,10 @@ class PolicyTrainer:
         self._check_alignment(mb, terms.logprobs, s["inference_logprobs"][nxt], s["loss_mask"][nxt], nxt, stats)
 
     def _check_alignment(self, mb: TrainMicroBatch, logprobs, inference, mask, positions, stats: StepStats) -> None:
-        """Max |recomputed - inference| logprob, apart for tokens sampled with these weights or older ones."""
-        version = token_policy_versions(mb)[positions]
+        """Max |recomputed - inference| logprob, apart for tokens sampled with these weights and with others (older
+        versions, or an earlier life's weights of a version this life's differ from)."""
         diff = (logprobs - inference).abs()
-        on, off = mask & (version == self.version), mask & (version < self.version)
+        on, off = policy_masks(token_policy_versions(mb)[positions], mask, self.version, self.earlier_weights_from)
         stats.on_policy_tokens += int(on.sum())
         stats.off_policy_tokens += int(off.sum())
         stats.on_policy_max_abs_diff = max(stats.on_policy_max_abs_diff, _max_or_zero(diff[on]))
@@ -142,6 +145,16 @@ class PolicyTrainer:
 
 def _max_or_zero(t: torch.Tensor) -> float:
     return float(t.max()) if t.numel() else 0.0
+
+
+def policy_masks(versions: torch.Tensor, mask: torch.Tensor, current: int,
+                 earlier_weights_from: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """([N] bool on-policy, [N] bool off-policy) of loss tokens (``mask``, [N] bool) sampled with policy
+    ``versions`` ([N] int64): on-policy = sampled with the trainer's current weights (version ``current``);
+    off-policy = an older version, or (``earlier_weights_from``) a version ``>=`` it sampled by an earlier life
+    whose weights of that number this life does not have (``PolicyTrainer.earlier_weights_from``)."""
+    foreign = versions >= earlier_weights_from if earlier_weights_from is not None else torch.zeros_like(mask)
+    return mask & (versions == current) & ~foreign, mask & ((versions < current) | foreign)
 
 
 def token_policy_versions(mb: TrainMicroBatch) -> torch.Tensor:
@@ -211,13 +224,15 @@ def main(run_uri: str, s3_endpoint_url: str | None = None, *, resume: bool = Fal
 def resume_life(store: Store, cfg: RunConfig, policy: PolicyTrainer, rank: TrainerRank) -> ResumePlan:
     """Every rank: load the newest complete checkpoint (or the warm start), release (in the background) what it
     covers that an earlier life had not, and (rank 0) republish its weights as the current version, so env
-    workers restart on them."""
+    workers restart on them (the launcher pointed them at the earlier life's file of that version: the same
+    weights, ``check_same_weights``)."""
     plan = plan_resume(store, cfg.orchestrator.dp_world_size, rank.data_group)
     if plan.checkpoint:
         empty = training_state(policy.model, policy.optimizer, step=-1, policy_version=-1)
         state = load_checkpoint(store, plan.checkpoint.step, empty)
         apply_training_state(policy.model, policy.optimizer, state)
         policy.version = int(state["policy_version"])
+        check_same_weights(store, policy.model, policy.version)
     else:
         load_weights(store, policy.model, 0)
     rank.resume(plan)
@@ -232,11 +247,14 @@ def resume_life(store: Store, cfg: RunConfig, policy: PolicyTrainer, rank: Train
 def train_step(store: Store, cfg: RunConfig, policy: PolicyTrainer, rank: TrainerRank, step: int,
                plan: ResumePlan | None) -> dict:
     """Every rank: train step ``step`` (or skip it, see ``trainer.resume``); rank 0 publishes weights
-    version ``step + 1``. A replayed step's micro batches must hash as they did in the earlier life.
+    version ``step + 1``. A replayed step's micro batches must hash as they did in the earlier life, and its
+    weights must be the ones the earlier life published as ``step + 1`` (unless a skipped step came before).
 
     Raises:
-        ReplayMismatchError: a replayed micro batch differs from the first time (on every rank).
+        ReplayMismatchError: a replayed micro batch, or the weights after it, differ (on every rank).
     """
+    diverged = plan.diverged_from if plan else None
+    policy.earlier_weights_from = diverged if plan and step < plan.published else None
     if plan and step in plan.skipped:
         metrics = rank.skip_step(step, plan).model_dump()
         policy.version, policy.stats = step + 1, StepStats()
@@ -245,6 +263,8 @@ def train_step(store: Store, cfg: RunConfig, policy: PolicyTrainer, rank: Traine
         metrics["replayed"] = bool(plan and plan.replays(step))
         if metrics["replayed"]:
             check_replay(store, step, metrics["micro_batch_hashes"])
+            if diverged is None or step + 1 < diverged:
+                check_same_weights(store, policy.model, step + 1)
     if dist.get_rank() == 0:
         publish_weights(store, policy.model, step + 1, replace=plan is not None)
     return metrics

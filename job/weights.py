@@ -3,7 +3,11 @@
 ``weights/policy_<version:08d>.pt`` holds a ``torch.save`` state dict (exclusive put);
 ``weights/latest.json`` (``{"version": v}``, replaced atomically) names the newest.
 Version 0 is the warm-started initial policy; the trainer publishes version
-``s + 1`` after its optimizer step of step ``s``.
+``s + 1`` after its optimizer step of step ``s``. A version names one set of weights in every
+life of the run: a later life that publishes a version again (from its checkpoint on) checks
+that it has the earlier life's weights (``check_same_weights``), since samples taken with them
+are in the step files it trains again; only after a skipped step do they differ
+(``trainer.resume.ResumePlan.diverged_from``).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import io
 import json
 
 import torch
-from refpipe.storage.errors import KeyNotFoundError
+from refpipe.storage.errors import KeyNotFoundError, ReplayMismatchError
 from refpipe.storage.layout import LATEST_WEIGHTS_KEY, weights_key
 from refpipe.storage.store import Store
 
@@ -50,3 +54,21 @@ def load_weights(store: Store, model: torch.nn.Module, version: int) -> None:
     """
     state = torch.load(io.BytesIO(store.get(weights_key(version))), weights_only=True)
     model.load_state_dict(state)
+
+
+def check_same_weights(store: Store, model: torch.nn.Module, version: int) -> None:
+    """Every trainer rank of a later life, before version ``version`` is published again: if an earlier life
+    published it, its tensors must equal ``model``'s exactly (one GET; nothing to compare when it never was).
+
+    Raises:
+        ReplayMismatchError: they differ (names the version and the differing tensors); the run stops.
+    """
+    try:
+        earlier = torch.load(io.BytesIO(store.get(weights_key(version))), weights_only=True)
+    except KeyNotFoundError:
+        return
+    differing = [name for name, tensor in model.state_dict().items() if not torch.equal(tensor, earlier[name])]
+    if differing:
+        raise ReplayMismatchError(f"weights version {version}: {', '.join(differing)} differ from the ones an earlier "
+                                  f"life published at {store.uri(weights_key(version))}, with which its samples were "
+                                  "taken; stopping")

@@ -133,7 +133,8 @@ class CheckpointError(RefpipeError, RuntimeError):
 
 
 class ReplayMismatchError(RefpipeError, RuntimeError):
-    """A step replayed after a restart assembled micro batches that differ from the first time."""
+    """A step replayed after a restart assembled micro batches that differ from the first time, or gave other
+    weights than an earlier life published under the same version."""
 
 
 def validation_problems(error: Exception) -> str:

@@ -51,6 +51,15 @@ class ResumePlan:
         """The first step to train: the checkpoint's step + 1, or 0."""
         return self.checkpoint.step + 1 if self.checkpoint else 0
 
+    @property
+    def diverged_from(self) -> int | None:
+        """The lowest policy version whose weights in this life differ from an earlier life's of that number, or
+        None. A skipped step ``s`` is not trained, yet its weights are named ``s + 1`` as the earlier life named its
+        trained ones, so every version ``> min(skipped)`` differs; a replayed step gives the earlier weights
+        exactly (``job.weights.check_same_weights``). Samples of such versions in the step files an earlier life
+        published (``step < published``) were taken with weights this life does not have: off-policy."""
+        return min(self.skipped) + 1 if self.skipped else None
+
     def replays(self, step: int) -> bool:
         """Whether training ``step`` is a replay of a step an earlier life published (and maybe trained)."""
         return self.start_step <= step < self.published and step not in self.skipped

@@ -5,12 +5,14 @@ process waits there, the test SIGKILLs the launcher, env workers and trainer ran
 the next life is `refpipe run --resume`. The last life trains to ``num_steps`` and the run must
 end with a clean ``audit --finished`` (kept == deleted + retained, no double delete, nothing
 leaked); with ``release = "after_checkpoint"`` every replayed micro batch hashes as the first
-time (a mismatch would stop the run, exit 1).
+time and the weights after it are the ones the first time published (a mismatch would stop the run,
+exit 1).
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import signal
@@ -21,13 +23,16 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from refpipe.cli.main import app
-from refpipe.job.train_rank import check_replay
+from refpipe.job.train_rank import check_replay, policy_masks
+from refpipe.job.weights import check_same_weights, publish_weights
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import ReplayMismatchError
-from refpipe.storage.layout import SUMMARY_KEY, address_key, metrics_key
+from refpipe.storage.layout import SUMMARY_KEY, address_key, metrics_key, weights_key
 from refpipe.trainer.pause import ENV
+from refpipe.trainer.resume import ResumePlan
 from typer.testing import CliRunner
 
 REFPIPE = os.path.join(os.path.dirname(sys.executable), "refpipe")
@@ -93,6 +98,12 @@ def life(tmp_path: Path, args: list[str], pause: str | None, store,
     return None
 
 
+def weights(store, versions: list[int]) -> dict[tuple[int, str], torch.Tensor]:
+    """(version, parameter name) -> tensor of the published weights ``versions``."""
+    return {(v, name): t for v in versions
+            for name, t in torch.load(io.BytesIO(store.get(weights_key(v))), weights_only=True).items()}
+
+
 def released_by(dp_ranks: list[int], step: int):
     """``wait_for``: each of ``dp_ranks`` recorded the release of ``step`` (releases run in the background)."""
     def done(store) -> bool:
@@ -123,10 +134,17 @@ def test_after_checkpoint_run_survives_a_kill_at_every_crash_point(tmp_path, loc
     life(tmp_path, resume, "fetch:0", store)  # from the warm start; step 0 published, nothing fetched
     assert not store.list_prefix("checkpoints")
     life(tmp_path, resume, "train:1", store)  # killed training step 1
-    life(tmp_path, resume, "checkpoint:1", store)  # killed writing the first checkpoint (skipped at resume)
-    assert store.exists("checkpoints/step_00000001/.metadata")
-    assert not store.exists("checkpoints/step_00000001/commit.json")
-    life(tmp_path, resume, "release_dp1:2", store, released_by([0], 2))  # dp0 released step 2 (at checkpoint 3)
+    # From the warm start: checkpoint 1, then steps 2 and 3 trained on (weights 3 and 4 published), killed writing
+    # checkpoint 3 (skipped at resume).
+    life(tmp_path, resume, "checkpoint:3", store)
+    assert store.exists("checkpoints/step_00000003/.metadata")
+    assert not store.exists("checkpoints/step_00000003/commit.json")
+    trained_on = weights(store, [3, 4])
+    # From checkpoint 1: steps 2 and 3 replayed, with the same weights after each as the life that trained on
+    # (samples that life took with them are in the replayed step files); dp0 released step 2 (at checkpoint 3).
+    life(tmp_path, resume, "release_dp1:2", store, released_by([0], 2))
+    replayed = weights(store, [3, 4])
+    assert all(torch.equal(replayed[k], trained_on[k]) for k in trained_on), "replayed weights differ"
     life(tmp_path, resume, "after_release:4", store)  # step 4 trained and held, checkpoint 5 not written
     done = life(tmp_path, resume, None, store)
     assert done.returncode == 0, done.stdout
@@ -207,6 +225,31 @@ def test_a_replayed_micro_batch_that_differs_stops_the_run(local_config):
     with pytest.raises(ReplayMismatchError, match="step 3 replayed from .*step_00000003.npz: micro batch hashes"):
         check_replay(store, 3, [["aa", "bX"], ["cc"]])
     check_replay(store, 4, [["dd"]])  # the first life died before its metrics of step 4: nothing to compare
+
+
+def test_a_version_published_again_must_be_the_earlier_lifes_weights(local_config):
+    store = open_store(local_config)
+    model = torch.nn.Linear(3, 2)
+    publish_weights(store, model, 5)
+    check_same_weights(store, model, 5)  # exactly the earlier life's tensors
+    check_same_weights(store, model, 6)  # never published: nothing to compare
+    with torch.no_grad():
+        model.bias[1] += 1e-6
+    with pytest.raises(ReplayMismatchError, match=r"weights version 5: bias differ from the ones an earlier life "
+                                                  r"published at .*policy_00000005.pt"):
+        check_same_weights(store, model, 5)
+
+
+def test_samples_of_a_version_whose_weights_a_skip_changed_are_off_policy():
+    # After step 2 was skipped (its chunks gone), this life's weights 3, 4, ... are not the earlier life's.
+    plan = ResumePlan(None, published=6, released={0: 1, 1: 1}, skipped=[2, 4])
+    assert plan.diverged_from == 3 and ResumePlan(None, 6, {0: 1}, []).diverged_from is None
+    versions = torch.tensor([2, 3, 3, 4, 4, -1])
+    mask = torch.tensor([True, True, True, True, False, False])
+    on, off = policy_masks(versions, mask, 3, None)
+    assert (on.tolist(), off.tolist()) == ([False, True, True, False, False, False], [True] + [False] * 5)
+    on, off = policy_masks(versions, mask, 3, plan.diverged_from)  # a step file an earlier life published
+    assert (on.tolist(), off.tolist()) == ([False] * 6, [True, True, True, True, False, False])
 
 
 def test_a_resume_config_may_change_num_steps_only(tmp_path, local_config):
