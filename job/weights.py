@@ -67,8 +67,10 @@ def check_same_weights(store: Store, model: torch.nn.Module, version: int) -> No
         earlier = torch.load(io.BytesIO(store.get(weights_key(version))), weights_only=True)
     except KeyNotFoundError:
         return
-    differing = [name for name, tensor in model.state_dict().items() if not torch.equal(tensor, earlier[name])]
+    state = model.state_dict()
+    differing = [name for name, tensor in state.items() if not torch.equal(tensor, earlier[name])]
     if differing:
-        raise ReplayMismatchError(f"weights version {version}: {', '.join(differing)} differ from the ones an earlier "
-                                  f"life published at {store.uri(weights_key(version))}, with which its samples were "
-                                  "taken; stopping")
+        names = ", ".join(differing[:3]) + (", ..." if len(differing) > 3 else "")
+        raise ReplayMismatchError(f"weights version {version}: {len(differing)} of {len(state)} tensors ({names}) "
+                                  "differ from the ones an earlier life published at "
+                                  f"{store.uri(weights_key(version))}, with which its samples were taken; stopping")
