@@ -20,7 +20,7 @@ from checkpoint_helpers import FILES, assert_loads_back, one_rank_world, save, t
 from refpipe.storage.backends import open_store
 from refpipe.storage.errors import CheckpointError
 from refpipe.storage.layout import segment_key, trainer_actor
-from refpipe.trainer.checkpoint import checkpoint_key, newest_checkpoint
+from refpipe.trainer.checkpoint import checkpoint_key, load_checkpoint, newest_checkpoint, training_state
 from refpipe.trainer.resume import _highest_release
 
 WORKER = Path(__file__).with_name("checkpoint_worker.py")
@@ -114,6 +114,23 @@ def test_a_published_checkpoint_is_never_written_again(local_config, world):
     with pytest.raises(CheckpointError, match=r"step_00000003 of step 3: a rank's write or the commit marker failed"):
         save(store, world, model, optimizer)
     assert {key: store.get(key) for key in store.list_prefix("checkpoints")} == before
+
+
+def test_a_checkpoint_symlinked_out_of_the_run_is_never_read(tmp_path, local_config, world):
+    """DCP reads through the store too: a checkpoint directory moved out of the run and symlinked back is refused."""
+    store = open_store(local_config)
+    model, optimizer = trained()
+    save(store, world, model, optimizer)
+    outside = tmp_path / "outside"
+    os.rename(store.path(checkpoint_key(3)), outside)
+    os.symlink(outside, store.path(checkpoint_key(3)))
+    fresh = torch.nn.Linear(3, 2)
+    template = training_state(fresh, torch.optim.Adam(fresh.parameters()), step=-1, policy_version=-1)
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(store, 3, template)
+    assert str(info.value).startswith(f"checkpoint {store.uri(checkpoint_key(3))}: cannot load: ")
+    assert (f"{store.uri(checkpoint_key(3))} is a symlink: the local store never follows a symlink below the run "
+            "prefix") in str(info.value)
 
 
 def test_no_checkpoint_is_none(local_config):
