@@ -1,8 +1,9 @@
 """``refpipe audit`` and ``refpipe sweep``: prove a run's ledger invariants; clean up after a crash.
 
 Exit codes: 0 clean; 1 the audit found a violated invariant (leaks, double or unknown
-deletes, unfinished deletes, missing chunks, unreadable step files, and with
-``--finished`` anything still outstanding); 2 the command could not run.
+deletes, unfinished deletes, missing chunks, unreadable step files, unreadable ledger records,
+and with ``--finished`` anything still outstanding); 2 the command could not run (the sweep:
+also an unreadable step file or ledger record, nothing deleted).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def render_audit(report: AuditReport, console: Console) -> None:
     _print_chunks(console, "unfinished deletes", report.unfinished_deletes)
     _print_chunks(console, "missing without a delete record", report.missing)
     for title, lines in (("delete problems", report.delete_problems), ("unreadable step files",
-                         report.unreadable_step_files), ("bad ledger records (tolerated)", report.bad_records),
+                         report.unreadable_step_files), ("unreadable ledger records", report.bad_records),
                          ("stray keys (no refpipe object belongs there)", report.stray_keys)):
         _print_chunks(console, title, lines)
     for line in report.violations:
@@ -117,9 +118,10 @@ def sweep_run(
     Never touches a chunk of a step file not yet trained, unless ``--abandon`` (implies
     ``--stopped``). ``--retained`` also deletes the chunks retained for inspection
     (``trainer.retain_steps``). ``--stopped`` is checked by the sessions' heartbeats: while a session of the
-    run is live, on any host, the sweep refuses, naming it (unless ``--force``). Exit codes:
-    0 swept; 2 the run could not be read, a step file is unreadable, or the run still runs
-    here (nothing deleted).
+    run is live, on any host, the sweep refuses, naming it (unless ``--force``). Never deletes a chunk of a
+    step a resume replays (``release = "after_checkpoint"``: after the newest checkpoint), unless ``--abandon``.
+    Exit codes: 0 swept; 2 the run could not be read, a step file or a ledger record is unreadable, or the run
+    still runs here (nothing deleted).
     """
     store = open_run(run_uri, s3_endpoint_url)
     with progress("sweeping") as bar:

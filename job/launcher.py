@@ -46,6 +46,7 @@ from refpipe.storage.backends import open_store
 from refpipe.storage.errors import (
     ConfigError,
     KeyNotFoundError,
+    LedgerRecordError,
     RefpipeError,
     RunStillRunningError,
     TransientStorageError,
@@ -174,10 +175,12 @@ class Launcher:
         life = LifeStart.read(self.store, self.cfg.job.num_steps)
         try:
             swept = sweep(self.store, stopped=True)
+            self.lives["reclaimed"] = len(swept.deleted) + len(swept.removed_incomplete) + len(swept.finished_deletes)
         except RunStillRunningError as e:
             raise ConfigError(f"refusing to resume {self.store.prefix.uri}: another life of the run is still running: "
                               f"{', '.join(e.running)} (heartbeats live); stop it (on every node) first") from e
-        self.lives["reclaimed"] = len(swept.deleted) + len(swept.removed_incomplete) + len(swept.finished_deletes)
+        except LedgerRecordError as e:  # the run goes on; its audit reports the record, nothing is reclaimed
+            self.console.log(f"[yellow]not reclaiming what dead sessions kept:[/] {markup_safe(str(e))}")
         point_latest(self.store, life.policy_version)
         self.store.put(CONFIG_KEY, self.cfg.model_dump_json(indent=2).encode())
         self.life, self.trained, self.next_step = life, life.checkpoint_step + 1, life.published
@@ -352,7 +355,8 @@ class Launcher:
         self.trainer_finished()
         failed = failure is not None
         report: AuditReport = audit(self.store, stopped=True, finished=not failed)
-        if (fleet.dead or report.unfinished_deletes) and not failed:  # what dead workers left, deletes that failed
+        # what dead workers left, deletes that failed; never on a ledger with unreadable records (the sweep refuses)
+        if (fleet.dead or report.unfinished_deletes) and not (failed or report.bad_records):
             swept = sweep(self.store)  # dead sessions judged by heartbeats: safe while remote roles are closing
             self.deletes["sweep"] += len(swept.deleted)
             self.deletes["sweep: unfinished deletes finished"] += len(swept.finished_deletes)

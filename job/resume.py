@@ -26,11 +26,11 @@ from pathlib import Path
 from pydantic import ValidationError
 from refpipe.job.config import RunConfig
 from refpipe.pipeline.audit_scan import scan_run
+from refpipe.storage.checkpoints import newest_checkpoint
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import ConfigError, KeyNotFoundError, validation_problems
 from refpipe.storage.layout import CONFIG_KEY, EVENTS_PREFIX, ORCHESTRATOR_ACTOR, SUMMARY_KEY, parse_segment_key
 from refpipe.storage.store import Store
-from refpipe.trainer.checkpoint import newest_checkpoint
 
 RESUMABLE = {("job", "num_steps"), ("job", "step_deadline_s"), ("trainer", "step_timeout_s")}
 """``(section, key)`` a config passed to ``--resume`` may change; everything else must equal ``config.json``."""

@@ -23,6 +23,10 @@ Who accounts for a present chunk (its holder), in this order:
    state: ``trainer_dp<r> (trained, awaiting checkpoint)`` while its owner ``r`` recorded
    ``trained`` but not ``release`` for step ``N`` or later (``release = "after_checkpoint"``),
    else ``trainer step N`` (a step is protected whole: a replaying rank may borrow rows);
+   and, whatever the ledger events say, a step a resume replays (``trainer.resume``: the run's
+   ``config.json`` says ``release = "after_checkpoint"``, the step is after the newest complete
+   checkpoint and none of its chunks has a delete record): ``trainer step N (after the newest
+   checkpoint: ...)``, even over an ``unfinished_delete`` event; not for a finished or abandoned run;
 3. an incomplete keep: its writer's live session, else (writer unknown) any live session;
 4. a shipped chunk its owner released: ``retained`` if a ``retain`` event names it (kept for
    inspection; not outstanding, and not a violation of a finished run), else nobody;
@@ -41,7 +45,9 @@ over: anything still outstanding is then a violation.
 
 Leaked: present, no delete record, no holder. The sweep deletes exactly those (claiming
 each through ``Ledger.delete_nodes``), finishes unfinished deletes, and never touches a
-chunk of an untrained step file; ``sweep(retained=True)`` deletes the retained chunks too.
+chunk of an untrained or replayed step file; ``sweep(retained=True)`` deletes the retained chunks too.
+A ledger record that cannot be read (``bad_records``: not JSON, a crc32c mismatch, ...) is a
+violation, and the sweep then deletes nothing (``LedgerRecordError``): the record may have named a holder.
 
 ``stopped`` is the user's declaration; the sweep checks it: it refuses while a session
 of the run is live by its heartbeat, on any host. A plain sweep (not ``stopped``) never
@@ -50,14 +56,23 @@ deletes a chunk a live session holds.
 
 from __future__ import annotations
 
+import json
 import socket
 from collections import Counter
 
 from pydantic import BaseModel, ConfigDict, computed_field
 from refpipe.pipeline.audit_scan import RunScan, StaleSummaryError, committed, scan_run
 from refpipe.pipeline.audit_summary import load_summary, seed_scan, settle, write_summary
-from refpipe.storage.errors import DoubleDeleteError, RunStillRunningError, StepFileError, UnknownRefError
-from refpipe.storage.layout import ORCHESTRATOR_ACTOR, SWEEP_ACTOR
+from refpipe.storage.checkpoints import newest_checkpoint
+from refpipe.storage.errors import (
+    DoubleDeleteError,
+    KeyNotFoundError,
+    LedgerRecordError,
+    RunStillRunningError,
+    StepFileError,
+    UnknownRefError,
+)
+from refpipe.storage.layout import CONFIG_KEY, ORCHESTRATOR_ACTOR, SWEEP_ACTOR
 from refpipe.storage.ledger import DeleteResult, Ledger
 from refpipe.storage.liveness import live_sessions
 from refpipe.storage.store import Store
@@ -67,6 +82,7 @@ SWEEP_REASON = "sweep: no live holder (left behind by a crash)"
 RETAINED_REASON = "sweep --retained: retained for inspection, no longer wanted"
 RETAINED = "retained"
 AWAITING_CHECKPOINT = "trained, awaiting checkpoint"
+REPLAY = "after the newest checkpoint: a resume replays it"
 UNFINISHED = "unfinished delete"
 
 
@@ -98,6 +114,8 @@ class AuditReport(BaseModel):
     retained: int = 0
     """Present chunks handed to the ``retained`` holder (``trainer.retain_steps``); a finished run has
     ``kept == deleted + retained``."""
+    retained_chunks: list[str] = []
+    """The retained chunks (what ``sweep(retained=True)`` deletes)."""
     leaked: int
     leaked_chunks: list[str]
     """Present chunks without a delete record that no live holder accounts for."""
@@ -114,7 +132,9 @@ class AuditReport(BaseModel):
     """Chunks a keep event or an untrained step file names, neither present nor deleted by the ledger."""
     unreadable_step_files: list[str]
     bad_records: list[str]
-    """Truncated or unparseable ledger records (tolerated: the writer died mid-write)."""
+    """``<segment URI> line <n>: <error>`` of every ledger record that cannot be read: not JSON, no event name,
+    a crc32c mismatch (changed after it was written), no line end, a field of the wrong type. A violation: the
+    record may be the only evidence of a holder, so the sweep refuses to delete."""
     stray_keys: list[str]
     """Keys where no refpipe object belongs (temp files of killed writers)."""
     live_sessions: list[str]
@@ -173,7 +193,7 @@ def _refuse_if_running(store: Store, live: set[tuple[str, str]], scan: RunScan) 
             running=running)
 
 
-def _step_nodes(store: Store, scan: RunScan) -> tuple[dict[str, int], dict[str, str], set[str]]:
+def _step_nodes(scan: RunScan) -> tuple[dict[str, int], dict[str, str], set[str]]:
     """``(shipped, protected, borrowed)``: node -> step for every shipped chunk, node -> holder for chunks
     their owner DP rank has not released yet (module doc, rule 2), and the borrowed nodes."""
     shipped: dict[str, int] = {}
@@ -190,6 +210,34 @@ def _step_nodes(store: Store, scan: RunScan) -> tuple[dict[str, int], dict[str, 
             protected[node] = f"trainer_dp{owner} ({AWAITING_CHECKPOINT})" if held else f"trainer step {step}"
         borrowed |= {nodes[s.ref] for mb in header.micro_batches for s in mb.sequences if s.borrowed}
     return shipped, protected, borrowed
+
+
+def _replays_after_checkpoint(store: Store, scan: RunScan) -> bool:
+    """Whether a resume of the run replays the steps after its newest checkpoint from their chunks: its
+    ``config.json`` says ``trainer.release = "after_checkpoint"``; without a readable ``config.json`` (a run
+    driven through the library), whether a DP rank recorded ``trained`` (only that policy does)."""
+    try:
+        return json.loads(store.get(CONFIG_KEY))["trainer"]["release"] == "after_checkpoint"
+    except (KeyNotFoundError, ValueError, KeyError, TypeError):
+        return bool(scan.trained)
+
+
+def _replayed(store: Store, scan: RunScan, protected: dict[str, str]) -> dict[str, str]:
+    """Node -> holder for the chunks of every step a resume trains again (``trainer.resume``) in a run that
+    replays (``_replays_after_checkpoint``): a step after the newest complete checkpoint
+    (``storage.checkpoints.newest_checkpoint``; none: every step) none of whose chunks has a delete record.
+    Judged from step files, checkpoints, delete records and ``config.json``, never from ledger events (but for a
+    run without ``config.json``), so no lost, corrupted or forged ledger record exposes them to the sweep. Reads
+    ``config.json`` and the checkpoints only when a step file's chunks are present and otherwise unprotected."""
+    steps = {step: nodes for step, header in scan.steps.items()
+             if (nodes := [ref.key for ref in header.refs]) and not any(n in scan.tombstoned for n in nodes)
+             and any(n in scan.nodes and n not in protected for n in nodes)}
+    if not steps or not _replays_after_checkpoint(store, scan):
+        return {}
+    checkpoint = newest_checkpoint(store)
+    after = checkpoint.step if checkpoint else -1
+    return {node: f"trainer step {step} ({REPLAY})" for step, nodes in sorted(steps.items()) if step > after
+            for node in nodes if node not in protected}
 
 
 def _holder(node: str, keys: list[str], scan: RunScan, live: set[tuple[str, str]], shipped: dict[str, int],
@@ -223,19 +271,25 @@ def judge(scan: RunScan, store: Store, *, stopped: bool = False, finished: bool 
     """
     stopped = stopped or finished or abandoned
     live = set() if stopped else _live_sessions(store, scan) if live is None else live
-    shipped, protected, borrowed = _step_nodes(store, scan)
-    if abandoned:
-        protected = {}
+    shipped, protected, borrowed = _step_nodes(scan)
+    replayed = {} if finished or abandoned else _replayed(store, scan, protected)
+    protected = {} if abandoned else {**protected, **replayed}
     holders: Counter[str] = Counter()
-    leaked, unfinished = [], []
+    leaked, unfinished, retained_chunks = [], [], []
     for node, keys in sorted(scan.nodes.items()):
         claimant = scan.unfinished.get(node)
-        if node in scan.tombstoned or (claimant and claimant not in live):
+        if node in scan.tombstoned:
+            unfinished.append(node)
+        elif node in replayed:  # whatever a ledger record says (an unfinished_delete)
+            holders[replayed[node]] += 1
+        elif claimant and claimant not in live:
             unfinished.append(node)
         elif claimant:
             holders[f"{claimant[0]} ({UNFINISHED})"] += 1
         elif holder := _holder(node, keys, scan, live, shipped, protected):
             holders[holder] += 1
+            if holder == RETAINED:
+                retained_chunks.append(node)
         else:
             leaked.append(node)
     retained = holders.pop(RETAINED, 0)
@@ -250,6 +304,7 @@ def judge(scan: RunScan, store: Store, *, stopped: bool = False, finished: bool 
         + settled["kept"], shipped=len(shipped) + settled["shipped"], borrowed=len(borrowed) + settled["borrowed"],
         deleted=len(scan.tombstoned) + settled["deleted"], present=len(scan.nodes),
         outstanding=sum(holders.values()), outstanding_by_holder=dict(sorted(holders.items())), retained=retained,
+        retained_chunks=[uri(n) for n in retained_chunks],
         leaked=len(leaked), leaked_chunks=[uri(n) for n in leaked],
         incomplete_keeps=[uri(n) for n, k in sorted(scan.nodes.items()) if not committed(k)],
         unfinished_deletes=[uri(n) for n in unfinished], double_deletes=len(doubles),
@@ -276,6 +331,9 @@ def _violations(r: dict) -> list[str]:
         (len(r["unfinished_deletes"]), "unfinished deletes (objects still present; `refpipe sweep` finishes them)"),
         (len(r["missing"]), "chunks missing without a delete record"),
         (len(r["unreadable_step_files"]), "unreadable step files"),
+        (len(r["bad_records"]), f"unreadable ledger records ({'; '.join(r['bad_records'][:3])}"
+                                f"{'; ...' if len(r['bad_records']) > 3 else ''}); `refpipe sweep` refuses to delete "
+                                f"until each is repaired or its line removed"),
         (r["outstanding"] if r["finished"] else 0, "chunks still outstanding at the declared end of the run"),
     ]
     return [f"{n} {what}" for n, what in checks if n]
@@ -316,9 +374,10 @@ def sweep(store: Store, *, stopped: bool = False, dry_run: bool = False, abandon
 
     Leaked committed chunks are claimed and deleted through ``Ledger.delete_nodes``; leftover
     objects of unfinished deletes and leaked incomplete keeps are removed (events
-    ``finish_delete``, ``remove_incomplete``). Chunks of untrained step files are never touched,
-    unless the run is abandoned. A ``stopped`` or ``abandon`` sweep then removes the empty directories
-    below the run prefix (``Store.remove_empty_directories``: payload shards of deleted chunks; none on S3).
+    ``finish_delete``, ``remove_incomplete``). Chunks of untrained step files and of steps a resume
+    replays (``_replayed``) are never touched, unless the run is abandoned. A ``stopped`` or ``abandon``
+    sweep then removes the empty directories below the run prefix (``Store.remove_empty_directories``: payload
+    shards of deleted chunks; none on S3).
 
     Args:
         stopped: as ``audit``: no process of the run is running. Checked by the sessions'
@@ -335,7 +394,9 @@ def sweep(store: Store, *, stopped: bool = False, dry_run: bool = False, abandon
     Raises:
         RunStillRunningError: ``stopped`` or ``abandon`` while a session of the run is live by its heartbeat,
             on any host (nothing deleted).
-        StepFileError: a step file is unreadable, so the chunks it may still hold are unknown.
+        StepFileError: a step file is unreadable, so the chunks it may still hold are unknown (nothing deleted).
+        LedgerRecordError: a ledger record is unreadable (``AuditReport.bad_records``): it may be the only
+            evidence of a holder, so nothing is deleted, not even with ``abandon`` or ``dry_run``.
     """
     scan = scan_run(store, progress)
     live = _live_sessions(store, scan) if not force else set()
@@ -345,13 +406,17 @@ def sweep(store: Store, *, stopped: bool = False, dry_run: bool = False, abandon
     if report.unreadable_step_files:
         raise StepFileError(f"refusing to sweep {store.prefix.uri}: {len(report.unreadable_step_files)} unreadable "
                             f"step files may reference chunks; first: {report.unreadable_step_files[0]}")
+    if report.bad_records:
+        raise LedgerRecordError(f"refusing to sweep {store.prefix.uri}: {len(report.bad_records)} unreadable ledger "
+                                f"records may be the only evidence of a holder; first: {report.bad_records[0]} "
+                                f"(repair the record or remove its line, then sweep again)")
     leaked = [store.prefix.key_of(u) for u in report.leaked_chunks]
     whole = {n: scan.nodes[n] for n in leaked if committed(scan.nodes[n])}
     incomplete = {n: scan.nodes[n] for n in leaked if n not in whole}
     unfinished = {n: scan.nodes[n] for n in map(store.prefix.key_of, report.unfinished_deletes)}
     unclaimed = {n: keys for n, keys in unfinished.items() if n not in scan.tombstoned}  # the claim was never written
-    kept = {n: keys for n, keys in scan.nodes.items() if retained and n in scan.retained and committed(keys)
-            and n not in scan.tombstoned} if report.retained else {}
+    kept = {n: scan.nodes[n] for n in map(store.prefix.key_of, report.retained_chunks)
+            if committed(scan.nodes[n])} if retained else {}
     if dry_run:
         return SweepResult(dry_run=True, deleted=[store.uri(n) for n in whole],
                            finished_deletes=report.unfinished_deletes,

@@ -4,7 +4,10 @@
 once each, reads every step file and ledger segment (in parallel, with progress), and
 reads ``zarr.json`` only for unshipped chunks whose writer neither a keep event nor a
 drawn branch id (``<actor>-<uuid4 hex>``, as ``Keeper.keep`` draws them) names.
-Truncated or unparseable ledger records are collected, never fatal.
+Bad ledger records (``storage.ledger.read_segment``: not JSON, no event name, a crc32c that does not
+match, no line end, or fields of the wrong type) are collected by segment URI and line, never fatal
+to the scan; the audit counts them as a violation and the sweep refuses to delete on such a ledger.
+A key under ``ledger/events/`` that is not a segment name (a temp file of a killed writer) is a stray key.
 
 Delete records are listed, never read: reading them would cost one GET per deleted chunk.
 Each is written whole by one exclusive put (temp file + link, or one PUT), so a deleter
@@ -46,7 +49,6 @@ from refpipe.storage.ledger import read_segment
 from refpipe.storage.store import Store
 from rich.progress import Progress
 
-UNPUBLISHED_SEGMENT = "not a published segment (its writer died mid-put)"
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -78,6 +80,7 @@ class RunScan:
     and its claim or the removal of its objects failed (the last such event per chunk)."""
     problems: list[dict] = field(default_factory=list)
     bad_records: list[str] = field(default_factory=list)
+    """``<segment URI> line <n>: <error>`` of every ledger record that could not be read or folded."""
     stray_keys: list[str] = field(default_factory=list)
     writers: dict[str, str] = field(default_factory=dict)
     """Node key -> writer, for the unshipped chunks without a keep event."""
@@ -213,7 +216,7 @@ def _scan_events(store: Store, scan: RunScan, progress: Progress | None) -> None
     segments, listed = [], set()
     for key in _list(store, EVENTS_PREFIX, progress):
         if not parse_segment_key(key):
-            scan.bad_records.append(f"{store.uri(key)}: {UNPUBLISHED_SEGMENT}")
+            scan.stray_keys.append(key)
         elif key in scan.covered_segments:
             listed.add(key)
         else:

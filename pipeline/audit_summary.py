@@ -29,7 +29,7 @@ from collections import Counter
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
-from refpipe.pipeline.audit_scan import UNPUBLISHED_SEGMENT, RunScan
+from refpipe.pipeline.audit_scan import RunScan
 from refpipe.storage.errors import KeyNotFoundError
 from refpipe.storage.layout import AUDIT_SUMMARY_KEY
 from refpipe.storage.store import Store
@@ -109,7 +109,7 @@ def settle(scan: RunScan) -> AuditSummary:
         received=sorted(scan.received - done), released=scan.released, trained=scan.trained,
         retained=sorted(scan.retained - done), unfinished={n: c for n, c in scan.unfinished.items() if n not in done},
         problems=scan.problems,
-        bad_records=[r for r in scan.bad_records if not r.endswith(UNPUBLISHED_SEGMENT)])  # listed again each time
+        bad_records=scan.bad_records)
 
 
 def write_summary(store: Store, summary: AuditSummary) -> None:

@@ -29,7 +29,7 @@ _ERRORS = ("RefpipeError", "ConfigError", "OutsideRunError", "StorageError", "Tr
            "KeyNotFoundError", "ChunkNotFoundError", "RunNotFoundError", "ChunkCorruptError", "KeyExistsError",
            "DoubleDeleteError", "UnknownRefError", "FieldError", "EpisodeError", "StepFileError", "PackingError",
            "FetchError", "AlignmentError", "DeleteKeysError", "CheckpointError", "ReplayMismatchError",
-           "RunStillRunningError", "DeleteRecordError")
+           "RunStillRunningError", "DeleteRecordError", "LedgerRecordError")
 _WHERE = {
     "Branch": "refpipe.pipeline.keep", "Keeper": "refpipe.pipeline.keep",
     "Ragged": "refpipe.pipeline.fields", "FieldsConfig": "refpipe.pipeline.fields",

@@ -92,6 +92,11 @@ class DeleteRecordError(StorageError, ValueError):
     """A chunk's delete record is not what ``Ledger`` writes (not JSON, not an object, a field missing or mistyped)."""
 
 
+class LedgerRecordError(StorageError, ValueError):
+    """A run's ledger segments hold records that cannot be read (not JSON, no event name, a crc32c mismatch, no line
+    end, a field of the wrong type): the sweep refuses to delete on the audit's word (names the segment and line)."""
+
+
 class UnknownRefError(StorageError, LookupError):
     """A delete named a chunk that was never kept (no commit marker, no delete record).
 

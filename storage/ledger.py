@@ -3,7 +3,8 @@
 Layout under the run prefix (keys built and parsed by ``storage.layout``):
 
     ledger/events/<actor>/<pid>-<ms>-<seq>.jsonl   one session's events, one JSON object per
-                                                   line, written as whole segments (``<pid>-<ms>``
+                                                   line ending in its ``crc`` (``encode_record``),
+                                                   written as whole segments (``<pid>-<ms>``
                                                    is the session: one ``Ledger`` instance)
     ledger/deletes/<aa>/<bb>/<branch_id>.json      a chunk's delete record (its tombstone)
 
@@ -39,6 +40,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import crc32c
 from pydantic import BaseModel, ConfigDict, ValidationError
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.chunks import chunk_keys
@@ -73,11 +75,52 @@ SEGMENT_MAX_EVENTS = 512
 SEGMENT_MAX_AGE_S = 2.0
 
 
+CRC_FIELD = "crc"
+"""The field each ledger line ends with: crc32c (8 hex digits) of ``canonical_record`` of the rest of the line."""
+
+
+def canonical_record(event: Mapping) -> bytes:
+    """The bytes a ledger line's crc covers: the event without its crc, as compact JSON with sorted keys."""
+    return json.dumps(event, separators=(",", ":"), sort_keys=True).encode()
+
+
+def encode_record(event: Mapping) -> bytes:
+    """One ledger line: ``event`` as compact JSON with its ``crc`` appended, then a line end (the one encoder;
+    ``read_segment`` checks it).
+
+    Raises:
+        ValueError: ``event`` already holds a ``crc`` field.
+    """
+    if CRC_FIELD in event:
+        raise ValueError(f"ledger event {event.get('event')!r}: the field name {CRC_FIELD!r} is the line's own")
+    crc = crc32c.crc32c(canonical_record(event))
+    return json.dumps({**event, CRC_FIELD: f"{crc:08x}"}, separators=(",", ":")).encode() + b"\n"
+
+
+def _decode_record(line: bytes) -> dict:
+    """The event of one complete ledger line, its crc checked and removed.
+
+    Raises:
+        ValueError: not JSON (``json.JSONDecodeError``), not an object with an ``event`` name, no crc, or a crc
+            that does not match the line's content (the line was changed after the ledger wrote it).
+    """
+    event = json.loads(line)
+    if not isinstance(event, dict) or not isinstance(event.get("event"), str):
+        raise ValueError(f"{line[:40]!r}: expected a JSON object with an 'event' name")
+    stored = event.pop(CRC_FIELD, None)
+    computed = f"{crc32c.crc32c(canonical_record(event)):08x}"
+    if stored != computed:
+        raise ValueError(f"crc32c {computed} of the record, the line says {stored!r} (changed after it was "
+                         f"written)" if stored is not None else f"{line[:40]!r}: no {CRC_FIELD!r} field")
+    return event
+
+
 def read_segment(data: bytes) -> list[tuple[int, dict | ValueError]]:
     """Every record of a ledger segment, tolerantly: ``(line number, event)`` per non-empty line, or
-    ``(line number, ValueError)`` for a line that is not a JSON object with an ``event`` name, or a
-    last line without its line end (the writer died mid-put). Never raises: the one reader of
-    segments, shared by the audit and ``refpipe ls``."""
+    ``(line number, ValueError)`` for a line that is not a JSON object with an ``event`` name, whose
+    crc32c is missing or does not match (``encode_record``), or a last line without its line end. Never
+    raises: the one reader of segments, shared by the audit and sweep, ``refpipe ls`` and the trainer's
+    resume. Callers decide what a bad record means (the audit: a violation that blocks the sweep)."""
     lines = data.split(b"\n")
     out: list[tuple[int, dict | ValueError]] = []
     for number, line in enumerate(lines, 1):
@@ -86,13 +129,9 @@ def read_segment(data: bytes) -> list[tuple[int, dict | ValueError]]:
         try:
             if number == len(lines):
                 raise ValueError("truncated record (no line end)")
-            event = json.loads(line)
-            if not isinstance(event, dict) or not isinstance(event.get("event"), str):
-                raise ValueError(f"{line[:40]!r}: expected a JSON object with an 'event' name")
+            out.append((number, _decode_record(line)))
         except ValueError as e:  # json.JSONDecodeError included
             out.append((number, e))
-            continue
-        out.append((number, event))
     return out
 
 
@@ -298,7 +337,7 @@ class Ledger:
                 self._seq = seq + 1
 
     def _put_segment(self, session: str, seq: int, events: list[dict]) -> None:
-        body = "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in events).encode()
+        body = b"".join(map(encode_record, events))
         started = time.perf_counter()
         try:
             self.store.put(segment_key(self.actor, session, seq), body, exclusive=True)
@@ -568,4 +607,4 @@ class Ledger:
             f"({len(result.deleted)} other chunks deleted); first: {first}", result=result, **holders)
 
 
-__all__ = ["DeleteRecord", "DeleteResult", "Ledger", "read_delete_record"]
+__all__ = ["DeleteRecord", "DeleteResult", "Ledger", "encode_record", "read_delete_record", "read_segment"]

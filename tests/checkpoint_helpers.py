@@ -7,14 +7,9 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from refpipe.storage.checkpoints import newest_checkpoint
 from refpipe.storage.layout import checkpoint_key
-from refpipe.trainer.checkpoint import (
-    apply_training_state,
-    load_checkpoint,
-    newest_checkpoint,
-    save_checkpoint,
-    training_state,
-)
+from refpipe.trainer.checkpoint import apply_training_state, load_checkpoint, save_checkpoint, training_state
 
 STEP, VERSION = 3, 4
 """The checkpoint every case writes: of step 3, policy version 4."""

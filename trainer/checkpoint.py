@@ -8,8 +8,8 @@ Layout under the run prefix::
 
 A checkpoint covering step ``N`` holds every effect of steps ``<= N``: model and optimizer
 state, every rank's RNG states, the step and the policy version. It counts only once it has
-both DCP's ``.metadata`` and the commit marker; ``newest_checkpoint`` skips a newer one that
-lacks either (a crash mid-write) with a warning. DCP reads and writes through the run's ``Store``
+both DCP's ``.metadata`` and the commit marker; ``storage.checkpoints.newest_checkpoint`` (no torch) skips a
+newer one that lacks either (a crash mid-write) with a warning. DCP reads and writes through the run's ``Store``
 (``trainer.checkpoint_store``): every file is one exclusive, durable put (write token, retries, error
 classification, confinement to the run prefix) on a directory and on S3 alike; ``.metadata`` appears at
 once, never renamed into place.
@@ -24,19 +24,12 @@ from __future__ import annotations
 import json
 import logging
 import random
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from refpipe.storage.errors import CheckpointError
-from refpipe.storage.layout import (
-    CHECKPOINT_MARKER_NAME,
-    CHECKPOINTS_PREFIX,
-    DCP_METADATA_NAME,
-    checkpoint_key,
-    parse_checkpoint_key,
-)
+from refpipe.storage.layout import CHECKPOINT_MARKER_NAME, checkpoint_key
 from refpipe.storage.store import Store
 from refpipe.trainer.pause import pause_point
 
@@ -57,15 +50,6 @@ def _checkpoint_store():
     from refpipe.trainer import checkpoint_store
 
     return checkpoint_store
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """A complete checkpoint: the step it covers and the policy version its weights are."""
-
-    step: int
-    policy_version: int
-    uri: str
 
 
 def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, step: int,
@@ -152,42 +136,6 @@ def save_checkpoint(store: Store, state: dict, group: dist.ProcessGroup) -> str:
         raise CheckpointError(f"checkpoint {store.uri(key)} of step {step}: a rank's write or the commit marker "
                               f"failed (see the trainer logs); it is not published")
     return store.uri(key)
-
-
-def newest_checkpoint(store: Store) -> CheckpointInfo | None:
-    """The newest complete checkpoint (DCP's ``.metadata`` and refpipe's marker), or None.
-
-    One listing of ``checkpoints/`` and one GET of the chosen marker. A newer checkpoint without
-    both files (its writer died mid-write) is skipped with a warning.
-    """
-    files: dict[int, set[str]] = {}
-    for key in store.list_prefix(CHECKPOINTS_PREFIX):
-        if parsed := parse_checkpoint_key(key):
-            files.setdefault(parsed[0], set()).add(parsed[1])
-    for step in sorted(files, reverse=True):
-        uri = store.uri(checkpoint_key(step))
-        if not {DCP_METADATA_NAME, CHECKPOINT_MARKER_NAME} <= files[step]:
-            log.warning("checkpoint %s is incomplete (no %s): skipped", uri,
-                        " and no ".join(sorted({DCP_METADATA_NAME, CHECKPOINT_MARKER_NAME} - files[step])))
-        elif (version := _marker_version(store, step)) is not None:
-            return CheckpointInfo(step, version, uri)
-    return None
-
-
-def _marker_version(store: Store, step: int) -> int | None:
-    """The policy version in checkpoint ``step``'s commit marker; None (with a warning) for a marker that is
-    not ``{"step": <step>, "policy_version": <int >= 0>, ...}``."""
-    key = f"{checkpoint_key(step)}/{CHECKPOINT_MARKER_NAME}"
-    try:
-        marker = json.loads(store.get(key))
-        version = marker["policy_version"] if marker["step"] == step else None
-        if type(version) is int and version >= 0:
-            return version
-    except (ValueError, TypeError, KeyError):
-        pass
-    log.warning("checkpoint %s: its %s is not {\"step\": %d, \"policy_version\": <int >= 0>, ...}: skipped",
-                store.uri(checkpoint_key(step)), CHECKPOINT_MARKER_NAME, step)
-    return None
 
 
 def load_checkpoint(store: Store, step: int, state: dict) -> dict:

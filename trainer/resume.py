@@ -3,7 +3,7 @@
 A run has lives; each trainer rank's ledger session is one life of its DP rank's actor
 (``trainer_dp<r>``). When a later life starts, the run holds:
 
-- the newest complete checkpoint ``k`` (``trainer.checkpoint.newest_checkpoint``), or none
+- the newest complete checkpoint ``k`` (``storage.checkpoints.newest_checkpoint``), or none
   (then training restarts from the warm start, step 0);
 - step files ``0 .. published - 1``;
 - per DP rank, the highest step it released in an earlier life (its ``release`` events).
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 from refpipe.pipeline.step_file import StepFile
+from refpipe.storage.checkpoints import CheckpointInfo, newest_checkpoint
 from refpipe.storage.layout import EVENTS_PREFIX, STEPS_PREFIX, parse_step_key, tombstone_key, trainer_actor
 from refpipe.storage.ledger import read_segment
 from refpipe.storage.store import Store
-from refpipe.trainer.checkpoint import CheckpointInfo, newest_checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import pytest
 from audit_helpers import chunks, fetch_step, keep, make_keeper, publish, release_step, snapshot, train
 from refpipe.pipeline.audit import audit, sweep
 from refpipe.storage.backends import open_store
-from refpipe.storage.errors import DoubleDeleteError, StepFileError, UnknownRefError
+from refpipe.storage.errors import DoubleDeleteError, LedgerRecordError, StepFileError, UnknownRefError
 from refpipe.storage.layout import node_key, tombstone_key
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.local_store import LocalStore
@@ -149,7 +149,7 @@ def test_incomplete_keeps_and_unfinished_deletes_are_swept(run):
     assert [e["event"] for e in sweeps] == ["open", "finish_delete", "remove_incomplete", "remove_incomplete", "close"]
 
 
-def test_a_truncated_ledger_record_is_tolerated_and_reported(run, monkeypatch):
+def test_a_truncated_or_unparseable_ledger_record_is_a_violation_and_blocks_the_sweep(run, monkeypatch):
     monkeypatch.setattr("refpipe.storage.ledger.SEGMENT_MAX_AGE_S", 3600.0)  # the 3 keeps in one segment, however slow
     store, keeper, orchestrator, trainers = run
     refs = [keep(keeper, seed) for seed in range(3)]
@@ -157,19 +157,23 @@ def test_a_truncated_ledger_record_is_tolerated_and_reported(run, monkeypatch):
     close_all(keeper, orchestrator, trainers)
     key = store.list_prefix("ledger/events/env_worker_0")[1]  # the segment of the 3 keep events
     data = store.get(key)
-    store.put(key, data[: len(data) - 20])  # the writer died mid-record
+    store.put(key, data[: len(data) - 20])  # the last record lost its end
     garbage = store.list_prefix("ledger/events/orchestrator")[0]
     store.put(garbage, store.get(garbage) + b"{not json\n")
 
     report = audit(store)
-    assert report.bad_records == [f"{store.uri(key)} line 3: ValueError: truncated record (no line end)",
-                                  f"{store.uri(garbage)} line 2: JSONDecodeError: Expecting property name enclosed "
-                                  "in double quotes: line 1 column 2 (char 1)"]
-    assert sorted(report.leaked_chunks) == sorted(r.uri for r in refs)  # the lost keep event changes nothing
-    assert report.violations == [LEAKED.format(3)]
-    sweep(store)
-    after = audit(store)
-    assert after.violations == [] and len(after.bad_records) == 2  # still reported, never fatal
+    bad = [f"{store.uri(key)} line 3: ValueError: truncated record (no line end)",
+           f"{store.uri(garbage)} line 2: JSONDecodeError: Expecting property name enclosed in double quotes: line 1 "
+           "column 2 (char 1)"]
+    assert report.bad_records == bad
+    assert sorted(report.leaked_chunks) == sorted(r.uri for r in refs)
+    assert report.violations == [LEAKED.format(3), f"2 unreadable ledger records ({bad[0]}; {bad[1]}); `refpipe sweep` "
+                                                   "refuses to delete until each is repaired or its line removed"]
+    before = store.list_prefix("")
+    with pytest.raises(LedgerRecordError, match="refusing to sweep .*: 2 unreadable ledger records may be the only "
+                                                "evidence of a holder; first: .* line 3: ValueError: truncated record"):
+        sweep(store, stopped=True, abandon=True)
+    assert store.list_prefix("") == before  # nothing deleted, no sweep session opened
 
 
 def test_an_unreadable_step_file_is_a_violation_and_blocks_the_sweep(run):

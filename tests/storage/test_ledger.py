@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import google_crc32c
 import numpy as np
 import pytest
 from refpipe.storage.chunk import ArraySpec, PayloadRef, encode_chunk
@@ -18,7 +19,7 @@ from refpipe.storage.errors import (
 )
 from refpipe.storage.fetch import fetch_arrays
 from refpipe.storage.layout import node_key, parse_segment_key, parse_tombstone_key, tombstone_key
-from refpipe.storage.ledger import SEGMENT_MAX_EVENTS, Ledger
+from refpipe.storage.ledger import SEGMENT_MAX_EVENTS, Ledger, encode_record, read_segment
 from refpipe.storage.local_store import LocalStore
 from refpipe.storage.s3_store import S3Store
 from refpipe.storage.store import Store
@@ -39,7 +40,7 @@ def kept(store: Store, branch_id: str, num_tokens: int = 4) -> PayloadRef:
 def events_of(store: Store, actor: str) -> list[list[dict]]:
     """Every segment of ``actor``, in order, as lists of events."""
     keys = store.list_prefix(f"ledger/events/{actor}")
-    return [[json.loads(line) for line in store.get(k).splitlines()] for k in keys]
+    return [[event for _, event in read_segment(store.get(k))] for k in keys]
 
 
 def test_open_is_written_at_once_and_events_are_buffered_into_segments(store, monkeypatch):
@@ -60,6 +61,32 @@ def test_open_is_written_at_once_and_events_are_buffered_into_segments(store, mo
     assert [[e["event"] for e in s] for s in segments] == [["open"], ["receive", "release"], ["close"]]
     assert segments[1][0]["branch_ids"] == ["a", "b"] and segments[1][1]["step"] == 3
     assert [parse_segment_key(k)[2] for k in store.list_prefix("ledger/events")] == [0, 1, 2]
+
+
+def test_each_line_carries_the_crc32c_of_its_content_and_a_changed_line_is_a_bad_record():
+    """A ledger line is compact JSON ending in ``"crc"``: crc32c (8 hex digits) of the event as compact JSON with
+    sorted keys. 40 bytes overwritten inside a line that stays valid JSON, or a line without a crc, is a
+    ``ValueError`` record of ``read_segment``, never an event."""
+    event = {"event": "retain", "actor": "trainer_dp0", "t": 1.5, "step": 1, "dp_rank": 0,
+             "branch_ids": ["env_worker_0-" + "ab" * 16]}
+    crc = google_crc32c.value(b'{"actor":"trainer_dp0","branch_ids":["env_worker_0-' + b"ab" * 16
+                              + b'"],"dp_rank":0,"event":"retain","step":1,"t":1.5}')
+    line = encode_record(event)
+    assert line == (b'{"event":"retain","actor":"trainer_dp0","t":1.5,"step":1,"dp_rank":0,"branch_ids":'
+                    b'["env_worker_0-' + b"ab" * 16 + f'"],"crc":"{crc:08x}"}}\n'.encode())
+    start = line.index(b"env_worker_0-")
+    overwritten = line[:start] + b"f" * 40 + line[start + 40:]
+    bogus_id = b"f" * 40 + (b"env_worker_0-" + b"ab" * 16)[40:]
+    bogus_crc = google_crc32c.value(b'{"actor":"trainer_dp0","branch_ids":["' + bogus_id
+                                    + b'"],"dp_rank":0,"event":"retain","step":1,"t":1.5}')
+    plain = b'{"event":"release","step":2,"dp_rank":0}\n'
+    records = read_segment(line + overwritten + plain + line)
+    assert [n for n, _ in records] == [1, 2, 3, 4] and records[0][1] == records[3][1] == event
+    assert [str(e) for _, e in records[1:3]] == [
+        f"crc32c {bogus_crc:08x} of the record, the line says '{crc:08x}' (changed after it was written)",
+        "b'{\"event\":\"release\",\"step\":2,\"dp_rank\":0}': no 'crc' field"]
+    with pytest.raises(ValueError, match="the field name 'crc' is the line's own"):
+        encode_record({"event": "x", "crc": 1})
 
 
 def test_a_segment_is_written_every_512_events(store, monkeypatch):

@@ -17,15 +17,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from refpipe.storage.backends import open_store
+from refpipe.storage.checkpoints import newest_checkpoint
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import CheckpointError, OutsideRunError
-from refpipe.trainer.checkpoint import (
-    apply_training_state,
-    load_checkpoint,
-    newest_checkpoint,
-    save_checkpoint,
-    training_state,
-)
+from refpipe.trainer.checkpoint import apply_training_state, load_checkpoint, save_checkpoint, training_state
 from refpipe.trainer.config import TrainerConfig
 from refpipe.trainer.dist import init_process_group, new_data_group
 

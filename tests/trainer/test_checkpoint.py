@@ -18,9 +18,11 @@ import pytest
 import torch
 from checkpoint_helpers import FILES, assert_loads_back, one_rank_world, save, trained
 from refpipe.storage.backends import open_store
+from refpipe.storage.checkpoints import newest_checkpoint
 from refpipe.storage.errors import CheckpointError
 from refpipe.storage.layout import segment_key, trainer_actor
-from refpipe.trainer.checkpoint import checkpoint_key, load_checkpoint, newest_checkpoint, training_state
+from refpipe.storage.ledger import encode_record
+from refpipe.trainer.checkpoint import checkpoint_key, load_checkpoint, training_state
 from refpipe.trainer.resume import _highest_release
 
 WORKER = Path(__file__).with_name("checkpoint_worker.py")
@@ -173,12 +175,15 @@ def test_a_newer_checkpoint_with_a_malformed_marker_is_skipped_with_a_warning(lo
 
 def test_unreadable_release_records_are_skipped_when_planning_a_resume(local_config, caplog):
     store = open_store(local_config)
-    events = [b'{"event": "release", "step": 2, "dp_rank": 0}', b"not json", b'{"event": "release", "step": "9"}',
-              b'{"event": "keep"}', b'{"event": "release", "step": 4, "dp_rank": 0}']
-    store.put(segment_key(trainer_actor(0), "s1", 0), b"\n".join(events) + b"\n")
+    events = [{"event": "release", "step": 2, "dp_rank": 0}, b"not json\n", {"event": "release", "step": "9"},
+              {"event": "keep"}, {"event": "release", "step": 4, "dp_rank": 0},
+              b'{"event": "release", "step": 7, "dp_rank": 0}\n']  # no crc: not a line the ledger wrote
+    store.put(segment_key(trainer_actor(0), "s1", 0),
+              b"".join(e if isinstance(e, bytes) else encode_record(e) for e in events))
     with caplog.at_level(logging.WARNING):
         assert _highest_release(store, 0) == 4
         assert _highest_release(store, 1) == -1
     uri = store.uri(segment_key(trainer_actor(0), "s1", 0))
     assert f"{uri} line 2: not a readable ledger event" in caplog.text
     assert f"{uri} line 3: not a readable ledger event" in caplog.text
+    assert f"{uri} line 6: not a readable ledger event" in caplog.text
