@@ -27,7 +27,7 @@ from refpipe.pipeline.advantages import group_advantages, reward_in_range, stale
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.packing import PackedMicroBatch, pack_step, step_contents
 from refpipe.pipeline.samples import BranchResult, Episode, Sample, build_sample, check_episode, kept_completion_tokens
-from refpipe.pipeline.step_file import StepHeader, publish_step_file
+from refpipe.pipeline.step_file import MAX_SEQ_LEN, StepHeader, publish_step_file
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.errors import EpisodeError
 from refpipe.storage.layout import ORCHESTRATOR_ACTOR
@@ -42,8 +42,9 @@ class OrchestratorConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    seq_len: int = Field(default=4096, ge=1)
-    """Token budget of a micro batch (tokens); samples keep their first ``seq_len`` tokens."""
+    seq_len: int = Field(default=4096, ge=1, le=MAX_SEQ_LEN)
+    """Token budget of a micro batch (tokens, at most ``pipeline.step_file.MAX_SEQ_LEN``); samples keep their
+    first ``seq_len`` tokens."""
     dp_world_size: int = Field(default=1, ge=1)
     """Data-parallel ranks of the trainer; each gets the same number of micro batches."""
     groups_per_step: int = Field(default=8, ge=1)

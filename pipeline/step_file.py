@@ -10,8 +10,10 @@ numpy alone: ``np.load(path)``) under ``<run>/steps/step_<N:08d>.npz`` with:
   padding to ``seq_len`` is the trainer's job).
 
 Reading validates: a truncated or foreign file, an unknown schema version, a
-header from another run, a ref outside the run prefix or a ref whose arrays disagree
-with the header's field shapes is a ``StepFileError`` naming the file. The header
+header from another run, a ref outside the run prefix, a ref whose arrays disagree
+with the header's field shapes, or a ``seq_len`` above ``MAX_SEQ_LEN`` or unequal to a
+micro batch's tokens plus padding is a ``StepFileError`` naming the file, raised before
+anything is sized from the header. The header
 carries the run's ``FieldsConfig``, so a reader needs no other config to assemble
 a micro batch. Published with one exclusive put (temp + link on a filesystem,
 one conditional PUT on S3), after every chunk it references was kept.
@@ -44,6 +46,11 @@ STREAMS: dict[str, str] = {
     "temperatures": "<f4",
 }
 """Token streams of a micro batch: name -> dtype (numpy ``dtype.str``); each is [T]."""
+MAX_SEQ_LEN = 2**20
+"""The largest ``seq_len`` (tokens per micro batch) a step file may declare, and ``OrchestratorConfig.seq_len``
+may configure. A reader pads every micro batch to ``seq_len`` from the header alone (``trainer.assemble``: 6
+streams, row ids, ``[seq_len, num_layers, top_k]`` routing; ~0.5 GiB at this bound with 48 x 8 routing), so an
+untrusted header may not size those buffers beyond it."""
 
 
 class SequenceRecord(BaseModel):
@@ -101,7 +108,7 @@ class StepHeader(BaseModel):
     mount path, a copy of the run) and is never compared."""
     step: int = Field(ge=0)
     seq_len: int = Field(ge=1)
-    """Token budget of every micro batch."""
+    """Token budget of every micro batch: ``<= MAX_SEQ_LEN``, and every micro batch's tokens plus padding."""
     dp_world_size: int = Field(ge=1)
     micro_batches: list[MicroBatchRecord]
     """Ordered by ``(dp_rank, index)``; every DP rank has the same number."""
@@ -119,6 +126,9 @@ class StepHeader(BaseModel):
     def _consistent(self) -> "StepHeader":
         if self.schema_version != SCHEMA_VERSION:
             raise ValueError(f"schema_version {self.schema_version}: expected {SCHEMA_VERSION}")
+        if self.seq_len > MAX_SEQ_LEN:
+            raise ValueError(f"seq_len {self.seq_len}: expected at most {MAX_SEQ_LEN} tokens (MAX_SEQ_LEN: a reader "
+                             f"pads every micro batch to seq_len)")
         if len(self.owners) != len(self.refs) or any(not 0 <= o < self.dp_world_size for o in self.owners):
             raise ValueError(f"owners: expected {len(self.refs)} DP ranks in [0, {self.dp_world_size})")
         per_rank = [0] * self.dp_world_size
@@ -308,5 +318,5 @@ def check_step(header: StepHeader, step: int, uri: str) -> None:
         raise StepFileError(f"step file {uri}: header says step {header.step}, expected step {step}")
 
 
-__all__ = ["MicroBatchRecord", "SequenceRecord", "StepFile", "StepHeader", "STREAMS",
+__all__ = ["MAX_SEQ_LEN", "MicroBatchRecord", "SequenceRecord", "StepFile", "StepHeader", "STREAMS",
            "publish_step_file"]

@@ -12,9 +12,10 @@ import pytest
 from refpipe.pipeline.audit import audit
 from refpipe.pipeline.step_file import HEADER_MEMBER, StepFile
 from refpipe.storage.chunks import chunk_keys
-from refpipe.storage.errors import ConfigError
+from refpipe.storage.errors import ConfigError, StepFileError
 from refpipe.storage.layout import EVENTS_PREFIX, node_key, step_key, tombstone_key
 from refpipe.storage.uri import RunPrefix
+from refpipe.trainer.fetch import wait_for_step
 from test_inspect import invoke
 from test_inspect_errors import assert_one_line_error
 
@@ -46,6 +47,25 @@ def test_a_negative_shape_in_a_step_file_is_one_line(local_run):
         assert_one_line_error(result, f"error: step file {uri}: invalid header: refs.0: array "
                                       "'routed_experts': shape [-5, 2, 2]: expected at least one dimension, none "
                                       "negative")
+
+
+def test_a_forged_seq_len_is_one_line_and_sizes_no_padding_buffer(local_run):
+    """A step file declaring ``seq_len = 2**40`` (each micro batch's padding to match) sized the padding buffers of
+    ``refpipe show`` and of the trainer (``[seq_len]`` per stream: a MemoryError); refused where the step file is
+    validated, so every reader, the trainer's step load included (``trainer.fetch.wait_for_step``), gets it."""
+    def huge(header):
+        header["seq_len"] = 2**40
+        for mb in header["micro_batches"]:
+            mb["num_padding_tokens"] = 2**40 - sum(s["num_tokens"] for s in mb["sequences"])
+
+    uri = rewrite_header(local_run.store, 0, huge)
+    message = (f"step file {uri}: invalid header: seq_len 1099511627776: expected at most 1048576 tokens "
+               "(MAX_SEQ_LEN: a reader pads every micro batch to seq_len)")
+    for command in (["show", uri, "--micro-batch", "0"], ["inspect", uri], ["verify", uri]):
+        assert_one_line_error(invoke(command), f"error: {message}")
+    with pytest.raises(StepFileError) as info:
+        wait_for_step(local_run.store, 0, timeout_s=1.0, poll_s=0.1)
+    assert str(info.value) == message
 
 
 def test_a_ref_declaring_2e8_rows_is_a_verify_problem_not_a_memory_error(local_run):
