@@ -35,11 +35,11 @@ rows of its ref's first ``num_tokens`` tokens, for each field its ref carries.
 from __future__ import annotations
 
 import functools
-import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import xxhash
 from refpipe.pipeline.fields import FIELDS, FieldDef, FieldsConfig, spread_expert_rows, trailing_shape
 from refpipe.pipeline.step_file import STREAMS, MicroBatchRecord, SequenceRecord
 from refpipe.storage.chunk import PayloadRef
@@ -289,10 +289,12 @@ def assemble_dropped_micro_batch(
 
 
 def micro_batch_hash(mb: AssembledMicroBatch) -> str:
-    """BLAKE2b-128 hex digest of every byte the model gets from ``mb``: its streams, ``cu_seqlens`` and
+    """XXH3-128 hex digest of every byte the model gets from ``mb``: its streams, ``cu_seqlens`` and
     each field's arrays (name, dtype and shape included), in name order. A replay after a crash must
-    reproduce it exactly (``job.train_rank`` compares it with the first life's step metrics)."""
-    digest = hashlib.blake2b(digest_size=16)
+    reproduce it exactly (``job.train_rank`` compares it with the first life's step metrics). A check of
+    determinism, not of tampering: non-cryptographic, ~20x faster than BLAKE2b here (it reads every byte
+    of the step), and it releases the GIL, so the fetch threads that call it (``trainer.fetch``) overlap."""
+    digest = xxhash.xxh3_128()
     arrays = {f"streams.{k}": v for k, v in mb.streams.items()} | {"cu_seqlens": mb.cu_seqlens}
     for name, batch in mb.fields.items():
         arrays |= {f"{name}.{k}": v for k, v in vars(batch).items() if v is not None}

@@ -14,8 +14,9 @@ computed over those arrays). A ref is read once, into the targets the first micr
 planning it names (``MicroBatchPlan.read_targets``: its first sequence that keeps as many tokens
 as are fetched), which then records them as read (``mark_read``); its other uses (a borrowed padding dummy, a
 shorter cut) and cut or compressed chunks are copied. The thread that fetches a micro
-batch's last chunk finishes it (``finish_micro_batch``: the copies, padding, streams) and
-then drops the chunks no other micro batch needs. A micro batch that fails is dropped
+batch's last chunk finishes it (``finish_micro_batch``: the copies, padding, streams), hashes it
+(``micro_batch_hash``: the step's replay hash, so the rank's main thread never reads the step's bytes
+again) and then drops the chunks no other micro batch needs. A micro batch that fails is dropped
 whole, so rows written into it before the failure never reach training.
 """
 
@@ -34,7 +35,13 @@ from refpipe.storage.errors import KeyNotFoundError, RefpipeError, StepFileError
 from refpipe.storage.fetch import fetch_into
 from refpipe.storage.layout import step_key
 from refpipe.storage.store import Store
-from refpipe.trainer.assemble import AssembledMicroBatch, MicroBatchPlan, finish_micro_batch, plan_micro_batch
+from refpipe.trainer.assemble import (
+    AssembledMicroBatch,
+    MicroBatchPlan,
+    finish_micro_batch,
+    micro_batch_hash,
+    plan_micro_batch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +73,9 @@ class FetchedStep:
     """index (within the DP rank) -> the micro batch, for every micro batch fetched and assembled here."""
     failed: set[int] = field(default_factory=set)
     """Indices of micro batches this rank could not fetch or assemble."""
+    hashes: dict[int, str] = field(default_factory=dict)
+    """index -> ``trainer.assemble.micro_batch_hash`` of ``assembled[index]``, computed by the thread that
+    assembled it (off the rank's main thread; the step's replay hashes)."""
     errors: list[str] = field(default_factory=list)
     """One line per failed fetch or assembly (or one for an exception that ended the whole fetch)."""
     chunks: int = 0
@@ -109,6 +119,7 @@ def fetch_own(store: Store, step_file: StepFile, dp_rank: int, fields: FieldsCon
         log.exception("step %d dp_rank=%d: fetch raised; every micro batch of this DP rank fails",
                       step_file.header.step, dp_rank)
         run.out.assembled.clear()
+        run.out.hashes.clear()
         run.out.failed = set(run.users_of_mb)
         run.out.errors.append(f"fetch raised {type(e).__name__}: {e}")
     run.out.seconds = time.monotonic() - started
@@ -194,8 +205,9 @@ class _OwnFetch:
             except RefpipeError as e:
                 self._fail([index], f"micro batch {index}: {type(e).__name__}: {e}")
             else:
+                digest = micro_batch_hash(done)  # hashlib releases the GIL: it runs beside the other fetches
                 with self.lock:
-                    self.out.assembled[index] = done
+                    self.out.assembled[index], self.out.hashes[index] = done, digest
         with self.lock:
             for ref in self.users_of_mb[index]:
                 self.refs_left[ref] -= 1

@@ -17,7 +17,7 @@ from refpipe.storage.errors import ConfigError, FetchError
 from refpipe.storage.layout import trainer_actor
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.store import Store
-from refpipe.trainer.assemble import AssembledMicroBatch, assemble_dropped_micro_batch, micro_batch_hash
+from refpipe.trainer.assemble import AssembledMicroBatch, assemble_dropped_micro_batch
 from refpipe.trainer.background import BackgroundRelease, Prefetch, Prepared, ReleaseCounts
 from refpipe.trainer.config import TrainerConfig
 from refpipe.trainer.dist import Topology, agree_failures, gather_rank_values, new_data_group
@@ -99,8 +99,9 @@ class TrainerRank:
        a. load step: take the prefetched step, or wait for and validate the step file
           (every rank reads it);
        b. fetch own (unless prefetched): this DP rank's micro batches' chunks, in parallel,
-          each micro batch assembled into its padded numpy layout as soon as its chunks are
-          in (``trainer.fetch``); errors become failure flags;
+          each micro batch assembled into its padded numpy layout and hashed (its replay hash,
+          ``trainer.assemble.micro_batch_hash``) as soon as its chunks are in, on the fetch
+          threads (``trainer.fetch``); errors become failure flags;
        c. agree failures: all-reduce of the flags over the data group (collective);
           if no micro batch was fetched anywhere, every rank raises ``FetchError`` here;
        d. prefetch: start fetching step + 1 in the background (``trainer.background.Prefetch``;
@@ -162,7 +163,7 @@ class TrainerRank:
         if self.config.prefetch_next_step:
             self.prefetch.start(step + 1)
         assembled = self.stand_in_dropped(prepared.step_file, prepared.fetched, dropped[dp_rank])
-        hashes = ["" if mb.dropped else micro_batch_hash(mb) for mb in assembled]
+        hashes = ["" if mb.dropped else prepared.fetched.hashes[mb.index] for mb in assembled]
         batches = [to_torch(mb) for mb in assembled]
         del assembled
         wait_s = max(0.0, prepared.found_at - started)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import threading
@@ -16,7 +17,7 @@ from refpipe.storage.backends import open_store
 from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.errors import FieldError, PackingError, StepFileError
 from refpipe.storage.fetch import fetch_arrays
-from refpipe.trainer.assemble import assemble_dropped_micro_batch, assemble_micro_batch
+from refpipe.trainer.assemble import assemble_dropped_micro_batch, assemble_micro_batch, micro_batch_hash
 from refpipe.trainer.fetch import fetch_own, own_requests, wait_for_step
 from refpipe.trainer.tensors import to_torch
 from trainer_helpers import FIELDS, Seq, assert_same, build_step, expected_micro_batch, flatten, keep_all, make_branch
@@ -132,10 +133,14 @@ def test_fetch_own_dedups_reads_kept_rows_assembles_and_flags_failed_micro_batch
     assert kept[1]["topk_ids"].shape == (0, 3)  # b kept to its 3 prompt tokens: no completion rows read
     for index, mb in fetched.assembled.items():
         assert_same(flatten(mb.streams, mb.cu_seqlens, mb.fields), expected_micro_batch(step, 1, index))
+    # the replay hashes come with the fetch (hashed on the fetch threads), each over its micro batch as assembled
+    assert fetched.hashes == {index: micro_batch_hash(mb) for index, mb in fetched.assembled.items()}
+    assert len(set(fetched.hashes.values())) == 2
     store.delete_keys(list(chunk_keys(store, header.refs[4])))  # d: used by DP 1 index 1
     fetched = fetch_own(store, step_file, 1, FIELDS, max_concurrency=4)
     assert fetched.failed == {1} and len(fetched.errors) == 1 and "ChunkNotFoundError" in fetched.errors[0]
     assert sorted(fetched.assembled) == [0] and fetched.chunks == 3
+    assert sorted(fetched.hashes) == [0]  # no hash for a micro batch that failed
 
 
 def test_to_torch_widens_streams_once_and_shares_field_memory(local):
@@ -151,6 +156,19 @@ def test_to_torch_widens_streams_once_and_shares_field_memory(local):
     assert t.fields["routed_experts"].padded.data_ptr() == mb.fields["routed_experts"].padded.ctypes.data
     assert t.fields["routed_experts"].values.data_ptr() == mb.fields["routed_experts"].padded.ctypes.data
     assert_same(flatten(t.streams, t.cu_seqlens, t.fields), expected_micro_batch(step, 0, 0), widened=True)
+
+
+def test_micro_batch_hash_is_xxh3_128_of_every_array_and_its_name_dtype_and_shape(local):
+    store, step = local
+    header = step.header
+    arrays = {i: fetch_arrays(store, header.refs[i], n) for i, n in own_requests(header, 0).items()}
+    mb = assemble_micro_batch(header.micro_batches_of(0)[0], step.streams[(0, 0)], arrays, header.refs,
+                              seq_len=SEQ_LEN, fields=FIELDS)
+    # pinned: a replay after a crash compares it with the first life's (trainer metrics); XXH3-128, not BLAKE2b
+    assert micro_batch_hash(mb) == "ff5d9f19d5292fbb5937b4a1fcb1ac03"
+    changed = dict(mb.streams, advantages=mb.streams["advantages"].copy())
+    changed["advantages"][3] += 1
+    assert micro_batch_hash(dataclasses.replace(mb, streams=changed)) != micro_batch_hash(mb)
 
 
 def test_assemble_imports_without_torch():
