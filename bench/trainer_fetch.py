@@ -11,8 +11,9 @@ Three worlds of 2 ranks, one after the other (each its own processes, so peak RS
 ``limit``  on step 0, ``--rounds`` paired rounds, both ranks at once (barriers between phases):
            the physical limit -- ``os.preadv`` of the rank's chunk files into buffers allocated
            (and touched) once, on ``StorageConfig.max_concurrent_fetches`` threads, no checksum,
-           no layout -- then refpipe: ``trainer.fetch.fetch_own`` (same threads; each micro
-           batch assembled into its padded layout as its chunks arrive) +
+           no layout -- then refpipe: ``TrainerRank.fetch`` (same threads; each micro batch
+           assembled into its padded layout and hashed as its chunks arrive, into the rank's
+           ``BufferPool``: from the second round on, the previous round's memory) +
            ``TrainerRank.stand_in_dropped``. ``fetch_assemble_vs_limit`` = median over rounds
            of limit seconds / refpipe seconds, scaled to the same bytes, min over ranks.
 ``no_prefetch`` / ``prefetch``  ``--steps`` full ``TrainerRank.run_step`` calls each
@@ -144,7 +145,7 @@ def peak_rss_mib() -> float:
 def limit_world(trainer, store, storage: StorageConfig, rounds: int) -> dict:
     """Paired rounds on step 0: the physical limit, then refpipe's fetch + assembly (no deletes)."""
     import torch.distributed as dist
-    from refpipe.trainer.fetch import fetch_own, own_requests
+    from refpipe.trainer.fetch import own_requests
 
     step_file = StepFile.read(store, 0)
     header, dp = step_file.header, trainer.topology.dp_rank
@@ -158,7 +159,7 @@ def limit_world(trainer, store, storage: StorageConfig, rounds: int) -> dict:
             limit_nbytes = read_limit(paths, buffers, storage.max_concurrent_fetches)
         dist.barrier()
         with timed(ours_s):
-            fetched = fetch_own(store, step_file, dp, FIELDS, max_concurrency=storage.max_concurrent_fetches)
+            fetched = trainer.fetch(step_file)
             batches = trainer.stand_in_dropped(step_file, fetched, not_dropped)
         nbytes = fetched.nbytes
         del fetched, batches

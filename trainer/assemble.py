@@ -35,7 +35,7 @@ rows of its ref's first ``num_tokens`` tokens, for each field its ref carries.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -171,8 +171,9 @@ def assemble_micro_batch(
 
 
 def plan_micro_batch(mb: MicroBatchRecord, refs: Sequence[PayloadRef], *, seq_len: int,
-                     fields: FieldsConfig) -> MicroBatchPlan:
-    """Allocate ``mb``'s output arrays (``np.empty``: no page is touched) and each sequence's targets.
+                     fields: FieldsConfig, empty: Callable[..., np.ndarray] = np.empty) -> MicroBatchPlan:
+    """Allocate ``mb``'s output arrays (``empty(shape, dtype)``, uninitialised: ``np.empty``, or a trainer
+    rank's ``trainer.buffers.BufferPool.empty``) and each sequence's targets.
 
     Routing rows are ``fields.routing_dtype`` (sized from ``num_experts``, never from the refs);
     any other field's dtype is the result type of the dtypes its sequences' refs store.
@@ -198,7 +199,7 @@ def plan_micro_batch(mb: MicroBatchRecord, refs: Sequence[PayloadRef], *, seq_le
             continue
         dtype = _buffer_dtype(fdef, fields, [refs[seq.ref].arrays[fdef.name].dtype
                                              for seq, n in zip(mb.sequences, rows) if n is not None])
-        buffer = np.empty((seq_len if fdef.domain == "tokens" else int(cu[-1]), *trailing), dtype)
+        buffer = empty((seq_len if fdef.domain == "tokens" else int(cu[-1]), *trailing), dtype)
         buffers[fdef.name] = buffer
         starts = cu_rows[fdef.name]
         for s, n in enumerate(rows):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,6 +43,7 @@ from refpipe.trainer.assemble import (
     micro_batch_hash,
     plan_micro_batch,
 )
+from refpipe.trainer.buffers import BufferPool
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +101,11 @@ def own_requests(header: StepHeader, dp_rank: int) -> dict[int, int]:
 
 
 def fetch_own(store: Store, step_file: StepFile, dp_rank: int, fields: FieldsConfig, *,
-              max_concurrency: int) -> FetchedStep:
+              max_concurrency: int, buffers: BufferPool | None = None) -> FetchedStep:
     """Fetch the chunks of DP rank ``dp_rank``'s micro batches and assemble each micro batch.
+
+    ``buffers``: where the micro batches' arrays are allocated (the rank's pool, reused across
+    steps); default: fresh ``np.empty`` arrays.
 
     Never raises for a failed fetch. A fetch or assembly that ends in a typed error (missing,
     corrupt, still failing after retries, rows that disagree with the step file) fails the
@@ -112,7 +117,7 @@ def fetch_own(store: Store, step_file: StepFile, dp_rank: int, fields: FieldsCon
         ``FetchedStep``: the assembled micro batches, the failed indices and the counters.
     """
     started = time.monotonic()
-    run = _OwnFetch(store, step_file, dp_rank, fields)
+    run = _OwnFetch(store, step_file, dp_rank, fields, np.empty if buffers is None else buffers.empty)
     try:
         run.run(max_concurrency)
     except Exception as e:  # noqa: BLE001 -- the documented boundary: any failure becomes failure flags
@@ -131,8 +136,9 @@ def fetch_own(store: Store, step_file: StepFile, dp_rank: int, fields: FieldsCon
 class _OwnFetch:
     """Shared state of one rank's pipelined fetch: which chunks each micro batch still waits for."""
 
-    def __init__(self, store: Store, step_file: StepFile, dp_rank: int, fields: FieldsConfig):
-        self.store, self.step_file, self.dp_rank, self.fields = store, step_file, dp_rank, fields
+    def __init__(self, store: Store, step_file: StepFile, dp_rank: int, fields: FieldsConfig,
+                 empty: Callable[..., np.ndarray]):
+        self.store, self.step_file, self.dp_rank, self.fields, self.empty = store, step_file, dp_rank, fields, empty
         self.header = step_file.header
         self.need = own_requests(self.header, dp_rank)
         self.micro_batches = self.header.micro_batches_of(dp_rank)
@@ -163,7 +169,7 @@ class _OwnFetch:
         for mb in self.micro_batches:
             try:
                 self.plans[mb.index] = plan_micro_batch(mb, self.header.refs, seq_len=self.header.seq_len,
-                                                        fields=self.fields)
+                                                        fields=self.fields, empty=self.empty)
             except RefpipeError as e:
                 self._fail([mb.index], f"micro batch {mb.index}: {type(e).__name__}: {e}")
         no_refs = [index for index, refs in self.users_of_mb.items() if not refs]

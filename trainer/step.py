@@ -19,6 +19,7 @@ from refpipe.storage.ledger import Ledger
 from refpipe.storage.store import Store
 from refpipe.trainer.assemble import AssembledMicroBatch, assemble_dropped_micro_batch
 from refpipe.trainer.background import BackgroundRelease, Prefetch, Prepared, ReleaseCounts
+from refpipe.trainer.buffers import BufferPool
 from refpipe.trainer.config import TrainerConfig
 from refpipe.trainer.dist import Topology, agree_failures, gather_rank_values, new_data_group
 from refpipe.trainer.fetch import FetchedStep, fetch_own, wait_for_step
@@ -101,7 +102,9 @@ class TrainerRank:
        b. fetch own (unless prefetched): this DP rank's micro batches' chunks, in parallel,
           each micro batch assembled into its padded numpy layout and hashed (its replay hash,
           ``trainer.assemble.micro_batch_hash``) as soon as its chunks are in, on the fetch
-          threads (``trainer.fetch``); errors become failure flags;
+          threads (``trainer.fetch``), into arrays of the rank's ``trainer.buffers.BufferPool``
+          (the memory of earlier steps' arrays nothing refers to any more: already faulted in;
+          a tensor the train callback kept keeps its memory); errors become failure flags;
        c. agree failures: all-reduce of the flags over the data group (collective);
           if no micro batch was fetched anywhere, every rank raises ``FetchError`` here;
        d. prefetch: start fetching step + 1 in the background (``trainer.background.Prefetch``;
@@ -144,6 +147,7 @@ class TrainerRank:
         self.release = (BackgroundRelease(self.ledger, dp_rank, storage.max_concurrent_fetches)
                         if self.ledger is not None else None)
         self.policy = ReleasePolicy(self.release, config) if self.release is not None else None
+        self.buffers = BufferPool()
         self.prefetch = Prefetch(self._read_step, self.fetch, config.step_poll_s)
         self._retries_seen = store.retries
 
@@ -190,10 +194,12 @@ class TrainerRank:
         return step_file
 
     def fetch(self, step_file: StepFile) -> FetchedStep:
-        """(b) Fetch and assemble this DP rank's micro batches (never raises; failures become flags)."""
+        """(b) Fetch and assemble this DP rank's micro batches (never raises; failures become flags) into the
+        arrays of earlier steps that nothing refers to any more (``BufferPool.reclaim``)."""
         pause_point("fetch", step_file.header.step)
+        self.buffers.reclaim()
         return fetch_own(self.store, step_file, self.topology.dp_rank, self.fields,
-                         max_concurrency=self.storage.max_concurrent_fetches)
+                         max_concurrency=self.storage.max_concurrent_fetches, buffers=self.buffers)
 
     def check_step(self, step_file: StepFile) -> None:
         """Check a step file was made for this world's DP size and fields.

@@ -10,7 +10,9 @@ from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.backends import open_store
 from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.local_store import LocalStore
+from refpipe.trainer.buffers import BufferPool
 from refpipe.trainer.fetch import fetch_own
+from refpipe.trainer.tensors import to_torch
 from trainer_helpers import FIELDS, Seq, assert_same, build_step, expected_micro_batch, flatten, keep_all, make_branch
 
 SEQ_LEN = 30
@@ -107,3 +109,31 @@ def test_routing_of_two_dtypes_in_one_micro_batch_takes_the_runs_routing_dtype(l
     expected = expected_micro_batch(step, 0, 0)
     assert padded[14:].tobytes() == expected["field.routed_experts.padded"][14:].tobytes()
     assert fetched.assembled[0].fields["topk_ids"].values.tobytes() == expected["field.topk_ids.values"].tobytes()
+
+
+def _planned_arrays(fetched) -> dict[tuple[int, str], np.ndarray]:
+    """(index, field) -> the micro batch's allocated array (routing ``padded``, completion ``values``)."""
+    return {(i, name): (f.padded if f.padded is not None else f.values)
+            for i, mb in fetched.assembled.items() for name, f in mb.fields.items() if name != "sampling_mask"}
+
+
+def test_a_fetch_reads_into_the_pools_buffers_of_an_earlier_step_unless_something_still_uses_them(built):
+    """A rank's fetch reads into the memory of its earlier micro batch arrays (already faulted in) once nothing
+    refers to them; a tensor the train callback kept keeps its memory and its bytes."""
+    store, step = built
+    step_file, pool = StepFile.read(store, 0), BufferPool()
+    first = fetch_own(store, step_file, 0, FIELDS, max_concurrency=3, buffers=pool)
+    kept = to_torch(first.assembled[1]).fields["topk_ids"].values  # micro batch 1's topk_ids, held on
+    kept_bytes = kept.numpy().tobytes()
+    before = {key: a.ctypes.data for key, a in _planned_arrays(first).items()}
+    del first
+    store.into.clear()  # the recording store's references to the buffers it read into
+    pool.reclaim()
+    again = fetch_own(store, step_file, 0, FIELDS, max_concurrency=3, buffers=pool)
+    after = {key: a.ctypes.data for key, a in _planned_arrays(again).items()}
+    held = before[(1, "topk_ids")]
+    assert kept.data_ptr() == held and len(set(before.values())) == len(before) == len(after)
+    assert set(after.values()) & set(before.values()) == set(before.values()) - {held}  # all but the held one
+    assert kept.numpy().tobytes() == kept_bytes
+    for index, mb in again.assembled.items():
+        assert_same(flatten(mb.streams, mb.cu_seqlens, mb.fields), expected_micro_batch(step, 0, index))
