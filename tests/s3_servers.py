@@ -9,12 +9,12 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import shutil
-import socket
 import subprocess
 import time
 
 import boto3
 import botocore.exceptions
+from ports import free_ports
 
 WEED_START_TIMEOUT_S = 60
 _WEED_PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
@@ -32,18 +32,6 @@ def weed_binary() -> str | None:
     return next((p for p in paths if os.access(p, os.X_OK)), None)
 
 
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct free loopback ports (bound together, then released for the server to take)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 class WeedServer:
     """``weed mini`` bound to 127.0.0.1 only (every port chosen free; WebDAV, Iceberg, Lance, telemetry off),
     ``-s3.autoCreateBucket=false`` so a PUT into a missing bucket fails as on AWS.
@@ -53,7 +41,7 @@ class WeedServer:
     """
 
     def __init__(self, binary: str, data_dir: str):
-        ports = dict(zip(_WEED_PORTS, _free_ports(len(_WEED_PORTS))))
+        ports = dict(zip(_WEED_PORTS, free_ports(len(_WEED_PORTS))))
         self.url = f"http://127.0.0.1:{ports['s3.port']}"
         self.log_path = os.path.join(data_dir, "weed.log")
         os.makedirs(os.path.join(data_dir, "data"), exist_ok=True)

@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+from ports import free_port
 from refpipe.cli.main import app
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
@@ -35,12 +35,6 @@ def _node(tmp_path, name: str, root) -> str:
     node.mkdir()
     os.symlink(root, node / "mnt")
     return str(node)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_init_writes_the_run_config_with_an_absolute_root_and_prints_the_commands(tmp_path, monkeypatch):
@@ -107,7 +101,7 @@ def test_two_nodes_each_role_started_on_its_own_train_to_a_clean_audit(tmp_path)
                               "127.0.0.1"], cwd=inference, env=env) for i in range(2)]
     orchestrator = subprocess.Popen([f"{BIN}/refpipe", "orchestrate", run], cwd=inference, env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    port = _free_port()
+    port = free_port()
     trainers = [subprocess.Popen([f"{BIN}/torchrun", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
                                   str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
                                   "-m", "refpipe.job.train_rank", run], cwd=cwd, env=env)
@@ -148,7 +142,7 @@ def test_orchestrate_stops_naming_a_trainer_node_that_was_sigkilled(tmp_path):
     orchestrator = subprocess.Popen([f"{BIN}/refpipe", "orchestrate", run], env=env, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True)
     trainer = subprocess.Popen([*node_b, f"{BIN}/torchrun", "--nnodes", "1", "--nproc-per-node", "1", "--master-addr",
-                                "127.0.0.1", "--master-port", str(_free_port()), "-m", "refpipe.job.train_rank", run],
+                                "127.0.0.1", "--master-port", str(free_port()), "-m", "refpipe.job.train_rank", run],
                                env={**env, ENV: f"train:1:{marker}"})  # step 0 trained; stays in step 1's train
     try:
         while not marker.exists():

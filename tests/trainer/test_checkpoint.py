@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoint_helpers import FILES, assert_loads_back, one_rank_world, save, trained
+from ports import free_port
 from refpipe.storage.backends import open_store
 from refpipe.storage.checkpoints import newest_checkpoint
 from refpipe.storage.errors import CheckpointError
@@ -28,16 +28,10 @@ from refpipe.trainer.resume import _highest_release
 WORKER = Path(__file__).with_name("checkpoint_worker.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_ranks(tmp_path: Path, storage, step: int) -> list[dict]:
     out = tmp_path / f"ranks{step}"
     out.mkdir()
-    spec = {"out_dir": str(out), "init_method": f"tcp://127.0.0.1:{_free_port()}", "storage": storage.model_dump(),
+    spec = {"out_dir": str(out), "init_method": f"tcp://127.0.0.1:{free_port()}", "storage": storage.model_dump(),
             "step": step}
     (out / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 from fault_proxy import Fault, FaultProxy
+from ports import free_port
 from refpipe.pipeline.fields import spread_expert_rows
 from refpipe.storage.backends import open_store
 from refpipe.storage.chunks import chunk_keys
@@ -48,19 +48,13 @@ def _branches(s: int, rng) -> dict:
             for x, (p, c, r) in shapes.items()}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_world(tmp_path: Path, storage: StorageConfig, world_size: int, model_parallel_size: int, steps: list[int],
               exit_before: dict[str, list[int]] | None = None, fetch_raises: dict[str, str] | None = None,
               default_backend: str = "gloo") -> dict:
     """Start ``world_size`` ranks, wait for all; return ``{(step, rank): (result, arrays)}``."""
     out = tmp_path / "ranks"
     out.mkdir()
-    spec = {"out_dir": str(out), "world_size": world_size, "init_method": f"tcp://127.0.0.1:{_free_port()}",
+    spec = {"out_dir": str(out), "world_size": world_size, "init_method": f"tcp://127.0.0.1:{free_port()}",
             "storage": storage.model_dump(), "fields": FIELDS.model_dump(), "steps": steps,
             "exit_before": exit_before or {}, "fetch_raises": fetch_raises or {}, "default_backend": default_backend,
             "trainer": {"model_parallel_size": model_parallel_size, "step_timeout_s": 30, "step_poll_s": 0.1,

@@ -1,0 +1,22 @@
+"""Free loopback ports for the servers and process groups the tests start."""
+
+from __future__ import annotations
+
+import socket
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports (bound together, then released for the server to take)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def free_port() -> int:
+    """One free loopback port."""
+    return free_ports(1)[0]
