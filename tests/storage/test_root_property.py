@@ -53,7 +53,9 @@ def test_two_roots_share_a_prefix_only_when_they_name_the_same_place(a, b):
 @given(path=ROOT_PATH.filter(lambda p: not REFUSED.search(p)))
 def test_every_chunk_kept_under_an_accepted_root_is_fetched_and_deleted(path):
     with tempfile.TemporaryDirectory() as tmp:
-        config = StorageConfig(root=f"{tmp}/{path}", run_id="run_1")
+        base = f"{tmp}/x/y/z"  # as deep as ROOT_PATH has segments: its ``..`` segments stay inside ``tmp``
+        config = StorageConfig(root=f"{base}/{path}", run_id="run_1")
+        assert os.path.abspath(config.root).startswith(f"{tmp}/")
         store = open_store(config)
         keeper = Keeper(store, Ledger(store, "env_worker_0"), FIELDS, config)
         topk = np.arange(6, dtype=np.int32).reshape(3, 2)
