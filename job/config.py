@@ -31,10 +31,10 @@ class JobConfig(BaseModel):
 
     num_steps: int = Field(default=16, ge=1)
     """Trainer steps (optimizer steps) of the run."""
-    num_env_workers: int = Field(default=2, ge=1)
-    """Env-server replicas (``refpipe env-server --replica 0..N-1``); each group goes to the one with the fewest in
-    flight."""
-    trainer_world_size: int = Field(default=2, ge=1)
+    num_env_workers: int = Field(default=2, ge=1, le=1024)
+    """Env-server replicas (``refpipe env-server --replica 0..N-1``, at most 1,024); each group goes to the one with
+    the fewest in flight."""
+    trainer_world_size: int = Field(default=2, ge=1, le=65536)
     """Trainer ranks (torch.distributed world size): what ``refpipe run`` starts, and what torchrun's
     ``--nnodes x --nproc-per-node`` must give."""
     eval_every_steps: int = Field(default=4, ge=0)

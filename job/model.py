@@ -37,20 +37,20 @@ class ModelConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    d_model: int = Field(default=64, ge=8)
-    """Width of the residual stream."""
-    num_layers: int = Field(default=2, ge=1)
+    d_model: int = Field(default=64, ge=8, le=4096)
+    """Width of the residual stream (the main job's policy trains on CPU: at most 4,096)."""
+    num_layers: int = Field(default=2, ge=1, le=128)
     """Transformer layers, each with one MoE MLP (= layers of ``routed_experts``)."""
-    num_heads: int = Field(default=4, ge=1)
+    num_heads: int = Field(default=4, ge=1, le=128)
     """Attention heads; must divide ``d_model``."""
     num_experts: int = Field(default=8, ge=2, le=256)
     """Experts per MoE layer (<= 256 so expert ids fit uint8)."""
-    top_k: int = Field(default=2, ge=1)
+    top_k: int = Field(default=2, ge=1, le=256)
     """Experts routed per token per layer."""
-    expert_hidden: int = Field(default=96, ge=1)
+    expert_hidden: int = Field(default=96, ge=1, le=16384)
     """Hidden width of each expert's SiLU MLP."""
-    max_positions: int = Field(default=64, ge=2)
-    """Learned position embeddings; every ``position_ids`` value must be below this."""
+    max_positions: int = Field(default=64, ge=2, le=65536)
+    """Learned position embeddings; every ``position_ids`` value must be below this (at most 65,536)."""
     seed: int = 0
     """Seed of the parameter initialisation."""
 

@@ -32,11 +32,11 @@ class SamplingConfig(BaseModel):
     """Logits are divided by this before the softmax; recorded logprobs use the same scaling."""
     top_p: float = Field(default=0.95, gt=0, le=1)
     """Nucleus mass: the support is the most probable ids until their mass reaches ``top_p``."""
-    max_completion_tokens: int = Field(default=24, ge=1)
+    max_completion_tokens: int = Field(default=24, ge=1, le=65536)
     """A completion stops at EOS or at this many tokens (EOS included in the count)."""
-    logprobs_k: int = Field(default=8, ge=1)
+    logprobs_k: int = Field(default=8, ge=1, le=4096)
     """Width k of the top-k logprob head (``topk_ids`` / ``topk_logprobs`` [C, k])."""
-    support_width: int = Field(default=16, ge=1)
+    support_width: int = Field(default=16, ge=1, le=4096)
     """Width of ``sample_support`` [C, width]; also caps the sampler's support at this many ids."""
 
 

@@ -45,12 +45,12 @@ class OrchestratorConfig(BaseModel):
     seq_len: int = Field(default=4096, ge=1, le=MAX_SEQ_LEN)
     """Token budget of a micro batch (tokens, at most ``pipeline.step_file.MAX_SEQ_LEN``); samples keep their
     first ``seq_len`` tokens."""
-    dp_world_size: int = Field(default=1, ge=1)
+    dp_world_size: int = Field(default=1, ge=1, le=65536)
     """Data-parallel ranks of the trainer; each gets the same number of micro batches."""
-    groups_per_step: int = Field(default=8, ge=1)
-    """Groups one step trains (at most; fewer when fewer are ready)."""
-    group_size: int = Field(default=8, ge=1)
-    """Episodes per group; a group's advantages are computed once all of them arrived."""
+    groups_per_step: int = Field(default=8, ge=1, le=65536)
+    """Groups one step trains (at most; fewer when fewer are ready; at most 65,536)."""
+    group_size: int = Field(default=8, ge=1, le=4096)
+    """Episodes per group (at most 4,096); a group's advantages are computed once all of them arrived."""
     max_async_level: int = Field(default=1, ge=0)
     """Step ``s`` trains samples of policy versions ``s - max_async_level .. s``; older ones are stale."""
     reward_range: tuple[float, float] | None = None

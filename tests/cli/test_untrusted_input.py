@@ -176,3 +176,18 @@ def test_an_invalid_config_is_one_line_naming_each_field_and_value(tmp_path):
                                   "to parse string as an integer (got 'abc'); job.num_env_workers: Input should be "
                                   "greater than or equal to 1 (got 0); bogus: Extra inputs are not permitted\n")
     assert not (tmp_path / "root").exists()
+
+
+@pytest.mark.parametrize("section,key,value,bound", [
+    ("model", "max_positions", 100_000_000_000, 65536), ("model", "d_model", 4_000_000_000, 4096),
+    ("orchestrator", "group_size", 1_000_000_000, 4096), ("job", "num_env_workers", 100_000, 1024),
+])
+def test_a_config_value_past_what_the_main_job_can_run_is_one_line(tmp_path, section, key, value, bound):
+    """Before: ``max_positions = 1e11`` crashed the warm start with a torch allocation traceback after writing the run's
+    config.json; ``group_size = 1e9`` ran the env servers out of memory; ``num_env_workers = 100000`` started them."""
+    config = tmp_path / "big.toml"
+    config.write_text(f'[storage]\nroot = "{tmp_path}/root"\n[{section}]\n{key} = {value}\n')
+    result = invoke(["run", "--config", str(config)])
+    assert_one_line_error(result, f"error: config {config}: {section}.{key}: Input should be less than or equal to "
+                                  f"{bound} (got {value})\n")
+    assert not (tmp_path / "root").exists()
