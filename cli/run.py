@@ -3,6 +3,7 @@ role (``orchestrate``, ``env-server``, ``train``)."""
 
 from __future__ import annotations
 
+import signal
 import socket
 from pathlib import Path
 from typing import Optional
@@ -30,6 +31,7 @@ def run_job(config: Optional[Path] = typer.Option(
     from refpipe.job.launcher import Launcher
 
     console = Console(soft_wrap=True)  # a piped log (SLURM, CI) keeps each step line whole
+    signals: list[int] = []
     try:
         if resume:
             cfg = _resume_config(resume, config, s3_endpoint_url, console)
@@ -37,12 +39,14 @@ def run_job(config: Optional[Path] = typer.Option(
                 raise typer.Exit(0)
         else:
             cfg = load_config(config or DEFAULT_CONFIG)
-        code = Launcher(cfg, console, resume=bool(resume)).run()
+        launcher = Launcher(cfg, console, resume=bool(resume))
+        signals = launcher.signals
+        code = launcher.run()
     except RefpipeError as e:  # raised before the run started: bad config, root, credentials, existing run
         fail(str(e))
     except KeyboardInterrupt:  # before the fleet started (warm start): only config.json and weights were written
         console.print("[red]interrupted before the run started[/]", highlight=False)
-        raise typer.Exit(130) from None
+        raise typer.Exit(128 + (signals[0] if signals else signal.SIGINT)) from None
     raise typer.Exit(code)
 
 

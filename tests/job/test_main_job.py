@@ -211,6 +211,27 @@ def test_sigterm_stops_the_run_its_workers_and_trainers(tmp_path):
     assert [pid for pid in children if _alive(pid)] == []
 
 
+def test_sigterm_during_the_warm_start_exits_143(tmp_path):
+    """Before the fleet exists (warm start): "interrupted before the run started", exit 128 + SIGTERM (it was 130,
+    SIGINT's code, whatever the signal)."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "root"
+    path = write_config(tmp_path, root, "early", warm_start_steps=100_000)
+    refpipe = os.path.join(os.path.dirname(sys.executable), "refpipe")
+    proc = subprocess.Popen([refpipe, "run", "--config", path], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    store = open_store(StorageConfig(root=str(root), run_id="early"))
+    deadline = time.monotonic() + 120
+    while not store.exists("config.json") and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    time.sleep(0.5)  # into the warm start
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert (proc.returncode, "interrupted before the run started" in out) == (143, True), out
+
+
 def _children(pid: int) -> list[int]:
     import subprocess
 
