@@ -27,9 +27,11 @@ Who accounts for a present chunk (its holder), in this order:
    ``config.json`` says ``release = "after_checkpoint"``, the step is after the newest complete
    checkpoint and none of its chunks has a delete record): ``trainer step N (after the newest
    checkpoint: ...)``, even over an ``unfinished_delete`` event; not for a finished or abandoned run;
-3. an incomplete keep: its writer's live session, else (writer unknown) any live session;
-4. a shipped chunk its owner released: ``retained`` if a ``retain`` event names it (kept for
-   inspection; not outstanding, and not a violation of a finished run), else nobody;
+3. a shipped chunk its owner released: ``retained`` if a ``retain`` event names it (kept for
+   inspection; not outstanding, and not a violation of a finished run), else nobody; with or without its
+   ``zarr.json`` (a step file names it, so its keep committed once: a missing marker is damage, which
+   ``refpipe verify`` names, never an incomplete keep the sweep would remove);
+4. an unshipped incomplete keep: its writer's live session, else (writer unknown) any live session;
 5. an unshipped chunk: the live ``orchestrator`` session if a ``receive`` event names it;
    else its keeping session while live (the ``keep`` event's session; without one, the
    writer's latest session); else a live ``orchestrator`` session, which may still hold
@@ -249,10 +251,10 @@ def _holder(node: str, keys: list[str], scan: RunScan, live: set[tuple[str, str]
     keeper = scan.keeps.get(node)
     writer = keeper[0] if keeper else scan.writers.get(node, "")
     keeper_live = keeper in live if keeper else writer in live_actors
+    if node in shipped:  # its keep committed once (a step file names it): no zarr.json now is damage, not a keep
+        return RETAINED if node in scan.retained else None
     if not committed(keys):
         return writer if keeper_live else ("incomplete keep" if live and not writer else None)
-    if node in shipped:
-        return RETAINED if node in scan.retained else None
     orchestrator_live = ORCHESTRATOR_ACTOR in live_actors
     if node in scan.received and orchestrator_live:
         return ORCHESTRATOR_ACTOR
@@ -411,12 +413,12 @@ def sweep(store: Store, *, stopped: bool = False, dry_run: bool = False, abandon
                                 f"records may be the only evidence of a holder; first: {report.bad_records[0]} "
                                 f"(repair the record or remove its line, then sweep again)")
     leaked = [store.prefix.key_of(u) for u in report.leaked_chunks]
-    whole = {n: scan.nodes[n] for n in leaked if committed(scan.nodes[n])}
+    shipped = {ref.key for header in scan.steps.values() for ref in header.refs}
+    whole = {n: scan.nodes[n] for n in leaked if committed(scan.nodes[n]) or n in shipped}  # claimed, recorded
     incomplete = {n: scan.nodes[n] for n in leaked if n not in whole}
     unfinished = {n: scan.nodes[n] for n in map(store.prefix.key_of, report.unfinished_deletes)}
     unclaimed = {n: keys for n, keys in unfinished.items() if n not in scan.tombstoned}  # the claim was never written
-    kept = {n: scan.nodes[n] for n in map(store.prefix.key_of, report.retained_chunks)
-            if committed(scan.nodes[n])} if retained else {}
+    kept = {n: scan.nodes[n] for n in map(store.prefix.key_of, report.retained_chunks)} if retained else {}
     if dry_run:
         return SweepResult(dry_run=True, deleted=[store.uri(n) for n in whole],
                            finished_deletes=report.unfinished_deletes,

@@ -402,7 +402,8 @@ class Ledger:
 
     def delete_nodes(self, nodes: Mapping[str, Sequence[str]], *, reason: str,
                      max_concurrency: int = 8) -> DeleteResult:
-        """``delete`` for committed chunks found by listing (the sweep), which has no refs.
+        """``delete`` for chunks found by listing (the sweep), which has no refs: committed ones, and shipped ones
+        that lost their commit marker (the claim then checks a listed key is still there, not the marker).
 
         Args:
             nodes: node key (``payloads/<shard>/<branch_id>``) -> every key listed under it
@@ -413,8 +414,8 @@ class Ledger:
         """
         targets = []
         for node, keys in nodes.items():
-            uri = self.store.uri(node)
-            targets.append(_Target(branch_id_of(node), uri, meta_key(node), list(keys)))
+            present = meta_key(node) if meta_key(node) in keys else sorted(keys)[0]  # damaged: no zarr.json
+            targets.append(_Target(branch_id_of(node), self.store.uri(node), present, list(keys)))
         return self._delete_targets(targets, reason, max_concurrency)
 
     def remove_leftovers(self, nodes: Mapping[str, Sequence[str]], *, event: str, reason: str) -> None:

@@ -162,3 +162,27 @@ def test_retained_and_held_steps_a_resume_replays_are_never_swept_whatever_the_l
         assert swept.exit_code == 0 and swept.output.startswith("deleted 0 chunks") and "already" not in swept.output
     assert [k for k in store.list_prefix("") if not k.startswith("ledger/")] == \
            [k for k in before if not k.startswith("ledger/")]  # every chunk of steps 1 and 2 is still there
+
+
+def test_a_retained_chunk_without_its_zarr_json_is_still_retained_and_only_sweep_retained_deletes_it(local_config):
+    """Before: the missing commit marker made it an "incomplete keep" with no holder, so a plain `refpipe sweep`
+    removed its intact ``c.0`` (``remove_incomplete``) although a step file names it and the user retained it."""
+    store = open_store(local_config)
+    keeper = make_keeper(store, local_config)
+    refs = [keep(keeper, seed) for seed in range(2)]
+    keeper.ledger.close()
+    header = publish(store, 0, refs, [0, 0])
+    rank = ReleasePolicy(BackgroundRelease(Ledger(store, "trainer_dp0"), 0, 2), TrainerConfig(retain_steps=[0]))
+    rank.trained(header)
+    rank.background.shutdown()
+    rank.ledger.close()
+    store.delete_key(f"{refs[0].key}/zarr.json")
+    report = audit(store, finished=True)
+    assert (report.retained, report.leaked, report.outstanding, report.deleted) == (2, 0, 0, 0) and report.clean
+    plain = sweep(store, stopped=True)
+    assert (plain.deleted, plain.removed_incomplete, plain.retained) == ([], [], [])
+    assert store.exists(f"{refs[0].key}/c.0")
+    gone = sweep(store, retained=True)
+    assert sorted(gone.retained) == sorted(r.uri for r in refs) and store.list_prefix("payloads") == []
+    report = audit(store, finished=True)
+    assert (report.deleted, report.retained, report.double_deletes, report.leaked) == (2, 0, 0, 0) and report.clean
