@@ -68,15 +68,20 @@ def audit_run(
     incremental: Annotated[bool, typer.Option(
         "--incremental", help="Read only what is new since the last incremental audit (ledger/audit/summary.json), "
                               "then rewrite that summary.")] = False,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Audit as --stopped/--finished even though a session's heartbeat is live (a process "
+                        "outside the run renews it under the run's actor name).")] = False,
     s3_endpoint_url: EndpointOpt = None,
 ) -> None:
     """Audit a run: kept, shipped, deleted, outstanding by holder, leaked, double and unknown deletes.
 
-    Exit codes: 0 clean; 1 an invariant is violated; 2 the run could not be read.
+    Exit codes: 0 clean; 1 an invariant is violated; 2 the run could not be read, or --stopped/--finished while a
+    session of the run is live by its heartbeat (unless --force).
     """
     store = open_run(run_uri, s3_endpoint_url)
     with progress("auditing") as bar:
-        report = audit(store, stopped=stopped, finished=finished, incremental=incremental, progress=bar)
+        report = audit(store, stopped=stopped, finished=finished, incremental=incremental, confirm_stopped=not force,
+                       progress=bar)
     if as_json:
         typer.echo(report.model_dump_json())
     else:

@@ -179,8 +179,11 @@ def _live_sessions(store: Store, scan: RunScan) -> set[tuple[str, str]]:
     return live_sessions(store, unclosed)
 
 
-def _refuse_if_running(store: Store, live: set[tuple[str, str]], scan: RunScan) -> None:
-    """Raise ``RunStillRunningError`` when a session of the run is live (its heartbeat changes), on any host."""
+def _refuse_if_running(store: Store, live: set[tuple[str, str]], scan: RunScan, verb: str = "sweep",
+                       instead: str = "") -> None:
+    """Raise ``RunStillRunningError`` when a session of the run is live (its heartbeat changes), on any host;
+    the message says what would be refused (``verb``) and what to do ``instead`` (default: stop the run, or
+    ``--force``)."""
     host = socket.gethostname()
     running = []
     for actor, session in sorted(live):
@@ -189,10 +192,10 @@ def _refuse_if_running(store: Store, live: set[tuple[str, str]], scan: RunScan) 
     if running:
         one = len(running) == 1
         them = "that process is" if one else "those processes are"
+        instead = instead or f"stop the run first, or pass --force if {them} not part of the run"
         raise RunStillRunningError(
-            f"refusing to sweep {store.prefix.uri} as stopped: {', '.join(running)} {'is' if one else 'are'} still "
-            f"running (heartbeat live); stop the run first, or pass --force if {them} not part of the run",
-            running=running)
+            f"refusing to {verb} {store.prefix.uri} as stopped: {', '.join(running)} {'is' if one else 'are'} still "
+            f"running (heartbeat live); {instead}", running=running)
 
 
 def _step_nodes(scan: RunScan) -> tuple[dict[str, int], dict[str, str], set[str]]:
@@ -342,7 +345,7 @@ def _violations(r: dict) -> list[str]:
 
 
 def audit(store: Store, *, stopped: bool = False, finished: bool = False, incremental: bool = False,
-          progress: Progress | None = None) -> AuditReport:
+          confirm_stopped: bool = False, progress: Progress | None = None) -> AuditReport:
     """Audit a run: kept, shipped, deleted, outstanding by holder, leaks and ledger violations.
 
     Read-only. Cost: one listing each of ``steps/``, ``ledger/events/``, ``ledger/deletes/``,
@@ -356,17 +359,24 @@ def audit(store: Store, *, stopped: bool = False, finished: bool = False, increm
         incremental: start from the run's audit summary (``pipeline.audit_summary``: only step files and
             segments not covered are read, delete records are checked per unsettled chunk instead of listed)
             and write the new summary: the one write of an audit. A stale or unreadable summary is ignored.
+        confirm_stopped: with ``stopped`` or ``finished``, check that declaration by the sessions' heartbeats first
+            (``refpipe audit --stopped``: a live run audited as stopped counted its live holders' chunks as leaked).
         progress: a rich ``Progress`` to show listing and reading progress on.
+
+    Raises:
+        RunStillRunningError: ``confirm_stopped`` and a session of the run is live by its heartbeat, on any host.
     """
-    if not incremental:
-        return judge(scan_run(store, progress), store, stopped=stopped, finished=finished)
-    summary = load_summary(store)
+    summary = load_summary(store) if incremental else None
     try:
         scan = scan_run(store, progress, seed_scan(summary) if summary else None)
     except StaleSummaryError:
         scan = scan_run(store, progress)
+    if confirm_stopped and (stopped or finished):
+        _refuse_if_running(store, _live_sessions(store, scan), scan, "audit",
+                           "audit it without --stopped/--finished while it runs")
     report = judge(scan, store, stopped=stopped, finished=finished)
-    write_summary(store, settle(scan))
+    if incremental:
+        write_summary(store, settle(scan))
     return report
 
 

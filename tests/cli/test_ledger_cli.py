@@ -54,14 +54,14 @@ def test_audit_json_and_exit_codes(crashed):
         == (3, 0, 3, 0, 0)
     assert report["outstanding_by_holder"] == {"trainer step 0": 1, "env_worker_0": 2} and report["clean"]
 
-    stopped = invoke("audit", run_uri, "--json", "--stopped", *options)
+    stopped = invoke("audit", run_uri, "--json", "--stopped", "--force", *options)
     assert stopped.exit_code == 1
     report = json.loads(stopped.stdout)
     assert (report["leaked"], sorted(report["leaked_chunks"]), report["outstanding"]) == (2, orphans, 1)
 
     assert report["violations"] == ["2 leaked chunks (present, no live holder; `refpipe sweep --stopped` deletes them)"]
 
-    table = invoke("audit", run_uri, "--stopped", *options)
+    table = invoke("audit", run_uri, "--stopped", "--force", *options)
     assert table.exit_code == 1
     assert "violation 2 leaked chunks" in table.stdout and orphans[0] in table.stdout
 
@@ -76,17 +76,17 @@ def test_sweep_dry_run_then_sweep_then_a_clean_audit(crashed):
     swept = invoke("sweep", run_uri, "--stopped", "--force", *options)  # the "dead" env worker is this process
     assert swept.exit_code == 0 and "deleted 2 chunks" in swept.stdout
     assert chunks(store) == {shipped}
-    after = invoke("audit", run_uri, "--json", "--stopped", *options)
+    after = invoke("audit", run_uri, "--json", "--stopped", "--force", *options)
     assert after.exit_code == 0 and json.loads(after.stdout)["leaked"] == 0
 
-    finished = invoke("audit", run_uri, "--json", "--finished", *options)  # step 0 was never trained
+    finished = invoke("audit", run_uri, "--json", "--finished", "--force", *options)  # step 0 was never trained
     assert finished.exit_code == 1
     assert json.loads(finished.stdout)["violations"] == ["1 chunks still outstanding at the declared end of the run"]
 
     abandoned = invoke("sweep", run_uri, "--abandon", "--force", *options)  # the run will never be resumed
     assert abandoned.exit_code == 0 and "deleted 1 chunks" in abandoned.stdout
     assert chunks(store) == set()
-    assert invoke("audit", run_uri, "--finished", *options).exit_code == 0
+    assert invoke("audit", run_uri, "--finished", "--force", *options).exit_code == 0
 
 
 def test_double_deletes_fail_the_audit(local_config):
@@ -140,6 +140,22 @@ def open_session_in_child(config, actor: str, sleep_s: float) -> subprocess.Pope
                             stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2])
     assert proc.stdout.readline() == "open\n"
     return proc
+
+
+def test_audit_as_stopped_or_finished_refuses_while_a_session_of_the_run_is_alive(local_config):
+    """Before: ``refpipe audit --stopped`` on a live run counted its live holders' chunks as leaked (exit 1)."""
+    store = open_store(local_config)
+    keeper = make_keeper(store, local_config)
+    keep(keeper, 0)
+    keeper.ledger.flush()
+    for flag in ("--stopped", "--finished"):
+        refused = invoke("audit", store.prefix.uri, flag)
+        assert (refused.exit_code, refused.output) == (2, (
+            f"error: refusing to audit {store.prefix.uri} as stopped: env_worker_0 (pid {os.getpid()} on this host) "
+            "is still running (heartbeat live); audit it without --stopped/--finished while it runs\n"))
+    assert invoke("audit", store.prefix.uri).exit_code == 0  # the live run, judged by its heartbeats: clean
+    assert invoke("audit", store.prefix.uri, "--stopped", "--force").exit_code == 1  # its chunk then counts as leaked
+    keeper.ledger.close()
 
 
 def test_sweep_as_stopped_refuses_while_a_session_of_the_run_is_alive_on_this_host(local_config):
