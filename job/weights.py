@@ -68,7 +68,8 @@ def check_same_weights(store: Store, model: torch.nn.Module, version: int) -> No
     except KeyNotFoundError:
         return
     state = model.state_dict()
-    differing = [name for name, tensor in state.items() if not torch.equal(tensor, earlier[name])]
+    differing = [name for name, tensor in state.items()
+                 if name not in earlier or not torch.equal(tensor, earlier[name])]
     if differing:
         names = ", ".join(differing[:3]) + (", ..." if len(differing) > 3 else "")
         raise ReplayMismatchError(f"weights version {version}: {len(differing)} of {len(state)} tensors ({names}) "

@@ -423,7 +423,7 @@ def sweep(store: Store, *, stopped: bool = False, dry_run: bool = False, abandon
                                 f"records may be the only evidence of a holder; first: {report.bad_records[0]} "
                                 f"(repair the record or remove its line, then sweep again)")
     leaked = [store.prefix.key_of(u) for u in report.leaked_chunks]
-    shipped = {ref.key for header in scan.steps.values() for ref in header.refs}
+    shipped = _step_nodes(scan)[0]
     whole = {n: scan.nodes[n] for n in leaked if committed(scan.nodes[n]) or n in shipped}  # claimed, recorded
     incomplete = {n: scan.nodes[n] for n in leaked if n not in whole}
     unfinished = {n: scan.nodes[n] for n in map(store.prefix.key_of, report.unfinished_deletes)}

@@ -22,6 +22,7 @@ import numpy as np
 _SLACK = 1.125
 """A new buffer is this much larger than asked, so the slightly larger arrays of later steps fit it."""
 
+
 class BufferPool:
     """Byte buffers of one trainer rank's micro batch arrays, lent by ``empty`` and taken back by ``reclaim``.
 

@@ -211,7 +211,7 @@ class _OwnFetch:
             except RefpipeError as e:
                 self._fail([index], f"micro batch {index}: {type(e).__name__}: {e}")
             else:
-                digest = micro_batch_hash(done)  # hashlib releases the GIL: it runs beside the other fetches
+                digest = micro_batch_hash(done)  # xxhash releases the GIL: it runs beside the other fetches
                 with self.lock:
                     self.out.assembled[index], self.out.hashes[index] = done, digest
         with self.lock:

@@ -238,6 +238,9 @@ def test_a_version_published_again_must_be_the_earlier_lifes_weights(local_confi
     with pytest.raises(ReplayMismatchError, match=r"weights version 5: 1 of 2 tensors \(bias\) differ from the ones "
                                                   r"an earlier life published at .*policy_00000005.pt"):
         check_same_weights(store, model, 5)
+    other = torch.nn.Sequential(torch.nn.Linear(3, 2))  # other tensor names ("0.weight"): before, a KeyError
+    with pytest.raises(ReplayMismatchError, match=r"weights version 5: 2 of 2 tensors \(0.weight, 0.bias\) differ"):
+        check_same_weights(store, other, 5)
 
 
 def test_samples_of_a_version_whose_weights_a_skip_changed_are_off_policy():
