@@ -25,7 +25,7 @@ from refpipe.cli.inspect_common import (
 from refpipe.cli.inspect_ls import ls_run
 from refpipe.cli.inspect_show import show_arrays
 from refpipe.cli.inspect_verify import verify_step
-from refpipe.cli.text import markup_safe
+from refpipe.job.text import markup_safe
 from refpipe.pipeline.step_file import MicroBatchRecord, StepHeader
 from refpipe.storage.errors import ConfigError
 from rich.console import Console

@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import click
 import typer
-from refpipe.cli.text import printable
+from refpipe.job.text import printable
 from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.backends import open_store
 from refpipe.storage.chunk import PayloadRef
@@ -50,7 +50,7 @@ def fail(message: str, code: int = EXIT_ERROR) -> None:
 
 def one_line(message: str) -> str:
     """``message`` with its line breaks folded into ``; `` (pydantic errors span lines) and every other
-    control character shown as its escape (``cli.text.printable``)."""
+    control character shown as its escape (``job.text.printable``)."""
     return printable("; ".join(part.strip() for part in str(message).splitlines() if part.strip()))
 
 

@@ -22,7 +22,7 @@ from refpipe.cli.inspect_common import (
     open_step,
     parallel_map,
 )
-from refpipe.cli.text import printable
+from refpipe.job.text import printable
 from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.chunk import PayloadRef, check_block_rows, read_attributes
 from refpipe.storage.chunks import chunk_keys

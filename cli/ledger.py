@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 from refpipe.cli.inspect_common import EXIT_PROBLEMS, S3_ENDPOINT_HELP, clean_errors, open_run, progress
-from refpipe.cli.text import markup_safe
+from refpipe.job.text import markup_safe
 from refpipe.pipeline.audit import AuditReport, SweepResult, audit, sweep
 from rich.console import Console
 from rich.table import Table

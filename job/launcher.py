@@ -28,7 +28,6 @@ from collections import Counter
 from dataclasses import replace
 
 import torch
-from refpipe.cli.text import markup_safe
 from refpipe.job.config import RunConfig
 from refpipe.job.env_worker import GroupRequest, GroupResult
 from refpipe.job.fleet import Fleet, connect_fleet, stop_fleet
@@ -38,6 +37,7 @@ from refpipe.job.report import RunCosts, StepCost
 from refpipe.job.resume import LifeStart
 from refpipe.job.roles import start_local_roles, write_run_config
 from refpipe.job.task import warm_start
+from refpipe.job.text import markup_safe
 from refpipe.job.weights import point_latest, publish_weights
 from refpipe.pipeline.audit import AuditReport, audit, sweep
 from refpipe.pipeline.orchestrator import Orchestrator

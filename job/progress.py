@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, replace
 
-from refpipe.cli.text import markup_safe
+from refpipe.job.text import markup_safe
 from refpipe.pipeline.audit import AuditReport
 from refpipe.pipeline.step_file import StepHeader
 from refpipe.storage.layout import env_worker_actor

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from refpipe.cli.text import markup_safe, printable
+from refpipe.job.text import markup_safe, printable
 from refpipe.pipeline.step_file import publish_step_file
 from refpipe.storage.backends import open_store
 from test_inspect import invoke, keep_branches, packed_header

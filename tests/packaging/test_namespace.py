@@ -60,3 +60,35 @@ def test_wheel_holds_only_the_refpipe_package(tmp_path):
     assert tops == {"refpipe", "refpipe-0.1.0.dist-info"}
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"refpipe/{p}/__init__.py" for p in SUBPACKAGES} <= names
+
+
+LAYERS = {"storage": set(), "pipeline": {"storage"}, "trainer": {"storage", "pipeline"},
+          "job": {"storage", "pipeline", "trainer"}, "integrations": {"storage", "pipeline"},
+          "cli": {"storage", "pipeline", "trainer", "job"}}
+"""Which of our packages each package may import (README "Data flow": imports flow one way)."""
+
+
+def _layer_violations(path: Path) -> list[str]:
+    package = path.relative_to(REPO).parts[0]
+    allowed = LAYERS.get(package)
+    if allowed is None:
+        return []
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "refpipe" and len(parts) > 1 and parts[1] in LAYERS and parts[1] != package \
+                    and parts[1] not in allowed:
+                found.append(f"{path.relative_to(REPO)}:{node.lineno} {name}")
+    return found
+
+
+def test_imports_flow_one_way():
+    """job/ never imports cli/ (it imported cli.text's markup_safe), storage/ nothing of ours, and so on."""
+    assert [hit for path in _our_python_files() for hit in _layer_violations(path)] == []

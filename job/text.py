@@ -1,4 +1,7 @@
-"""Untrusted text on the terminal: the one rule every CLI command prints by.
+"""Untrusted text on the terminal: the one rule every CLI command and the main job's console print by.
+
+Here, not in ``cli/``, because the launcher's progress view (``job.progress``) prints by it too and ``job/``
+never imports ``cli/`` (imports flow one way; ``tests/packaging/test_namespace.py``).
 
 Env names, writers, actors, ledger reasons and URIs come from step files, chunk metadata
 and ledger records that anyone with write access to a run may have written. Printed raw,
