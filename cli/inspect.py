@@ -114,7 +114,8 @@ def render(summary: dict, console: Console) -> None:
 
 @clean_errors
 def inspect_step(
-    step_uri: Annotated[str, typer.Argument(help="Step file: path, file:// or s3:// URI of <run>/steps/step_<N>.npz.")],
+    step_uri: Annotated[str, typer.Argument(metavar="STEP_URI",
+        help="Step file: path, file:// or s3:// URI of <run>/steps/step_<N>.npz.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
     plot: Annotated[Optional[Path], typer.Option(help="Also draw the micro batches into this PNG file.")] = None,
     s3_endpoint_url: Annotated[Optional[str], typer.Option(help=S3_ENDPOINT_HELP)] = None,

@@ -42,6 +42,22 @@ S3_ENDPOINT_HELP = "S3 endpoint URL (MinIO, Ceph RGW, moto); default: AWS_ENDPOI
 err_console = Console(stderr=True)
 
 
+def _click_exceptions(name: str) -> tuple[type[Exception], ...]:
+    """``click.<name>`` and, since typer 0.2x vendors its own click, ``typer._click.exceptions.<name>`` (what typer
+    raises there)."""
+    found = [getattr(click, name)]
+    try:
+        from typer._click import exceptions as vendored
+    except ImportError:
+        return tuple(found)
+    return (*found, getattr(vendored, name))
+
+
+USAGE_ERRORS = _click_exceptions("UsageError")
+"""What a command line that does not parse raises (missing or unknown argument, option or command, a bad value)."""
+CLICK_EXCEPTIONS = _click_exceptions("ClickException")
+
+
 def fail(message: str, code: int = EXIT_ERROR) -> None:
     """Print ``error: <message>`` as one line on stderr and exit with ``code``."""
     typer.echo(f"error: {one_line(message)}", err=True)
@@ -66,7 +82,7 @@ def clean_errors(command: Callable[..., T]) -> Callable[..., T]:
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
-        except (typer.Exit, typer.Abort, click.ClickException):
+        except (typer.Exit, typer.Abort, *CLICK_EXCEPTIONS):
             raise
         except RefpipeError as e:
             fail(str(e) or type(e).__name__)

@@ -147,7 +147,8 @@ def render(summary: dict, console: Console) -> None:
 
 @clean_errors
 def ls_run(
-    run_uri: Annotated[str, typer.Argument(help="Run prefix: path, file:// or s3:// URI of <root>/<run_id>.")],
+    run_uri: Annotated[str, typer.Argument(metavar="RUN_URI",
+        help="Run prefix: path, file:// or s3:// URI of <root>/<run_id>.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
     s3_endpoint_url: Annotated[Optional[str], typer.Option(help=S3_ENDPOINT_HELP)] = None,
 ) -> None:

@@ -135,7 +135,8 @@ def _write_npy(arrays: dict[str, np.ndarray], directory: str, stem: str) -> list
 
 @clean_errors
 def show_arrays(
-    step_uri: Annotated[str, typer.Argument(help="Step file: path, file:// or s3:// URI of <run>/steps/step_<N>.npz.")],
+    step_uri: Annotated[str, typer.Argument(metavar="STEP_URI",
+        help="Step file: path, file:// or s3:// URI of <run>/steps/step_<N>.npz.")],
     micro_batch: Annotated[int, typer.Option("--micro-batch", help="Micro batch index within the DP rank.")],
     dp_rank: Annotated[int, typer.Option(help="DP rank whose micro batch to show.")] = 0,
     sequence: Annotated[Optional[int], typer.Option(help="Only this sequence of the micro batch.")] = None,

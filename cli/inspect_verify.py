@@ -90,7 +90,8 @@ def verify_chunk(store: Store, ref: PayloadRef) -> list[str]:
 
 @clean_errors
 def verify_step(
-    step_uri: Annotated[str, typer.Argument(help="Step file: path, file:// or s3:// URI of <run>/steps/step_<N>.npz.")],
+    step_uri: Annotated[str, typer.Argument(metavar="STEP_URI",
+        help="Step file: path, file:// or s3:// URI of <run>/steps/step_<N>.npz.")],
     s3_endpoint_url: Annotated[Optional[str], typer.Option(help=S3_ENDPOINT_HELP)] = None,
 ) -> None:
     """Read every chunk the step file references; check checksum, dtype and shape against each reference.

@@ -17,7 +17,7 @@ from refpipe.pipeline.audit import AuditReport, SweepResult, audit, sweep
 from rich.console import Console
 from rich.table import Table
 
-RunArg = Annotated[str, typer.Argument(help="Run: path, file:// or s3:// URI of <root>/<run_id>.")]
+RunArg = Annotated[str, typer.Argument(metavar="RUN_URI", help="Run: path, file:// or s3:// URI of <root>/<run_id>.")]
 StoppedOpt = Annotated[bool, typer.Option(
     "--stopped", help="No process of the run is running: every ledger session counts as dead "
                       "(chunks of untrained step files are still held for a restarted trainer).")]

@@ -3,8 +3,45 @@
 from __future__ import annotations
 
 import typer
+from refpipe.cli.inspect_common import EXIT_ERROR, USAGE_ERRORS, one_line
+from typer.core import TyperGroup
 
-app = typer.Typer(help="refpipe: side-channel arrays of LLM RL training, passed by reference.", no_args_is_help=True)
+
+class OneLineUsageErrors(TyperGroup):
+    """The ``refpipe`` group: a usage error (missing or unknown argument, option or command, a value of the wrong
+    type) of any command is one ``error:`` line with that command's usage on stderr and exit code 2, like every
+    other bad input (``cli.inspect_common.fail``), never click's boxed usage panel. ``refpipe`` alone still
+    prints the help."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except USAGE_ERRORS as e:
+            _usage_error(e)
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except USAGE_ERRORS as e:
+            _usage_error(e)
+
+
+def _usage_error(e: Exception) -> None:
+    """Print ``error: <what> (usage: <command usage>; see <command> --help)`` and exit 2; the no-arguments help
+    passes through."""
+    if type(e).__name__ == "NoArgsIsHelpError":
+        raise e
+    ctx = getattr(e, "ctx", None)
+    hint = ""
+    if ctx is not None:
+        usage = one_line(ctx.get_usage()).removeprefix("Usage: ")
+        hint = f" (usage: {usage}; see {ctx.command_path} --help)"
+    typer.echo(f"error: {one_line(e.format_message()).rstrip('.')}{hint}", err=True)
+    raise typer.Exit(getattr(e, "exit_code", EXIT_ERROR) or EXIT_ERROR)
+
+
+app = typer.Typer(help="refpipe: side-channel arrays of LLM RL training, passed by reference.", no_args_is_help=True,
+                  cls=OneLineUsageErrors)
 
 
 @app.callback()

@@ -26,6 +26,7 @@ import logging
 import os
 import sys
 from dataclasses import asdict, dataclass
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -285,10 +286,18 @@ def check_replay(store: Store, step: int, hashes: list[list[str]]) -> None:
                                   f"{hashes} differ from the first time's {first}; stopping")
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """A command line that does not parse is one ``error:`` line with the usage and exit code 2, as for ``refpipe``."""
+
+    def error(self, message: str) -> NoReturn:
+        usage = " ".join(self.format_usage().split()).removeprefix("usage: ")
+        self.exit(2, f"error: {message} (usage: {usage}; see {self.prog} --help)\n")
+
+
 def cli(argv: list[str] | None = None) -> int:
     """``python -m refpipe.job.train_rank RUN_URI [--s3-endpoint-url URL] [--resume]``; a bad run or world size
     is one ``error:`` line and exit code 2."""
-    parser = argparse.ArgumentParser(prog="refpipe.job.train_rank", description=__doc__.splitlines()[0])
+    parser = _OneLineErrors(prog="python -m refpipe.job.train_rank", description=__doc__.splitlines()[0])
     parser.add_argument("run", metavar="RUN_URI", help="the run (<root>/<run_id>) as this node reaches it")
     parser.add_argument("--s3-endpoint-url", default=None, help="S3 endpoint (default: the AWS environment)")
     parser.add_argument("--resume", action="store_true", help="a later life: start from the newest complete "
