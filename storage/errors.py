@@ -51,6 +51,10 @@ class RunNotFoundError(StorageError, FileNotFoundError):
     """Nothing at all lies under a run prefix (a wrong URI or endpoint, or a run that never started)."""
 
 
+class RunPathNotADirectoryError(StorageError, NotADirectoryError):
+    """A local run root or run prefix is, or lies under, a regular file: no run can be read or written there."""
+
+
 class ChunkCorruptError(StorageError, ValueError):
     """A chunk exists but its length, checksum or metadata does not match its reference."""
 

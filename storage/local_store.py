@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from refpipe.storage.concurrency import bounded_map
-from refpipe.storage.errors import KeyNotFoundError, OutsideRunError, StorageError
+from refpipe.storage.errors import KeyNotFoundError, OutsideRunError, RunPathNotADirectoryError, StorageError
 from refpipe.storage.local_errors import classify
 from refpipe.storage.store import WRITE_TOKEN, Store
 
@@ -109,12 +109,15 @@ class LocalStore(Store):
         parents, name = (parts, None) if is_dir else (parts[:-1], parts[-1])
         flags = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
         try:
-            fd = os.open(self.prefix.path, flags)
-        except FileNotFoundError:
-            if not create:
-                raise KeyNotFoundError(f"{self.uri(key)} does not exist") from None
-            os.makedirs(self.prefix.path, exist_ok=True)
-            fd = os.open(self.prefix.path, flags)
+            try:
+                fd = os.open(self.prefix.path, flags)
+            except FileNotFoundError:
+                if not create:
+                    raise KeyNotFoundError(f"{self.uri(key)} does not exist") from None
+                os.makedirs(self.prefix.path, exist_ok=True)
+                fd = os.open(self.prefix.path, flags)
+        except (NotADirectoryError, FileExistsError) as e:  # a file at or above the run prefix
+            raise self._file_in_the_way() from e
         try:
             for i, part in enumerate(parents):
                 child = self._step(fd, part, key, "/".join(parents[: i + 1]), create)
@@ -123,6 +126,20 @@ class LocalStore(Store):
             yield fd, name
         finally:
             os.close(fd)
+
+    def _file_in_the_way(self) -> StorageError:
+        """The error for a run prefix that is, or lies under, a regular file (``RunPathNotADirectoryError`` naming
+        it; another ``StorageError`` if the file went away meanwhile)."""
+        parts = self.prefix.path.split("/")
+        for end in range(2, len(parts) + 1):
+            path = "/".join(parts[:end])
+            if os.path.lexists(path) and not os.path.isdir(path):
+                what = "the run directory" if path == self.prefix.path else "the run root" \
+                    if path == os.path.dirname(self.prefix.path) else "a directory above the run root"
+                return RunPathNotADirectoryError(
+                    f"run {self.prefix.uri}: {path} is a file, not a directory ({what}): pass the run's real location, "
+                    "or set storage.root to a directory (or a path that can become one)")
+        return StorageError(f"run {self.prefix.uri}: cannot open {self.prefix.path} as a directory")
 
     def _step(self, dir_fd: int, part: str, key: str, where: str, create: bool) -> int:
         """An ``O_PATH`` fd of directory ``part`` inside ``dir_fd``, never through a symlink."""
@@ -319,6 +336,8 @@ class LocalStore(Store):
             top = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except (KeyNotFoundError, FileNotFoundError):
             return
+        except RunPathNotADirectoryError:
+            raise
         except OSError:
             if strict:
                 raise
