@@ -6,7 +6,8 @@ the ``model_parallel_size`` consecutive ranks of one DP rank (its tensor/pipelin
 parallel peers) consume the same micro batches, and the peer with ``mp_rank == 0`` deletes
 their chunks.
 
-The data path's collectives (the failure all-reduce, the metrics all-gather) run on their own
+The data path's collectives (per step: the failure all-reduce, then one metrics all-gather of a fixed-size
+byte row per rank carrying counters and replay hashes, ``gather_rank_rows``) run on their own
 gloo process group over the whole world (``new_data_group``), whatever the default group is: a
 trainer whose default group is NCCL on GPUs calls them with the CPU tensors they use, and they never
 interleave with the model's collectives. Its timeout is ``TrainerConfig.collective_timeout_s``: a rank
@@ -105,6 +106,22 @@ def agree_failures(failed: set[int], topology: Topology, micro_batches_per_dp_ra
 def gather_rank_values(values: np.ndarray, group: dist.ProcessGroup) -> np.ndarray:
     """All-gather over ``group`` (the data group) of one float64 vector per rank: [world_size, len(values)] float64."""
     local = torch.from_numpy(np.ascontiguousarray(values, np.float64))
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local, group=group)
+    return torch.stack(gathered).numpy()
+
+
+def gather_rank_rows(row: np.ndarray, group: dist.ProcessGroup) -> np.ndarray:
+    """All-gather over ``group`` (the data group) of one uint8 row per rank, one collective.
+
+    Args:
+        row: uint8 [n], ``n`` the same on every rank (callers pack float64 counters viewed as bytes and
+            fixed-size digests into it: no pickled objects, no size exchange first).
+
+    Returns:
+        uint8 [world_size, n]: row ``r`` is rank ``r``'s.
+    """
+    local = torch.from_numpy(np.ascontiguousarray(row, np.uint8))
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, local, group=group)
     return torch.stack(gathered).numpy()

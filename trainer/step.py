@@ -21,7 +21,7 @@ from refpipe.trainer.assemble import AssembledMicroBatch, assemble_dropped_micro
 from refpipe.trainer.background import BackgroundRelease, Prefetch, Prepared, ReleaseCounts
 from refpipe.trainer.buffers import BufferPool
 from refpipe.trainer.config import TrainerConfig
-from refpipe.trainer.dist import Topology, agree_failures, gather_rank_values, new_data_group
+from refpipe.trainer.dist import Topology, agree_failures, gather_rank_rows, gather_rank_values, new_data_group
 from refpipe.trainer.fetch import FetchedStep, fetch_own, wait_for_step
 from refpipe.trainer.pause import pause_point
 from refpipe.trainer.release import ReleasePolicy
@@ -72,9 +72,10 @@ class StepMetrics(BaseModel):
     """Store retries of transient errors since the previous step's metrics (fetch, prefetch, release), summed
     over ranks."""
     deletes: int
-    """Chunks deleted by background releases that finished since the previous step's metrics (normally the
-    previous step's: a step's release runs while the next one trains; ``TrainerRank.finish`` counts the last),
-    by the ``mp_rank == 0`` rank of their owner DP rank."""
+    """Chunks deleted by background releases collected since the previous step's metrics (with ``after_step``,
+    step N's metrics count step N-2's release: a step's release runs while the next one trains and may queue
+    behind the one before it; ``TrainerRank.finish`` counts the last two), by the ``mp_rank == 0`` rank of
+    their owner DP rank."""
     delete_problems: int
     """Double deletes and deletes of never-kept chunks the ledger reported (recorded there too), same window."""
     delete_failures: int
@@ -113,10 +114,15 @@ class TrainerRank:
        e. stand in for dropped micro batches (shape-only, no loss), then tensors;
        f. train: the caller's callback (its collectives are its own);
        g. release: the ``mp_rank == 0`` rank hands the step to its ``trainer.release.ReleasePolicy``
-          (``config.release``): now, or once a checkpoint covers it, it waits for the previous
-          release, then deletes (or retains) the chunks its DP rank owns in the background,
-          recording ``release`` once done (after (c), so every rank has finished fetching);
-       h. metrics: all-gather of per-rank counters over the data group (collective).
+          (``config.release``): now, or once a checkpoint covers it, it queues the deletes (or the
+          retain) of the chunks its DP rank owns on the background release thread, recording
+          ``release`` once done (after (c), so every rank has finished fetching); it waits only for
+          releases older than the previous one (``trainer.background.BackgroundRelease``);
+       h. metrics: one all-gather over the data group (collective) of a fixed-size byte row per rank:
+          its counters, its release counts and its micro batches' replay hashes (16 bytes each).
+
+    So every rank joins exactly two collectives of the data group per step, in this order: the failure
+    all-reduce (c) and the metrics all-gather (h).
 
     (a)+(b), (c) and (g) are also callable one by one (``load_and_fetch``, ``agree_failures``,
     ``release_step``) by a trainer that drives its own loop; ``run_step`` is their composition.
@@ -259,14 +265,15 @@ class TrainerRank:
 
     def metrics(self, header: StepHeader, prepared: Prepared, dropped: np.ndarray, exposed_s: float,
                 wait_s: float, hashes: list[str]) -> StepMetrics:
-        """(h) Gather every rank's counters and micro batch hashes (world all-gathers) into the step's metrics."""
+        """(h) Gather every rank's counters and micro batch hashes into the step's metrics: one all-gather over the
+        data group of a fixed-size byte row per rank (``_pack_row``)."""
         fetched = prepared.fetched
         local = np.array([fetched.seconds, exposed_s, wait_s, prepared.prefetched, fetched.chunks, fetched.nbytes,
                           len(fetched.errors), *self._local_release_counts()], np.float64)
-        gathered = gather_rank_values(local, self.data_group)
+        rows = gather_rank_rows(_pack_row(local, hashes), self.data_group)
+        gathered, digests = _unpack_rows(rows, len(local), len(hashes))
         seconds, exposed, wait, prefetched, chunks, nbytes, errors, *release = gathered.T
-        every_rank: list[list[str]] = [[] for _ in range(self.topology.world_size)]
-        dist.all_gather_object(every_rank, hashes, group=self.data_group)
+        mp = self.config.model_parallel_size
         metrics = StepMetrics(
             step=header.step, micro_batches=len(header.micro_batches), dropped_micro_batches=int(dropped.sum()),
             fetched_chunks=int(chunks.sum()), fetched_bytes=int(nbytes.sum()),
@@ -274,7 +281,9 @@ class TrainerRank:
             exposed_data_seconds_mean=float(exposed.mean()), exposed_data_seconds_max=float(exposed.max()),
             step_wait_seconds_max=float(wait.max()), prefetched_ranks=int(prefetched.sum()),
             failed_fetches=int(errors.sum()),
-            micro_batch_hashes=every_rank[::self.config.model_parallel_size], **_release_metrics(release))
+            micro_batch_hashes=[["" if dropped[dp, i] else digests[dp * mp, i].tobytes().hex()
+                                 for i in range(len(hashes))] for dp in range(self.topology.dp_world_size)],
+            **_release_metrics(release))
         log.info("step %d trainer metrics: %s", header.step, metrics.model_dump())
         return metrics
 
@@ -310,7 +319,7 @@ class TrainerRank:
                            micro_batch_hashes=[], **_release_metrics(counts))
 
     def finish(self) -> ReleaseMetrics:
-        """Every rank, after its last step (collective): wait for the last release (retrying failed deletes
+        """Every rank, after its last step (collective): wait for the pending releases (retrying failed deletes
         once) and gather what was released since the last step's metrics."""
         self.prefetch.take(-1)
         if self.release is not None:
@@ -344,3 +353,26 @@ class ReleaseMetrics(BaseModel):
 def _release_metrics(columns) -> dict[str, int]:
     """[retries, deletes, problems, failures] per rank (columns) -> their world sums by field name."""
     return dict(zip(("retries", "deletes", "delete_problems", "delete_failures"), (int(c.sum()) for c in columns)))
+
+
+DIGEST_NBYTES = 16
+"""Bytes of one replay hash (``trainer.assemble.micro_batch_hash``: XXH3-128, 32 hex digits)."""
+
+
+def _pack_row(counters: np.ndarray, hashes: list[str]) -> np.ndarray:
+    """uint8 [8 * len(counters) + 16 * len(hashes)]: float64 ``counters`` as bytes, then each hash's 16 bytes
+    (zeros for "", a dropped micro batch); the same length on every rank (DP ranks have equally many micro
+    batches, ``StepHeader`` checks)."""
+    digests = np.zeros((len(hashes), DIGEST_NBYTES), np.uint8)
+    for i, h in enumerate(hashes):
+        if h:
+            digests[i] = np.frombuffer(bytes.fromhex(h), np.uint8)
+    return np.concatenate([np.ascontiguousarray(counters, np.float64).view(np.uint8), digests.reshape(-1)])
+
+
+def _unpack_rows(rows: np.ndarray, num_counters: int, num_hashes: int) -> tuple[np.ndarray, np.ndarray]:
+    """``_pack_row``'s rows of every rank -> (float64 [world_size, num_counters], uint8 [world_size, num_hashes,
+    16])."""
+    split = 8 * num_counters
+    counters = np.ascontiguousarray(rows[:, :split]).view(np.float64)
+    return counters, rows[:, split:].reshape(len(rows), num_hashes, DIGEST_NBYTES)
