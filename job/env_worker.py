@@ -85,9 +85,11 @@ def serve_replica(run_uri: str, replica: int, host: str, s3_endpoint_url: str | 
     Raises:
         ConfigError: not a run, or ``replica`` not in ``0 .. job.num_env_workers - 1``.
     """
-    exit_with_launcher()
+    started_by_launcher = exit_with_launcher()
     torch.set_num_threads(1)
-    logging.basicConfig(level=logging.WARNING, format=f"[env-server {replica}] %(message)s")
+    # on its own: a startup line, then progress (the launcher's progress view shows a local run's progress instead)
+    logging.basicConfig(level=logging.WARNING if started_by_launcher else logging.INFO,
+                        format=f"[env-server {replica}] %(message)s")
     cfg, store = open_run(run_uri, s3_endpoint_url)
     if not 0 <= replica < cfg.job.num_env_workers:
         raise ConfigError(f"--replica {replica}: expected 0 .. {cfg.job.num_env_workers - 1} "
@@ -97,10 +99,45 @@ def serve_replica(run_uri: str, replica: int, host: str, s3_endpoint_url: str | 
     with Listener((host, 0), authkey=key) as listener:
         address = {"host": host, "port": listener.address[1], "pid": os.getpid(), "hostname": socket.gethostname()}
         store.put(address_key(replica), json.dumps(address).encode())
+        log.info("replica %d of run %s listening on %s:%d (actor %s, session %s, pid %d; replicas 0..%d); address in "
+                 "%s", replica, store.prefix.uri, host, listener.address[1], ledger.actor, ledger.session, os.getpid(),
+                 cfg.job.num_env_workers - 1, store.uri(address_key(replica)))
         conn = _accept(listener)
+        log.info("orchestrator connected from %s", _peer(listener))
     with conn:
-        serve(conn, cfg, store, ledger, replica)
+        served = serve(conn, cfg, store, ledger, replica)
         ledger.close()
+    log.info("stopped: %s", served.line())
+
+
+def _peer(listener: Listener) -> str:
+    """The orchestrator's address as ``host:port`` (``Listener.last_accepted``)."""
+    peer = listener.last_accepted
+    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+
+
+@dataclass
+class Served:
+    """What a replica did so far (its progress lines)."""
+
+    groups: int = 0
+    failed: int = 0
+    kept_chunks: int = 0
+    kept_bytes: int = 0
+    discarded: int = 0
+    version: int = -1
+
+    def add(self, result: "GroupResult") -> None:
+        self.groups += 1
+        self.failed += bool(result.failed)
+        self.kept_chunks += result.kept_chunks
+        self.kept_bytes += result.kept_bytes
+        self.discarded += result.discarded
+        self.version = result.policy_version
+
+    def line(self) -> str:
+        return (f"{self.groups} groups served ({self.failed} failed), {self.kept_chunks} chunks kept "
+                f"({self.kept_bytes / 2**20:.2f} MiB), {self.discarded} discarded, weights version {self.version}")
 
 
 def _accept(listener: Listener) -> Connection:
@@ -112,27 +149,34 @@ def _accept(listener: Listener) -> Connection:
             log.warning("refused a connection: %s", e)
 
 
-def serve(conn: Connection, cfg: RunConfig, store, ledger: Ledger, replica: int) -> None:
-    """Answer ``GroupRequest``s in order until a ``None`` request or end-of-file.
+def serve(conn: Connection, cfg: RunConfig, store, ledger: Ledger, replica: int) -> Served:
+    """Answer ``GroupRequest``s in order until a ``None`` request or end-of-file; return what was served.
 
     A group finished once the orchestrator asked to stop (or went away) never reaches it: its
     chunks are discarded here, and the discard is reported when the orchestrator still listens.
+    Logs a progress line (``Served.line``) every ``orchestrator.groups_per_step`` groups (about one per step).
     """
     keeper = Keeper(store, ledger, cfg.fields, cfg.storage)
     model, version = MoELM(cfg.model).eval(), -1
     pending: deque[GroupRequest] = deque()
+    served = Served()
     while True:
         request = pending.popleft() if pending else _recv(conn)
         if request is None:
-            return
+            return served
         version = _refresh_weights(store, model, version)
         result = run_group(model, keeper, cfg, request, worker=replica, version=version)
         if _drain(conn, pending) or not _send(conn, result):
             keeper.discard([e.branches[0].ref for e in result.episodes], reason="env server stopping: "
                            f"group {request.group_id} will never reach the orchestrator")
-            _send(conn, GroupResult(replica, request.request_id, [], version, result.kept_chunks, result.kept_bytes,
-                                    discarded=len(result.episodes) + result.discarded))
-            return
+            result = GroupResult(replica, request.request_id, [], version, result.kept_chunks, result.kept_bytes,
+                                 discarded=len(result.episodes) + result.discarded)
+            _send(conn, result)
+            served.add(result)
+            return served
+        served.add(result)
+        if served.groups % cfg.orchestrator.groups_per_step == 0:
+            log.info("%s", served.line())
 
 
 def _recv(conn: Connection) -> GroupRequest | None:

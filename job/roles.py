@@ -154,12 +154,12 @@ def connect_replica(store: Store, replica: int, key: bytes, deadline: float, ali
     raise TimeoutError(f"env-server replica {replica} of {store.prefix.uri}: not reachable ({last})")
 
 
-def exit_with_launcher() -> None:
+def exit_with_launcher() -> bool:
     """Started by ``refpipe run`` (``REFPIPE_LAUNCHER_PID`` set): exit when the launcher is gone
-    (SIGKILLed). A role started on its own (torchrun, SLURM) watches nothing."""
+    (SIGKILLed); return True. A role started on its own (torchrun, SLURM) watches nothing: False."""
     launcher = int(os.environ.get(LAUNCHER_PID_ENV, "0"))
     if not launcher:
-        return
+        return False
 
     def watch() -> None:
         while os.getppid() == launcher:
@@ -167,6 +167,7 @@ def exit_with_launcher() -> None:
         os._exit(3)
 
     threading.Thread(target=watch, daemon=True, name="launcher-watch").start()
+    return True
 
 
 def start_local_roles(cfg: RunConfig, run_uri: str, master_port: int, *,

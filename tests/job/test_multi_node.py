@@ -224,3 +224,44 @@ def test_a_stale_address_where_another_runs_replica_listens_is_retried_then_name
             connect_replica(store, 0, b"this run", time.monotonic() + 1.0)
     assert str(info.value) == (f"env-server replica 0 of {store.prefix.uri}: not reachable (AuthenticationError: "
                                "digest sent was rejected)")
+
+
+def test_an_env_server_started_on_its_own_says_where_it_listens_and_how_far_it_got(tmp_path):
+    """`refpipe env-server` printed nothing at all: now one startup line (run, address, actor, session, pid), the
+    orchestrator's connection, a progress line per `orchestrator.groups_per_step` groups, and a last line."""
+    from refpipe.job.env_worker import GroupRequest
+    from refpipe.job.roles import authkey, connect_replica
+
+    root = tmp_path / "root"
+    config = write_config(tmp_path, root, "solo", warm_start_steps=0)
+    init = subprocess.run([f"{BIN}/refpipe", "init", "--config", config], capture_output=True, text=True, timeout=300)
+    assert init.returncode == 0, init.stdout + init.stderr
+    store = open_store(StorageConfig(root=str(root), run_id="solo"))
+    server = subprocess.Popen([f"{BIN}/refpipe", "env-server", str(root / "solo"), "--replica", "1", "--host",
+                               "127.0.0.1"], stderr=subprocess.PIPE, text=True, env={**os.environ,
+                                                                                    "OMP_NUM_THREADS": "1"})
+    try:
+        conn = connect_replica(store, 1, authkey(store), time.monotonic() + 120, alive=lambda: server.poll() is None)
+        results = []
+        for i in range(2):  # groups_per_step = 2: one progress line
+            conn.send(GroupRequest(i, f"g{i:06d}", i))
+            results.append(conn.recv())
+        conn.send(None)
+        _, err = server.communicate(timeout=120)
+    finally:
+        server.kill()
+    address = json.loads(store.get(address_key(1)))
+    session = next(k for k in store.list_prefix("ledger/events/env_worker_1")).rsplit("/", 1)[1].rsplit("-", 1)[0]
+    chunks, nbytes = sum(r.kept_chunks for r in results), sum(r.kept_bytes for r in results)
+    progress = (f"2 groups served (0 failed), {chunks} chunks kept ({nbytes / 2**20:.2f} MiB), 0 discarded, "
+                f"weights version 0")
+    assert err.splitlines() == [
+        f"[env-server 1] replica 1 of run file://{root}/solo listening on 127.0.0.1:{address['port']} (actor "
+        f"env_worker_1, session {session}, pid {server.pid}; replicas 0..1); address in "
+        f"file://{root}/solo/envs/1.address",
+        f"[env-server 1] orchestrator connected from {err.splitlines()[1].rsplit(' ', 1)[1]}",
+        f"[env-server 1] {progress}",
+        f"[env-server 1] stopped: {progress}",
+    ]
+    assert err.splitlines()[1].rsplit(" ", 1)[1].startswith("127.0.0.1:")
+    assert server.returncode == 0 and chunks == 8
