@@ -64,7 +64,10 @@ def test_uris_that_name_no_step_or_run(local_run, tmp_path):
                           f"error: run file://{tmp_path}/root/run_2: nothing under the run prefix (wrong URI or "
                           "endpoint?)\n")
     not_a_dir = local_run.store.path(step_key(0)) + "/run_1"  # a path through a file
-    assert_one_line_error(invoke(["ls", not_a_dir]), f"error: not a directory: {not_a_dir}\n")
+    step_path = local_run.store.path(step_key(0))
+    assert_one_line_error(invoke(["ls", not_a_dir]), f"error: run file://{not_a_dir}: {step_path} "
+                          "is a file, not a directory (the run root): pass the run's real location, or set "
+                          "storage.root to a directory (or a path that can become one)\n")
 
 
 def test_plot_inside_the_run_is_refused(local_run):
