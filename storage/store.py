@@ -16,7 +16,6 @@ fork (each backend rebuilds per-process state on first use in the child).
 from __future__ import annotations
 
 import abc
-import hashlib
 import os
 import random
 import threading
@@ -25,6 +24,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+import xxhash
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import DeleteKeysError, KeyExistsError, StorageError, TransientStorageError
 from refpipe.storage.uri import RunPrefix
@@ -35,7 +35,7 @@ Data = Buffer | list[Buffer] | tuple[Buffer, ...]
 T = TypeVar("T")
 _RETRIES_LOCK = threading.Lock()
 WRITE_TOKEN = "refpipe-write"
-"""Name of the write token of every exclusive put, ``<writer>.<blake2b-64 of the body>``: S3 user metadata
+"""Name of the write token of every exclusive put, ``<writer>.<XXH3-128 of the body>``: S3 user metadata
 (``x-amz-meta-refpipe-write``), an extended attribute on a filesystem (``user.refpipe-write``)."""
 
 
@@ -46,9 +46,11 @@ def buffers_of(data: Data) -> list | tuple:
 
 
 def body_hash(buffers) -> str:
-    """blake2b-64 (hex) of the buffers' bytes in order: the body part of a write token. Not crc32c: a chunk ends
-    with its own crc32c, and the crc32c of any such body is one constant."""
-    digest = hashlib.blake2b(digest_size=8)
+    """XXH3-128 (hex) of the buffers' bytes in order: the body part of a write token. It tells this writer's own
+    earlier attempt from another body, not an adversary's forgery, so a fast non-cryptographic hash serves
+    (~10 GiB/s here vs blake2b's 0.7 GiB/s: every keep and checkpoint share is hashed once). Not crc32c: a chunk
+    ends with its own crc32c, and the crc32c of any such body is one constant."""
+    digest = xxhash.xxh3_128()
     for buffer in buffers:
         digest.update(memoryview(buffer).cast("B"))
     return digest.hexdigest()
