@@ -33,8 +33,11 @@ class StorageConfig(BaseModel):
     """First retry backoff in seconds; doubles per retry (S3 SlowDown waits 8x longer)."""
     s3_timeout_s: float = Field(default=15.0, gt=0, le=600)
     """Seconds an S3 connect or read may wait before the request counts as lost (then retried: ``max_retries``)."""
+    s3_part_size_bytes: int = Field(default=64 * 2**20, ge=5 * 2**20, le=5 * 2**30)
+    """An S3 object above this many bytes (a checkpoint share) is put as a multipart upload of parts this size
+    (AWS limits: parts of 5 MiB to 5 GiB; a single PUT stops at 5 GiB)."""
     max_concurrent_fetches: int = Field(default=8, ge=1, le=256)
-    """Threads one process uses to fetch chunks."""
+    """Threads one process uses to fetch chunks (and to send an S3 multipart upload's parts)."""
     heartbeat_interval_s: float = Field(default=5.0, gt=0, le=600)
     """Seconds between rewrites of a ledger session's heartbeat (``storage.liveness``)."""
     heartbeat_timeout_s: float = Field(default=15.0, gt=0, le=3600)

@@ -9,6 +9,7 @@ a fork rebuilds it on first use in the child, and pickling drops it.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import TypeVar
@@ -21,16 +22,36 @@ from refpipe.storage.store import WRITE_TOKEN, Store
 
 T = TypeVar("T")
 _S3_DELETE_BATCH = 1000  # DeleteObjects takes at most 1,000 keys (AWS S3 API reference)
+_S3_MAX_PARTS = 10_000  # parts of one multipart upload (AWS S3 API reference, "Multipart upload limits")
+log = logging.getLogger(__name__)
+
+
+def _parts(views: list[memoryview], part_size: int) -> list[list[memoryview]]:
+    """The body ``views`` (in order) cut into parts of ``part_size`` bytes (the last shorter), grown so that at most
+    ``_S3_MAX_PARTS`` parts; each part is the views of its pieces (copied only when it is sent)."""
+    part_size = max(part_size, -(-sum(v.nbytes for v in views) // _S3_MAX_PARTS))
+    parts, room = [[]], part_size
+    for view in views:
+        while view.nbytes:
+            piece, view = view[:room], view[room:]
+            parts[-1].append(piece)
+            room -= piece.nbytes
+            if room == 0:
+                parts.append([])
+                room = part_size
+    return [p for p in parts if p]
 
 
 class S3Store(Store):
     """A run prefix on S3 (or an S3-compatible endpoint) through s3fs.
 
-    ``get_into`` is one GET copied into the buffers. ``put`` is one PUT; ``exclusive`` adds
-    ``If-None-Match: *`` and the write token as user metadata (``x-amz-meta-refpipe-write``): a 412
-    is followed by one HEAD for it (``Store.put``). ``delete`` sends ``DeleteObjects`` in
-    batches of 1,000, checks every key's result (s3fs's bulk ``rm`` drops them), re-sends keys
-    with transient errors and falls back to one ``DELETE`` per key when the batch request is refused.
+    ``get_into`` is one GET copied into the buffers. ``put`` is one PUT up to ``s3_part_size_bytes``
+    (default 64 MiB) and one multipart upload above it (a single PUT stops at 5 GiB, a checkpoint share
+    can exceed it); ``exclusive`` adds ``If-None-Match: *`` (to the PUT or the completion) and the write
+    token as user metadata (``x-amz-meta-refpipe-write``): a 412 is followed by one HEAD for it (``Store.put``).
+    ``delete`` sends ``DeleteObjects`` in batches of 1,000, checks every key's result (s3fs's bulk ``rm`` drops
+    them), re-sends keys with transient errors and falls back to one ``DELETE`` per key when the batch request is
+    refused.
     """
 
     def __init__(self, prefix, config):
@@ -113,10 +134,49 @@ class S3Store(Store):
 
     def _put(self, key, buffers, token, durable):  # a PUT's 200 means stored durably: ``durable`` asks nothing more
         bucket, object_key = self._split(key)
-        uri, body = self.uri(key), b"".join(buffers)
-        exclusive = {} if token is None else {"IfNoneMatch": "*", "Metadata": {WRITE_TOKEN: token}}
+        uri = self.uri(key)
+        exclusive = {} if token is None else {"IfNoneMatch": "*"}
+        metadata = {} if token is None else {"Metadata": {WRITE_TOKEN: token}}
+        views = [memoryview(b).cast("B") for b in buffers]
+        if sum(v.nbytes for v in views) > self.config.s3_part_size_bytes:
+            self._put_multipart(bucket, object_key, uri, views, exclusive, metadata)
+            return
+        body = b"".join(views)
         self._once(f"PUT {uri}", uri, lambda: self.fs.call_s3("put_object", Bucket=bucket, Key=object_key, Body=body,
-                                                              **exclusive))
+                                                              **exclusive, **metadata))
+
+    def _put_multipart(self, bucket: str, object_key: str, uri: str, views: list[memoryview], exclusive: dict,
+                       metadata: dict) -> None:
+        """One multipart upload of ``views`` (the body in order): parts of ``s3_part_size_bytes`` sent in parallel
+        (``max_concurrent_fetches``; each copied when sent, so at most that many parts are held besides the body),
+        each retried by itself; the object appears whole at the completion, which
+        carries the ``If-None-Match`` of an exclusive put. On any failure the upload is aborted (best effort: a
+        bucket lifecycle rule ``AbortIncompleteMultipartUpload`` reclaims what an abort could not), and the error
+        is raised for ``Store.put`` to retry the whole put; a completion whose answer was lost then meets its own
+        object (412) and the write token. Parts leave no object under the run prefix before the completion.
+        """
+        what = f"PUT {uri} (multipart)"
+        upload = self._call(what, uri, "create_multipart_upload", Bucket=bucket, Key=object_key,
+                            **metadata)["UploadId"]
+        ids = {"Bucket": bucket, "Key": object_key, "UploadId": upload}
+
+        def send(numbered: tuple[int, list[memoryview]]) -> dict:
+            number, pieces = numbered
+            body = b"".join(pieces)  # botocore takes bytes, not views: one part per thread in memory at a time
+            etag = self._call(f"{what} part {number}", uri, "upload_part", PartNumber=number, Body=body, **ids)["ETag"]
+            return {"PartNumber": number, "ETag": etag}
+
+        try:
+            parts = enumerate(_parts(views, self.config.s3_part_size_bytes), start=1)
+            done = bounded_map(send, parts, self.config.max_concurrent_fetches)
+            self._once(what, uri, lambda: self.fs.call_s3("complete_multipart_upload", MultipartUpload={"Parts": done},
+                                                          **ids, **exclusive))
+        except BaseException:
+            try:
+                self._once(f"abort {what}", uri, lambda: self.fs.call_s3("abort_multipart_upload", **ids))
+            except Exception as e:  # noqa: BLE001 - the put's own error is the one to raise
+                log.warning("%s: upload %s not aborted (%s); a lifecycle rule reclaims its parts", what, upload, e)
+            raise
 
     def _token(self, key):
         bucket, object_key = self._split(key)

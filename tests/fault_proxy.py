@@ -60,7 +60,9 @@ KINDS = ("reset_before", "reset_after", "500_after", "slowdown", "conflict", "de
 
 @dataclass
 class Fault:
-    """Inject ``kind`` into requests of ``method`` whose object key matches ``key`` (``re.search``).
+    """Inject ``kind`` into requests of ``method`` whose object key matches ``key`` and whose query string matches
+    ``query`` (``re.search``; the query tells a multipart upload's requests apart: ``uploads``, ``partNumber=2&...``,
+    ``uploadId=...`` for the completion).
 
     ``times``: hits per key (None: every matching request). ``code``: the per-key error code of
     ``key_error``. ``delay_s``: how long ``delay`` holds the request.
@@ -69,6 +71,7 @@ class Fault:
     kind: str
     method: str
     key: str = ""
+    query: str = ""
     times: int | None = 1
     code: str = "InternalError"
     delay_s: float = 2.0
@@ -124,11 +127,12 @@ class FaultProxy:
         with self._lock:
             self.faults.clear()
 
-    def match(self, method: str, key: str, kinds: tuple[str, ...] | None = None) -> Fault | None:
+    def match(self, method: str, key: str, kinds: tuple[str, ...] | None = None, query: str = "") -> Fault | None:
         """The first fault that applies to this request (counting the hit), or None."""
         with self._lock:
             for i, fault in enumerate(self.faults):
-                if fault.method != method or not re.search(fault.key, key) or (kinds and fault.kind not in kinds):
+                if (fault.method != method or not re.search(fault.key, key) or not re.search(fault.query, query)
+                        or (kinds and fault.kind not in kinds)):
                     continue
                 if fault.times is not None and self._seen[(i, key)] >= fault.times:
                     continue
@@ -174,7 +178,7 @@ class FaultProxy:
                 key = unquote(path)
                 is_delete_objects = self.command == "POST" and "delete" in query.split("&")
                 keys = [f"{key}/{k}" for k in _deleted_keys(body)] if is_delete_objects else [key]
-                fault = next((f for k in keys if (f := proxy.match(self.command, k, _REQUEST_KINDS))), None)
+                fault = next((f for k in keys if (f := proxy.match(self.command, k, _REQUEST_KINDS, query))), None)
                 if fault is None and is_delete_objects:
                     return self._delete_objects(key, keys, body)
                 proxy.log(self.command, key, fault and fault.kind)

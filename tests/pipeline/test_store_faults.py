@@ -139,6 +139,33 @@ def test_weights_put(run, kind):
     assert direct.list_prefix("weights") == [LATEST_WEIGHTS_KEY, weights_key(0)]
 
 
+MULTIPART_FAULTS = [("reset_before", "PUT", "partNumber=2&"), ("slowdown", "PUT", "partNumber=2&"),
+                    ("delay", "PUT", "partNumber=2&"), ("500_after", "POST", "^uploadId="),
+                    ("reset_after", "POST", "^uploadId="), ("500_after", "POST", "^uploads")]
+
+
+@pytest.mark.parametrize("kind,method,query", MULTIPART_FAULTS)
+def test_multipart_put(run, kind, method, query):
+    """An exclusive put above the part size (a checkpoint share over 5 GiB on AWS) is one multipart upload. A fault
+    on a part costs one resend of that part; a completion applied but answered with an error makes ``Store.put``
+    upload again, and the completion meets its own object (412) and write token. A lost answer to the upload's
+    creation leaves that empty upload on the server (nothing under the run prefix; a bucket lifecycle rule
+    reclaims it); every other upload is completed or aborted."""
+    direct, store, proxy = run
+    store = open_store(store.config.model_copy(update={"s3_part_size_bytes": 5 * 2**20}))
+    body = np.arange(11 * 2**20 + 1, dtype=np.uint8) % 251  # 3 parts
+    proxy.add(Fault(kind, method, r"/share$", query=query, delay_s=DELAY_S))
+    store.put("share", body, exclusive=True)
+    proxy.settle()
+    assert direct.get("share") == body.tobytes() and direct.list_prefix("") == ["share"]
+    whole_again = method == "POST" and query == "^uploadId="
+    assert store.idempotent_puts == (1 if whole_again else 0)
+    assert store.retries == 1 or (kind in RESENT_BELOW and method == "PUT" and store.retries == 0)
+    bucket, _, object_key = direct.path("share").partition("/")
+    uploads = direct.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=object_key).get("Uploads")
+    assert len(uploads or []) == (1 if query == "^uploads" else 0)
+
+
 @pytest.fixture(scope="module")
 def world():
     with one_rank_world() as group:

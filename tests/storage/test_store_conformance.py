@@ -356,6 +356,26 @@ class TestS3Store(StoreConformance):
         store.delete_keys(["k", "x", "never"])
         assert requests.kinds() == ["DELETE"]
 
+    def test_a_put_above_the_part_size_is_one_multipart_upload_of_the_buffers_in_order(self, backend: Backend):
+        part = 5 * 2**20  # the smallest part S3 allows
+        store = open_store(backend.config.model_copy(update={"s3_part_size_bytes": part}))
+        body = [np.arange(3 * 2**20, dtype=np.uint8), np.full(8 * 2**20, 7, np.uint8), b"!"]  # 11 MiB + 1: 3 parts
+        requests = S3Requests(store)
+        store.put("ckpt/share", body, exclusive=True)
+        assert requests.kinds() == ["CreateMultipartUpload", "UploadPart", "UploadPart", "UploadPart",
+                                    "CompleteMultipartUpload"]
+        assert store.get("ckpt/share") == b"".join(bytes(b) for b in body)
+        with pytest.raises(KeyExistsError):
+            open_store(store.config).put("ckpt/share", b"other" * 2**21, exclusive=True)  # 10 MiB: multipart
+        requests.clear()
+        store.put("ckpt/share", body, exclusive=True)  # this writer's own body again: 412, its token, no error
+        assert store.idempotent_puts == 1
+        assert requests.kinds()[-3:] == ["CompleteMultipartUpload", "AbortMultipartUpload", "HEAD"]
+        store.put("small", b"x" * part)  # at the part size: one PUT
+        assert requests.kinds()[-1] == "PUT"
+        assert store.fs.call_s3("list_multipart_uploads", Bucket=backend.raw.bucket).get("Uploads", []) == []
+        assert backend.raw.keys() == ["ckpt/share", "small"]
+
     def test_put_into_a_missing_bucket_names_the_bucket(self, backend: Backend):
         store = open_store(StorageConfig(root="s3://no-such-bucket-here/p", run_id="r",
                                          s3_endpoint_url=backend.config.s3_endpoint_url))
