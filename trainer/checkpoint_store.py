@@ -39,15 +39,16 @@ _TEMP_SUFFIX = ".tmp"
 class _PutOnClose(io.BytesIO):
     """A file DCP writes: its bytes are handed to ``written`` once, when DCP closes it."""
 
-    def __init__(self, written: Callable[[memoryview], None]):
+    def __init__(self, written: Callable[[bytes], None]):
         super().__init__()
-        self._written: Callable[[memoryview], None] | None = written
+        self._written: Callable[[bytes], None] | None = written
 
     def close(self) -> None:
         written, self._written = self._written, None
         if written is not None and not self.closed:
-            with self.getbuffer() as view:
-                written(view)
+            # CPython's getvalue() hands over the buffer itself, not a copy; unlike a getbuffer() view it leaves
+            # no export on the stream, which a failed put's traceback would keep alive past close()
+            written(self.getvalue())
         super().close()
 
     def abandon(self) -> None:
@@ -71,7 +72,7 @@ class StoreFileSystem(FileSystemBase):
             get = lambda: self.store.get(key)  # noqa: E731
             yield io.BytesIO(self.store.retrying(f"read {self.store.uri(key)}", get, retry=KeyNotFoundError))
             return
-        stream = _PutOnClose(lambda view: self._written(key, view))
+        stream = _PutOnClose(lambda data: self._written(key, data))
         try:
             yield stream
         except BaseException:
@@ -79,11 +80,11 @@ class StoreFileSystem(FileSystemBase):
             raise
         stream.close()  # DCP closes its share files itself, not ``.metadata.tmp``
 
-    def _written(self, key: str, view: memoryview) -> None:
+    def _written(self, key: str, data: bytes) -> None:
         if key.endswith(_TEMP_SUFFIX):
-            self._held[key] = bytes(view)
+            self._held[key] = data
         else:
-            self.store.put(key, view, exclusive=True, durable=True)
+            self.store.put(key, data, exclusive=True, durable=True)
 
     def rename(self, path, new_path) -> None:
         """The exclusive, durable put of a held temp file's bytes at ``new_path``."""
