@@ -3,7 +3,9 @@
 Joins a gloo world at the spec's ``init_method``, runs ``TrainerRank.run_step`` for each step of
 the spec, and writes per step ``step<N>_rank<r>.npz`` (every tensor the train callback got, as
 numpy, keyed ``mb<i>.<name>``) and ``step<N>_rank<r>.json`` (metrics or the error, dropped flags,
-how long the step took); after the last step, if no step broke the world, ``finish_rank<r>.json``
+how long the step took, how many collectives it ran on the data group: gloo's sequence number of the
+group, which every collective advances, ``all_gather_object`` by two); after the last step, if no step
+broke the world, ``finish_rank<r>.json``
 (``TrainerRank.finish``: the last release's counts). A rank listed in ``exit_before`` leaves the
 world with ``os._exit`` at that step, as a crashed rank would. A branch id in ``fetch_raises``
 makes its fetch raise that builtin exception, as a bug in the fetch path would.
@@ -78,11 +80,13 @@ def main(spec_path: str, rank: int) -> None:
                             for k, v in flatten(mb.streams, mb.cu_seqlens, mb.fields).items()})
 
         started = time.monotonic()
+        collectives = rank_obj.data_group._get_sequence_number_for_group()
         try:
             result["metrics"] = rank_obj.run_step(step, train).model_dump()
         except Exception as e:  # noqa: BLE001 -- the test asserts on what each rank raised
             result["error"], result["message"] = type(e).__name__, str(e)
         result["seconds"] = time.monotonic() - started
+        result["collectives"] = rank_obj.data_group._get_sequence_number_for_group() - collectives
         np.savez(out / f"step{step}_rank{rank}.npz", **got)
         (out / f"step{step}_rank{rank}.json").write_text(json.dumps(result))
         if "error" in result and result["error"] != "FetchError":

@@ -159,7 +159,10 @@ def test_two_dp_ranks_of_two_peers_train_identical_bytes_and_survive_faults(tmp_
 
     # Every step file is there before the world starts, so steps 1-4 are fetched in the background while the
     # step before trains (prefetched_ranks == 4) and their faults are dropped exactly as step 0's would be.
-    # A step's release runs while the next one trains: step s's metrics count step s-1's deletes.
+    # A step's release runs while the next one trains: step s's metrics count step s-1's deletes. Every rank
+    # ran exactly two collectives on the data group per step (the failure all-reduce and one metrics all-gather;
+    # step 4 stopped after its all-reduce).
+    assert [[results[(s, r)][0]["collectives"] for r in range(4)] for s in range(5)] == [[2] * 4] * 4 + [[1] * 4]
     n_refs = len(built[0].header.refs)  # 11; DP 0 uses 8 (a b f g h c d e), DP 1 uses 4 (a i j k)
     m0 = _check_trained(built[0], results, 0, 4, 2, set(), {})
     assert m0 == {"step": 0, "micro_batches": 6, "dropped_micro_batches": 0, "fetched_chunks": 2 * (8 + 4),
