@@ -54,7 +54,8 @@ class ReleasePolicy:
 
     def release(self, header: StepHeader) -> None:
         """Start releasing this DP rank's owned chunks of ``header``'s step in the background: deleted, or (a
-        retained step) handed to the ``retained`` holder. Waits for the release before it."""
+        retained step) handed to the ``retained`` holder. Waits only for the releases before the latest pending one
+        (``BackgroundRelease.submit``)."""
         if self.dp_rank == 1:
             pause_point("release_dp1", header.step)
         refs = header.owned_refs(self.dp_rank)

@@ -72,9 +72,10 @@ class StepMetrics(BaseModel):
     """Store retries of transient errors since the previous step's metrics (fetch, prefetch, release), summed
     over ranks."""
     deletes: int
-    """Chunks deleted by background releases that finished since the previous step's metrics (normally the
-    previous step's: a step's release runs while the next one trains; ``TrainerRank.finish`` counts the last),
-    by the ``mp_rank == 0`` rank of their owner DP rank."""
+    """Chunks deleted by background releases collected since the previous step's metrics (with ``after_step``,
+    step N's metrics count step N-2's release: a step's release runs while the next one trains and may queue
+    behind the one before it; ``TrainerRank.finish`` counts the last two), by the ``mp_rank == 0`` rank of
+    their owner DP rank."""
     delete_problems: int
     """Double deletes and deletes of never-kept chunks the ledger reported (recorded there too), same window."""
     delete_failures: int
@@ -113,9 +114,10 @@ class TrainerRank:
        e. stand in for dropped micro batches (shape-only, no loss), then tensors;
        f. train: the caller's callback (its collectives are its own);
        g. release: the ``mp_rank == 0`` rank hands the step to its ``trainer.release.ReleasePolicy``
-          (``config.release``): now, or once a checkpoint covers it, it waits for the previous
-          release, then deletes (or retains) the chunks its DP rank owns in the background,
-          recording ``release`` once done (after (c), so every rank has finished fetching);
+          (``config.release``): now, or once a checkpoint covers it, it queues the deletes (or the
+          retain) of the chunks its DP rank owns on the background release thread, recording
+          ``release`` once done (after (c), so every rank has finished fetching); it waits only for
+          releases older than the previous one (``trainer.background.BackgroundRelease``);
        h. metrics: one all-gather over the data group (collective) of a fixed-size byte row per rank:
           its counters, its release counts and its micro batches' replay hashes (16 bytes each).
 
@@ -317,7 +319,7 @@ class TrainerRank:
                            micro_batch_hashes=[], **_release_metrics(counts))
 
     def finish(self) -> ReleaseMetrics:
-        """Every rank, after its last step (collective): wait for the last release (retrying failed deletes
+        """Every rank, after its last step (collective): wait for the pending releases (retrying failed deletes
         once) and gather what was released since the last step's metrics."""
         self.prefetch.take(-1)
         if self.release is not None:
