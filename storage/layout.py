@@ -4,7 +4,9 @@ Keys are relative to the run prefix (``storage.uri.RunPrefix``)::
 
     payloads/<shard>/<branch_id>/c.0               a branch's chunk (``storage.chunk``)
     payloads/<shard>/<branch_id>/zarr.json         its commit marker, written last
-    ledger/events/<actor>/<pid>-<ms>-<seq>.jsonl   one ledger segment of a session ``<pid>-<ms>``
+    ledger/events/<actor>/<session>/<bucket>/<seq>.jsonl
+                                                   ledger segment ``seq`` of a session ``<pid>-<ms>``, 1,000
+                                                   per bucket directory (``segment_key``)
     ledger/deletes/<shard>/<sub>/<branch_id>.json  a chunk's delete record (tombstone), two levels of 256
     ledger/heartbeats/<actor>/<session>.json       a session's heartbeat (``storage.liveness``)
     ledger/audit/summary.json                      the incremental audit's checkpoint (``pipeline.audit_summary``)
@@ -58,7 +60,10 @@ _ID_RE = re.compile(_ID)
 _SHARD = r"[0-9a-f]{2}"
 _NODE = re.compile(rf"(?P<node>{PAYLOADS_PREFIX}/[^/]+/(?P<branch_id>[^/]+))/(?P<name>[^/]+)")
 _TOMBSTONE = re.compile(rf"{DELETES_PREFIX}/{_SHARD}/{_SHARD}/(?P<branch_id>{_ID})\.json")
-_SEGMENT = re.compile(rf"{EVENTS_PREFIX}/(?P<actor>{_ID})/(?P<session>\d+-\d+)-(?P<seq>\d+)\.jsonl")
+_SEGMENT = re.compile(rf"{EVENTS_PREFIX}/(?P<actor>{_ID})/(?P<session>\d+-\d+)/\d{{4,}}/(?P<seq>\d+)\.jsonl")
+_FLAT_SEGMENT = re.compile(rf"{EVENTS_PREFIX}/(?P<actor>{_ID})/(?P<session>\d+-\d+)-(?P<seq>\d+)\.jsonl")
+SEGMENTS_PER_DIRECTORY = 1000
+"""Ledger segments per bucket directory of a session (``segment_key``)."""
 _HEARTBEAT = re.compile(rf"{HEARTBEATS_PREFIX}/(?P<actor>{_ID})/(?P<session>\d+-\d+)\.json")
 _STEP = re.compile(rf"{STEPS_PREFIX}/step_(?P<step>\d+)\.npz")
 _DRAWN = re.compile(rf"(?P<writer>{_ID})-[0-9a-f]{{32}}")
@@ -166,8 +171,16 @@ def session_opened_ms(session: str) -> int:
 
 
 def segment_key(actor: str, session: str, seq: int) -> str:
-    """Key of a ledger segment: ``ledger/events/<actor>/<session>-<seq:06d>.jsonl``."""
-    return f"{EVENTS_PREFIX}/{actor}/{session}-{seq:06d}.jsonl"
+    """Key of a ledger segment: ``ledger/events/<actor>/<session>/<seq // 1000:04d>/<seq:06d>.jsonl``.
+
+    A session's segments fan out into buckets of ``SEGMENTS_PER_DIRECTORY``, so no directory grows with a
+    session's length: a session flushes at least every 512 events or 2 s (``storage.ledger``), ~43,000 segments
+    a day for a long-lived actor, ~31,000 for an env worker keeping 10M chunks (``bench/scale_sim.py``). A
+    bucket holds at most 1,000 segments and a session directory one bucket per 1,000 segments (~43 a day;
+    4-digit buckets keep key order up to 10M segments, 230 days at one per 2 s); an actor's directory holds
+    one entry per session (one per life of the process).
+    """
+    return f"{EVENTS_PREFIX}/{actor}/{session}/{seq // SEGMENTS_PER_DIRECTORY:04d}/{seq:06d}.jsonl"
 
 
 def heartbeat_key(actor: str, session: str) -> str:
@@ -182,8 +195,18 @@ def parse_heartbeat_key(key: str) -> tuple[str, str] | None:
 
 
 def parse_segment_key(key: str) -> tuple[str, str, int] | None:
-    """``(actor, session, seq)`` of an event segment key, or None for any other key."""
+    """``(actor, session, seq)`` of an event segment key, or None for any other key (a bucket that is not
+    ``seq``'s, a seq not written as ``segment_key`` writes it).
+
+    Also reads the flat layout of runs written before the bucket level
+    (``ledger/events/<actor>/<session>-<seq>.jsonl``), so such a run's sessions and events are read, never
+    taken for stray keys.
+    """
     m = _SEGMENT.fullmatch(key)
+    if m:
+        seq = int(m["seq"])
+        return (m["actor"], m["session"], seq) if segment_key(m["actor"], m["session"], seq) == key else None
+    m = _FLAT_SEGMENT.fullmatch(key)
     return (m["actor"], m["session"], int(m["seq"])) if m else None
 
 

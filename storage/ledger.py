@@ -2,10 +2,12 @@
 
 Layout under the run prefix (keys built and parsed by ``storage.layout``):
 
-    ledger/events/<actor>/<pid>-<ms>-<seq>.jsonl   one session's events, one JSON object per
+    ledger/events/<actor>/<session>/<bucket>/<seq>.jsonl
+                                                   one session's events, one JSON object per
                                                    line ending in its ``crc`` (``encode_record``),
                                                    written as whole segments (``<pid>-<ms>``
-                                                   is the session: one ``Ledger`` instance)
+                                                   is the session: one ``Ledger`` instance),
+                                                   1,000 per bucket (``layout.segment_key``)
     ledger/deletes/<aa>/<bb>/<branch_id>.json      a chunk's delete record (its tombstone)
 
 Every actor (env-server worker, orchestrator, trainer DP rank) writes only its own

@@ -9,7 +9,7 @@ from audit_helpers import chunks, fetch_step, keep, make_keeper, publish, releas
 from refpipe.pipeline.audit import audit, sweep
 from refpipe.storage.backends import open_store
 from refpipe.storage.errors import DoubleDeleteError, LedgerRecordError, StepFileError, UnknownRefError
-from refpipe.storage.layout import node_key, tombstone_key
+from refpipe.storage.layout import EVENTS_PREFIX, node_key, parse_segment_key, tombstone_key
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.local_store import LocalStore
 
@@ -286,3 +286,21 @@ def test_a_stopped_sweep_removes_the_empty_directories_of_a_finished_run_and_not
     assert _empty_directories(run_dir) == [] and not (run_dir / "payloads").exists()
     assert all(d.is_dir() for d in outside) and (run_dir / "ledger" / "link").is_symlink()
     assert audit(store, finished=True).clean
+
+
+def test_a_run_with_the_flat_segment_layout_is_read_as_before(run):
+    """Runs written before the bucket level kept ``ledger/events/<actor>/<session>-<seq>.jsonl``: the audit reads
+    their sessions and events (a run that looked empty would lose its keeps' holders)."""
+    store, keeper, orchestrator, trainers = run
+    refs = [keep(keeper, seed) for seed in range(3)]
+    publish(store, 0, refs[:2], [0, 1])
+    keeper.ledger.flush()
+    before = audit(store, stopped=True)
+    for key in store.list_prefix(EVENTS_PREFIX):
+        actor, session, seq = parse_segment_key(key)
+        store.put(f"{EVENTS_PREFIX}/{actor}/{session}-{seq:06d}.jsonl", store.get(key), exclusive=True)
+        store.delete_key(key)
+    after = audit(store, stopped=True)
+    assert after == before and after.stray_keys == [] and after.bad_records == []
+    assert (after.kept, after.shipped, after.leaked) == (3, 2, 1)
+    assert after.outstanding_by_holder == {"trainer step 0": 2}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import google_crc32c
 import numpy as np
@@ -18,7 +19,14 @@ from refpipe.storage.errors import (
     UnknownRefError,
 )
 from refpipe.storage.fetch import fetch_arrays
-from refpipe.storage.layout import node_key, parse_segment_key, parse_tombstone_key, tombstone_key
+from refpipe.storage.layout import (
+    SEGMENTS_PER_DIRECTORY,
+    node_key,
+    parse_segment_key,
+    parse_tombstone_key,
+    segment_key,
+    tombstone_key,
+)
 from refpipe.storage.ledger import SEGMENT_MAX_EVENTS, Ledger, encode_record, read_segment
 from refpipe.storage.local_store import LocalStore
 from refpipe.storage.s3_store import S3Store
@@ -239,3 +247,31 @@ def test_delete_records_fan_out_over_two_levels_of_256():
     assert parse_tombstone_key("ledger/deletes/54/b00000001.json") is None  # the one-level layout: a stray key
     leaves = {tombstone_key(f"b{i:08d}").rpartition("/")[0] for i in range(20_000)}
     assert len(leaves) > 16_000 and len({leaf.rpartition("/")[0] for leaf in leaves}) == 256
+
+
+def test_a_long_session_puts_at_most_1000_segments_in_any_directory(local_config):
+    """A session flushes at least every 2 s (~43,000 segments a day): its segments fan out into buckets of 1,000,
+    so no directory under ``ledger/events/`` grows with its length (the flat layout held all 2,501 in one)."""
+    store = LocalStore(RunPrefix.from_root(local_config.root, local_config.run_id), local_config)
+    ledger = Ledger(store, "env_worker_0")
+    for i in range(2_500):
+        ledger.record("x", i=i)
+        ledger.flush()
+    events = store.path("ledger/events")
+    entries = {os.path.relpath(d, events): len(dirs) + len(files) for d, dirs, files in os.walk(events)}
+    assert entries == {".": 1, "env_worker_0": 1, f"env_worker_0/{ledger.session}": 3,
+                       f"env_worker_0/{ledger.session}/0000": 1000, f"env_worker_0/{ledger.session}/0001": 1000,
+                       f"env_worker_0/{ledger.session}/0002": 501}
+    assert SEGMENTS_PER_DIRECTORY == 1000
+    assert segment_key("a", "12-34", 1000) == "ledger/events/a/12-34/0001/001000.jsonl"
+    segments = events_of(store, "env_worker_0")  # listed in key order = segment order
+    assert [s[0]["i"] for s in segments[1:]] == list(range(2_500))
+    assert [parse_segment_key(k)[2] for k in store.list_prefix("ledger/events")] == list(range(2_501))
+
+
+def test_segment_keys_parse_whole_and_the_flat_layout_of_earlier_runs_is_read():
+    assert parse_segment_key("ledger/events/a/12-34/0001/001234.jsonl") == ("a", "12-34", 1234)
+    assert parse_segment_key("ledger/events/a/12-34/0000/001234.jsonl") is None  # not seq 1234's bucket
+    assert parse_segment_key("ledger/events/a/12-34/0001/1234.jsonl") is None  # not as segment_key writes it
+    assert parse_segment_key("ledger/events/a/12-34/0001/001234.jsonl\n") is None
+    assert parse_segment_key("ledger/events/a/12-34-001234.jsonl") == ("a", "12-34", 1234)  # before the buckets
