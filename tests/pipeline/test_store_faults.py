@@ -28,7 +28,14 @@ from refpipe.storage.backends import open_store
 from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.errors import ChunkNotFoundError, TransientStorageError
 from refpipe.storage.fetch import fetch_arrays
-from refpipe.storage.layout import LATEST_WEIGHTS_KEY, checkpoint_key, step_key, tombstone_key, weights_key
+from refpipe.storage.layout import (
+    LATEST_WEIGHTS_KEY,
+    checkpoint_key,
+    segment_key,
+    step_key,
+    tombstone_key,
+    weights_key,
+)
 from refpipe.storage.ledger import Ledger
 
 WRITE_FAULTS = ["reset_before", "reset_after", "500_after", "slowdown", "conflict", "delay"]
@@ -117,7 +124,7 @@ def test_publish_step(run, kind):
 def test_flush_ledger(run, kind):
     direct, store, proxy = run
     ledger = Ledger(store, "env_worker_0")
-    proxy.add(_fault(kind, "PUT", "-000001.jsonl"))
+    proxy.add(_fault(kind, "PUT", segment_key("env_worker_0", ledger.session, 1)))
     ledger.record("receive", branch_ids=["a"])
     ledger.flush()
     ledger.close()

@@ -28,7 +28,7 @@ from refpipe.storage.backends import open_store
 from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.errors import KeyExistsError, StorageError, TransientStorageError
 from refpipe.storage.fetch import fetch_arrays
-from refpipe.storage.layout import LATEST_WEIGHTS_KEY, node_key, step_key, tombstone_key, weights_key
+from refpipe.storage.layout import LATEST_WEIGHTS_KEY, node_key, segment_key, step_key, tombstone_key, weights_key
 from refpipe.storage.ledger import Ledger
 
 WRITE_FAULTS = [("EIO", False), ("EIO", True), ("ESTALE", False), ("ETIMEDOUT", True), ("EAGAIN", False)]
@@ -91,7 +91,7 @@ def test_publish_step(run, code, after):
 def test_flush_ledger(run, code, after):
     store, faults = run
     ledger = Ledger(store, "env_worker_0")
-    name = f"{ledger.session}-000001.jsonl"
+    name = segment_key("env_worker_0", ledger.session, 1).rpartition("/")[2]
     _fault(faults, "link", name, code, after)
     ledger.record("receive", branch_ids=["a"])
     ledger.flush()
