@@ -60,8 +60,20 @@ class JobConfig(BaseModel):
     """Seeds the env workers' samplers."""
 
 
+RUN_DEFAULTS = {"orchestrator": {"seq_len": 256, "dp_world_size": 2, "groups_per_step": 8, "group_size": 8},
+                "trainer": {"step_timeout_s": 300.0, "collective_timeout_s": 300.0}}
+"""Where the run config's defaults differ from the component's own (README, "Config reference"): a section given
+in part keeps these for the keys it does not set."""
+
+
 class RunConfig(BaseModel):
-    """Everything one run needs; each section is the config of one component."""
+    """Everything one run needs; each section is the config of one component.
+
+    A section given as a mapping (a TOML table, ``config.json``) sets only its keys: the others keep the run's
+    defaults (``RUN_DEFAULTS``, then the component's), and the trainer world (``job.trainer_world_size =
+    orchestrator.dp_world_size x trainer.model_parallel_size``) is derived from whichever side is given
+    (``_derive_sections``).
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -69,10 +81,36 @@ class RunConfig(BaseModel):
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
     sampling: SamplingConfig = SamplingConfig()
-    orchestrator: OrchestratorConfig = OrchestratorConfig(seq_len=256, dp_world_size=2, groups_per_step=8,
-                                                          group_size=8)
-    trainer: TrainerConfig = TrainerConfig(step_timeout_s=300.0, collective_timeout_s=300.0)
+    orchestrator: OrchestratorConfig = OrchestratorConfig(**RUN_DEFAULTS["orchestrator"])
+    trainer: TrainerConfig = TrainerConfig(**RUN_DEFAULTS["trainer"])
     job: JobConfig = JobConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derive_sections(cls, data):
+        """Partial sections never reset what the run's defaults or another section say: merge each given mapping
+        over ``RUN_DEFAULTS``; derive ``orchestrator.dp_world_size`` from ``job.trainer_world_size`` when only the
+        latter is given, and ``job.trainer_world_size`` from the DP and model-parallel sizes otherwise."""
+        if not isinstance(data, dict):
+            return data
+        given = {name: dict(data[name]) if isinstance(data.get(name), dict) else data.get(name)
+                 for name in ("orchestrator", "trainer", "job")}
+        data = {**data, **{name: {**RUN_DEFAULTS[name], **given[name]} for name in RUN_DEFAULTS
+                           if isinstance(given[name], dict)}}
+        orchestrator, trainer, job = data.get("orchestrator", dict(RUN_DEFAULTS["orchestrator"])), \
+            data.get("trainer"), given["job"] or {}
+        if not isinstance(orchestrator, dict) or not isinstance(job, dict):
+            return data  # given as objects: complete already
+        mp = trainer.model_parallel_size if isinstance(trainer, TrainerConfig) else \
+            (trainer or {}).get("model_parallel_size", 1)
+        world, dp = job.get("trainer_world_size"), orchestrator.get("dp_world_size")
+        if not all(isinstance(v, int) and v > 0 for v in (mp, dp, 1 if world is None else world)):
+            return data  # the fields' own validation names the bad value
+        if world is not None and "dp_world_size" not in (given["orchestrator"] or {}) and world % mp == 0:
+            orchestrator = {**orchestrator, "dp_world_size": world // mp}
+        elif world is None:
+            job = {**job, "trainer_world_size": dp * mp}
+        return {**data, "orchestrator": orchestrator, "job": job}
 
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":

@@ -26,7 +26,8 @@ from importlib.metadata import version as _version
 __version__ = _version("refpipe")
 
 _ERRORS = ("RefpipeError", "ConfigError", "OutsideRunError", "StorageError", "TransientStorageError",
-           "KeyNotFoundError", "ChunkNotFoundError", "RunNotFoundError", "ChunkCorruptError", "KeyExistsError",
+           "KeyNotFoundError", "ChunkNotFoundError", "RunNotFoundError", "RunPathNotADirectoryError",
+           "ChunkCorruptError", "KeyExistsError",
            "DoubleDeleteError", "UnknownRefError", "FieldError", "EpisodeError", "StepFileError", "PackingError",
            "FetchError", "AlignmentError", "DeleteKeysError", "CheckpointError", "ReplayMismatchError",
            "RunStillRunningError", "DeleteRecordError", "LedgerRecordError")

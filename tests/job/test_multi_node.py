@@ -20,7 +20,14 @@ from ports import free_port
 from refpipe.cli.main import app
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
-from refpipe.storage.layout import AUTHKEY_KEY, CONFIG_KEY, ORCHESTRATOR_ACTOR, SUMMARY_KEY, address_key
+from refpipe.storage.layout import (
+    AUTHKEY_KEY,
+    CONFIG_KEY,
+    ORCHESTRATOR_ACTOR,
+    SUMMARY_KEY,
+    address_key,
+    parse_segment_key,
+)
 from refpipe.storage.ledger import Ledger
 from refpipe.trainer.pause import ENV
 from test_main_job import write_config
@@ -251,7 +258,7 @@ def test_an_env_server_started_on_its_own_says_where_it_listens_and_how_far_it_g
     finally:
         server.kill()
     address = json.loads(store.get(address_key(1)))
-    session = next(k for k in store.list_prefix("ledger/events/env_worker_1")).rsplit("/", 1)[1].rsplit("-", 1)[0]
+    session, = {parse_segment_key(k)[1] for k in store.list_prefix("ledger/events/env_worker_1")}
     chunks, nbytes = sum(r.kept_chunks for r in results), sum(r.kept_bytes for r in results)
     progress = (f"2 groups served (0 failed), {chunks} chunks kept ({nbytes / 2**20:.2f} MiB), 0 discarded, "
                 f"weights version 0")
