@@ -153,6 +153,21 @@ def _npy(shape: tuple[int, ...], data: bytes) -> bytes:
 
 
 @pytest.mark.parametrize("storage_config", ["local"], indirect=True)
+def test_a_stream_with_a_header_numpy_writes_otherwise_still_reads(published):
+    """The reader compares a member's header with the exact bytes ``encode_step_file`` writes (the fast path);
+    a valid ``.npy`` 2.0 header of the same dtype and shape is parsed instead and reads the same stream."""
+    store, *_ = published
+    original = StepFile.read(store, 7)
+    expected = original.streams(0, 0)["input_ids"]
+    f = io.BytesIO()
+    np.lib.format.write_array_header_2_0(f, {"descr": "<i4", "fortran_order": False, "shape": expected.shape})
+    store.put(step_key(7), _with_member(store.get(step_key(7)), "dp0.mb0.input_ids.npy",
+                                        f.getvalue() + expected.tobytes()))
+    got = StepFile.read(store, 7).streams(0, 0)["input_ids"]
+    assert got.dtype == np.dtype("<i4") and got.tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("storage_config", ["local"], indirect=True)
 @pytest.mark.parametrize("declared, keep_bytes, message", [
     (2**40, None, "dp0.mb0.input_ids.npy is <i4 [1099511627776], expected <i4 [{n}]"),
     (None, -4, "member dp0.mb0.input_ids.npy holds {short} bytes of data, expected {full} (<i4 [{n}])"),
