@@ -165,14 +165,20 @@ def test_micro_batch_hash_is_xxh3_128_of_every_array_and_its_name_dtype_and_shap
     mb = assemble_micro_batch(header.micro_batches_of(0)[0], step.streams[(0, 0)], arrays, header.refs,
                               seq_len=SEQ_LEN, fields=FIELDS)
     # pinned: a replay after a crash compares it with the first life's (trainer metrics); XXH3-128, not BLAKE2b
-    assert micro_batch_hash(mb) == "ff5d9f19d5292fbb5937b4a1fcb1ac03"
+    assert micro_batch_hash(mb) == "30c05e019bbaba8894193bcf27f828d4"
     changed = dict(mb.streams, advantages=mb.streams["advantages"].copy())
     changed["advantages"][3] += 1
     assert micro_batch_hash(dataclasses.replace(mb, streams=changed)) != micro_batch_hash(mb)
+    routing = mb.fields["routed_experts"]
+    padded = routing.padded.copy()
+    padded[1, 0, 0] += 1  # a real token's row: read through ``padded`` only (``values`` is its view)
+    changed = dataclasses.replace(routing, padded=padded, values=padded[: len(routing.values)])
+    assert micro_batch_hash(dataclasses.replace(mb, fields={**mb.fields, "routed_experts": changed})) \
+        != micro_batch_hash(mb)
 
 
 def test_assemble_imports_without_torch():
-    code = "import sys, trainer.assemble; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, refpipe.trainer.assemble; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
