@@ -176,6 +176,7 @@ class Launcher:
         try:
             swept = sweep(self.store, stopped=True)
             self.lives["reclaimed"] = len(swept.deleted) + len(swept.removed_incomplete) + len(swept.finished_deletes)
+            self.deletes["sweep at resume"] += len(swept.deleted)
         except RunStillRunningError as e:
             raise ConfigError(f"refusing to resume {self.store.prefix.uri}: another life of the run is still running: "
                               f"{', '.join(e.running)} (heartbeats live); stop it (on every node) first") from e
@@ -361,6 +362,7 @@ class Launcher:
             self.deletes["sweep"] += len(swept.deleted)
             self.deletes["sweep: unfinished deletes finished"] += len(swept.finished_deletes)
             report = audit(self.store, stopped=True, finished=True)
+        self.deletes = with_unreported(self.deletes, report.deleted)
         removed_directories = 0 if failed else self.store.remove_empty_directories()  # every role has finished
         alignment_ok = self.alignment_max < self.cfg.job.alignment_tolerance
         resumed = None if self.life is None else {
@@ -417,6 +419,33 @@ class Launcher:
         self.deletes["trainer"] += finished["deletes"]
         for rank, nbytes in enumerate(finished["peak_rss_bytes"]):
             self.costs.process_rss(f"trainer_rank_{rank}", nbytes)
+
+
+UNREPORTED_DELETES = "unreported (earlier lives, stopped processes)"
+"""The path of the deletes no process of this life reported: an earlier life's, and the last releases of trainer
+ranks stopped before their next metrics (step ``s``'s metrics count the release of step ``s - 2``)."""
+DOUBLE_COUNTED_DELETES = "counted twice above"
+"""The path of a negative rest: a path counted a delete another finished too (the orchestrator counts a failed
+delete, which the final sweep finishes)."""
+
+
+def with_unreported(deletes: Counter[str], deleted: int) -> Counter[str]:
+    """Chunks deleted per path plus the difference from the run's total, so the paths sum to ``deleted``.
+
+    Args:
+        deletes: path (``trainer``, ``orchestrator <reason>``, ``env worker discard``, ``sweep``, ...) -> chunks
+            this life's processes reported deleting.
+        deleted: the run's delete records (``AuditReport.deleted``: every life, every holder).
+
+    Returns:
+        ``deletes`` with ``UNREPORTED_DELETES`` (``deleted`` exceeds the reported sum) or ``DOUBLE_COUNTED_DELETES``
+        (negative: the reported sum exceeds ``deleted``) added; unchanged when they agree.
+    """
+    rest = deleted - sum(deletes.values())
+    paths = Counter(deletes)
+    if rest:
+        paths[UNREPORTED_DELETES if rest > 0 else DOUBLE_COUNTED_DELETES] = rest
+    return paths
 
 
 @contextlib.contextmanager

@@ -295,3 +295,53 @@ def test_a_group_whose_send_fails_goes_to_one_other_replica_once(tmp_path, local
         received.append(live_peer.recv())
     assert received == [GroupRequest(0, "g000000", 0)]
     assert (fleet.dead, fleet.in_flight) == ({0}, [{}, {0: GroupRequest(0, "g000000", 0)}])
+
+
+def test_delete_paths_get_the_rest_of_the_audits_total_as_one_labelled_path():
+    """The summary's per-path deletes sum to the audit's ``deleted``: what no path reported is one labelled path, a
+    surplus (a delete two paths counted) another; paths that agree with the total are left as they are."""
+    from collections import Counter
+
+    from refpipe.job.launcher import DOUBLE_COUNTED_DELETES, UNREPORTED_DELETES, with_unreported
+
+    reported = Counter({"trainer": 22, "orchestrator eval": 8, "orchestrator untrained": 3, "env worker discard": 0})
+    assert with_unreported(reported, 52) == {"trainer": 22, "orchestrator eval": 8, "orchestrator untrained": 3,
+                                             "env worker discard": 0, UNREPORTED_DELETES: 19}
+    assert with_unreported(reported, 33) == reported and "env worker discard" in with_unreported(reported, 33)
+    assert with_unreported(reported, 31) == {**reported, DOUBLE_COUNTED_DELETES: -2}
+    assert reported == {"trainer": 22, "orchestrator eval": 8, "orchestrator untrained": 3, "env worker discard": 0}
+
+
+def test_a_stopped_runs_delete_rows_sum_to_the_deleted_total(tmp_path):
+    """SIGTERM while every trainer rank waits after step 1's release, before its metrics: the trainer deleted steps 0
+    and 1's chunks, but its metrics reported none (step s's metrics count step s - 2's release) and it is killed
+    before its finish metrics. The summary (table and summary.json) names those deletes as unreported; its delete
+    rows summed to 15 below a `deleted` of 52 in the run that found it."""
+    import subprocess
+    import sys
+
+    from refpipe.trainer.pause import ENV
+    from test_resume import released_by
+
+    root = tmp_path / "root"
+    path = write_config(tmp_path, root, "stop", num_steps=6)
+    marker = tmp_path / "paused"
+    refpipe = os.path.join(os.path.dirname(sys.executable), "refpipe")
+    proc = subprocess.Popen([refpipe, "run", "--config", path], env={**os.environ, ENV: f"after_release:1:{marker}"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    store = open_store(StorageConfig(root=str(root), run_id="stop"))
+    deadline = time.monotonic() + 300
+    while not (marker.exists() and released_by([0, 1], 1)(store)):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 143, out
+    summary = json.loads(store.get(SUMMARY_KEY))
+    trained = {ref.branch_id for step in (0, 1) for ref in StepFile.read(store, step).header.refs}
+    deletes = summary["deletes"]
+    rows = [line.split("│")[1:3] for line in out.splitlines() if line.startswith("│ deletes: ")]
+    assert (sum(int(n) for _, n in rows), sum(deletes.values())) == (summary["audit"]["deleted"],) * 2, out
+    from refpipe.job.launcher import UNREPORTED_DELETES
+
+    assert (deletes["trainer"], deletes[UNREPORTED_DELETES]) == (0, len(trained))
