@@ -131,11 +131,14 @@ def train_rank(run: str = typer.Argument(..., metavar="RUN_URI", help=RUN_HELP),
                s3_endpoint_url: Optional[str] = typer.Option(None, help=S3_HELP),
                resume: bool = typer.Option(False, "--resume", help="A later life: start from the newest complete "
                                                                    "checkpoint (see `refpipe run --resume`)."),
+               published: Optional[int] = typer.Option(
+                   None, "--published", metavar="N", help="With --resume: steps 0..N-1 are the earlier lives' "
+                                                          "(default: the step files listed when the rank starts)."),
                ) -> None:
     """One trainer rank of a run (torchrun environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
     from refpipe.job.train_rank import main
 
     try:
-        main(run, s3_endpoint_url, resume=resume)
+        main(run, s3_endpoint_url, resume=resume, published=published)
     except RefpipeError as e:
         fail(str(e))

@@ -61,6 +61,7 @@ from refpipe.storage.layout import (
     step_key,
 )
 from refpipe.storage.store import Store
+from refpipe.trainer.resume import ResumePlan, read_plan
 from rich.console import Console
 
 MAX_GROUP_ATTEMPTS = 3
@@ -90,10 +91,14 @@ class Launcher:
         self.rewards: list[float] = []
         self.rows: dict[int, StepRow] = {}
         self.life: LifeStart | None = None
+        self.plan: ResumePlan | None = None
+        """A later life's resume plan (``trainer.resume.read_plan``), read before any role starts; its trainer ranks
+        get its ``published`` (``--published``), so they replay and skip the same steps."""
         self.stale_lives: dict[int, str | None] = {}
         """Steps to train again -> the ``life`` of their metrics from an earlier life (not this life's)."""
         self.lives = Counter()
-        """This life's ``replayed`` and ``skipped`` steps and ``reclaimed`` chunks (``refpipe run --resume``)."""
+        """This life's ``replayed`` and ``skipped`` steps so far (of ``plan.replayed`` and ``plan.skipped``, counted as
+        their metrics arrive) and ``reclaimed`` chunks (``refpipe run --resume``)."""
         self.costs = RunCosts()
         self.shipped_nbytes: dict[int, int] = {}  # step -> bytes of its chunks, until its release is counted
         self.released_nbytes = 0
@@ -106,7 +111,8 @@ class Launcher:
                 self.prepare_resume()
             else:
                 self.prepare()
-            env_procs, trainers = start_local_roles(self.cfg, self.store.prefix.uri, _free_port(), resume=self.resume)
+            env_procs, trainers = start_local_roles(self.cfg, self.store.prefix.uri, _free_port(),
+                                                    published=self.plan.published if self.plan else None)
             return self.orchestrate(env_procs, trainers)
 
     def orchestrate(self, env_procs: list | None = None, trainers: list | None = None) -> int:
@@ -182,6 +188,7 @@ class Launcher:
                               f"{', '.join(e.running)} (heartbeats live); stop it (on every node) first") from e
         except LedgerRecordError as e:  # the run goes on; its audit reports the record, nothing is reclaimed
             self.console.log(f"[yellow]not reclaiming what dead sessions kept:[/] {markup_safe(str(e))}")
+        self.plan = read_plan(self.store, self.cfg.orchestrator.dp_world_size, life.published)  # after the sweep
         point_latest(self.store, life.policy_version)
         self.store.put(CONFIG_KEY, self.cfg.model_dump_json(indent=2).encode())
         self.life, self.trained, self.next_step = life, life.checkpoint_step + 1, life.published
@@ -190,11 +197,9 @@ class Launcher:
             self.rows[step] = StepRow.from_header(StepFile.read(self.store, step).header, sizes[step_key(step)], 0, 0)
             with contextlib.suppress(KeyNotFoundError):
                 self.stale_lives[step] = json.loads(self.store.get(metrics_key(step))).get("life")
-        start = f"checkpoint of step {life.checkpoint_step}" if life.checkpoint_step >= 0 else "the warm start"
-        self.console.log(f"resuming run {self.store.prefix.uri} (life {life.life}) from {start}: "
+        self.console.log(f"resuming run {self.store.prefix.uri} (life {life.life}) {self.plan.describe()}; steps "
                          + "; ".join(f"{k} {len(v)}" for k, v in life.classes.items())
-                         + f"; steps {self.trained}..{life.published - 1} trained again; "
-                         f"{self.lives['reclaimed']} chunks reclaimed from dead sessions", highlight=False)
+                         + f"; {self.lives['reclaimed']} chunks reclaimed from dead sessions", highlight=False)
 
     def loop(self, fleet: Fleet) -> None:
         """Until every step is trained: check, dispatch, collect, build, show."""
@@ -321,7 +326,8 @@ class Launcher:
                 return progressed
             if self.trained in self.stale_lives and metrics.get("life") == self.stale_lives[self.trained]:
                 return progressed  # an earlier life's metrics: this life has not trained the step yet
-            self.lives.update(k for k in ("replayed", "skipped") if metrics.get(k))
+            if self.plan and (self.trained in self.plan.skipped or self.plan.replays(self.trained)):
+                self.lives["skipped" if self.trained in self.plan.skipped else "replayed"] += 1
             self.deletes["trainer"] += metrics["deletes"]
             self.alignment_max = max(self.alignment_max, metrics["on_policy_max_abs_diff"])
             self.alignment_tokens += metrics["on_policy_tokens"]

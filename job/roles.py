@@ -171,10 +171,11 @@ def exit_with_launcher() -> bool:
 
 
 def start_local_roles(cfg: RunConfig, run_uri: str, master_port: int, *,
-                      resume: bool = False) -> tuple[list[subprocess.Popen], list[subprocess.Popen]]:
+                      published: int | None = None) -> tuple[list[subprocess.Popen], list[subprocess.Popen]]:
     """``refpipe run``: start the env-server replicas and the trainer ranks on this machine, each the
     same command an operator would start (trainers with torchrun's environment, gloo on loopback;
-    ``--resume`` for a later life). Each runs in its own session: Ctrl-C is the launcher's, which stops them."""
+    ``--resume --published <published>`` for a later life whose earlier lives published steps ``0 .. published - 1``).
+    Each runs in its own session: Ctrl-C is the launcher's, which stops them."""
     base = {**os.environ, LAUNCHER_PID_ENV: str(os.getpid()), "OMP_NUM_THREADS": "1"}
     endpoint = ["--s3-endpoint-url", cfg.storage.s3_endpoint_url] if cfg.storage.s3_endpoint_url else []
     envs = [subprocess.Popen([sys.executable, "-m", "refpipe.cli.main", "env-server", run_uri,
@@ -182,7 +183,7 @@ def start_local_roles(cfg: RunConfig, run_uri: str, master_port: int, *,
                              start_new_session=True) for i in range(cfg.job.num_env_workers)]
     world = cfg.job.trainer_world_size
     trainers = [subprocess.Popen([sys.executable, "-m", "refpipe.job.train_rank", run_uri, *endpoint,
-                                  *(["--resume"] if resume else [])],
+                                  *(["--resume", "--published", str(published)] if published is not None else [])],
                                  env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)},
                                  start_new_session=True) for rank in range(world)]

@@ -177,12 +177,14 @@ def checkpoint_due(cfg: RunConfig, step: int) -> bool:
     return bool(every) and ((step + 1) % every == 0 or step == cfg.job.num_steps - 1)
 
 
-def main(run_uri: str, s3_endpoint_url: str | None = None, *, resume: bool = False) -> None:
+def main(run_uri: str, s3_endpoint_url: str | None = None, *, resume: bool = False,
+         published: int | None = None) -> None:
     """Rank entry (torchrun environment). Trains ``job.num_steps`` steps, publishing weights after each.
 
     ``resume``: a later life of the run (``trainer.resume``): start from the newest complete checkpoint
     (or the warm start), finish the releases it covers, republish its weights, then replay or skip the
-    steps after it.
+    steps after it. ``published``: with ``resume``, steps ``0 .. published - 1`` are the earlier lives' (the
+    launcher's count, ``trainer.resume.read_plan``); None: the step files listed when the plan is read.
 
     Raises:
         ConfigError: not a run, or ``WORLD_SIZE`` is not ``orchestrator.dp_world_size x
@@ -200,7 +202,7 @@ def main(run_uri: str, s3_endpoint_url: str | None = None, *, resume: bool = Fal
     model = MoELM(cfg.model)
     policy = PolicyTrainer(cfg, model)
     rank = TrainerRank(store, cfg.fields, cfg.storage, cfg.trainer)
-    plan = resume_life(store, cfg, policy, rank) if resume else None
+    plan = resume_life(store, cfg, policy, rank, published) if resume else None
     if not resume:
         load_weights(store, model, 0)
     for step in range(plan.start_step if plan else 0, cfg.job.num_steps):
@@ -222,12 +224,13 @@ def main(run_uri: str, s3_endpoint_url: str | None = None, *, resume: bool = Fal
     dist.destroy_process_group()
 
 
-def resume_life(store: Store, cfg: RunConfig, policy: PolicyTrainer, rank: TrainerRank) -> ResumePlan:
+def resume_life(store: Store, cfg: RunConfig, policy: PolicyTrainer, rank: TrainerRank,
+                published: int | None = None) -> ResumePlan:
     """Every rank: load the newest complete checkpoint (or the warm start), release (in the background) what it
     covers that an earlier life had not, and (rank 0) republish its weights as the current version, so env
     workers restart on them (the launcher pointed them at the earlier life's file of that version: the same
     weights, ``check_same_weights``)."""
-    plan = plan_resume(store, cfg.orchestrator.dp_world_size, rank.data_group)
+    plan = plan_resume(store, cfg.orchestrator.dp_world_size, rank.data_group, published)
     if plan.checkpoint:
         empty = training_state(policy.model, policy.optimizer, step=-1, policy_version=-1)
         state = load_checkpoint(store, plan.checkpoint.step, empty)
@@ -239,9 +242,7 @@ def resume_life(store: Store, cfg: RunConfig, policy: PolicyTrainer, rank: Train
     rank.resume(plan)
     if dist.get_rank() == 0:
         publish_weights(store, policy.model, policy.version, replace=True)
-        start = f"the checkpoint of step {plan.checkpoint.step}" if plan.checkpoint else "the warm start"
-        log.warning("resumed from %s: steps %d..%d trained again (%d of them skipped: chunks gone)", start,
-                    plan.start_step, plan.published - 1, len(plan.skipped))
+        log.warning("resumed %s", plan.describe())
     return plan
 
 
@@ -295,16 +296,19 @@ class _OneLineErrors(argparse.ArgumentParser):
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """``python -m refpipe.job.train_rank RUN_URI [--s3-endpoint-url URL] [--resume]``; a bad run or world size
-    is one ``error:`` line and exit code 2."""
+    """``python -m refpipe.job.train_rank RUN_URI [--s3-endpoint-url URL] [--resume [--published N]]``; a bad run
+    or world size is one ``error:`` line and exit code 2."""
     parser = _OneLineErrors(prog="python -m refpipe.job.train_rank", description=__doc__.splitlines()[0])
     parser.add_argument("run", metavar="RUN_URI", help="the run (<root>/<run_id>) as this node reaches it")
     parser.add_argument("--s3-endpoint-url", default=None, help="S3 endpoint (default: the AWS environment)")
     parser.add_argument("--resume", action="store_true", help="a later life: start from the newest complete "
                                                               "checkpoint (see `refpipe run --resume`)")
+    parser.add_argument("--published", type=int, default=None, metavar="N",
+                        help="with --resume: steps 0..N-1 are the earlier lives' (`refpipe run --resume` passes its "
+                             "count; default: the step files listed when the rank starts)")
     args = parser.parse_args(argv)
     try:
-        main(args.run, args.s3_endpoint_url, resume=args.resume)
+        main(args.run, args.s3_endpoint_url, resume=args.resume, published=args.published)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -14,8 +14,11 @@ Steps ``k + 1 .. published - 1`` are trained again from their step files (a repl
 step some of whose chunks already have a delete record (``release = "after_step"`` deleted them
 before the crash): it is skipped, never trained on stand-ins, and its remaining chunks released.
 
-``plan_resume`` is collective: rank 0 reads the run and broadcasts the plan, so every rank
-acts on the same one.
+``plan_resume`` is collective: rank 0 reads the run (``read_plan``) and broadcasts the plan, so every rank
+acts on the same one. ``published`` is fixed when the life starts: the launcher of ``refpipe run --resume``
+reads the same plan before it starts anything (``read_plan``) and hands its ``published`` to the ranks
+(``--published``), because its orchestrator publishes the life's new steps while the ranks start; a step
+this life published is trained for the first time, never replayed.
 """
 
 from __future__ import annotations
@@ -64,20 +67,49 @@ class ResumePlan:
         """Whether training ``step`` is a replay of a step an earlier life published (and maybe trained)."""
         return self.start_step <= step < self.published and step not in self.skipped
 
+    @property
+    def replayed(self) -> list[int]:
+        """The steps ``replays`` is true of: ``start_step .. published - 1`` but the skipped ones."""
+        return [step for step in range(self.start_step, self.published) if step not in self.skipped]
 
-def plan_resume(store: Store, dp_world_size: int, group: dist.ProcessGroup) -> ResumePlan:
-    """Every rank: rank 0 reads the run (one listing each of ``checkpoints/``, ``steps/`` and each
-    ``ledger/events/trainer_dp<r>/``; every segment of those actors; one HEAD per chunk of the steps after
-    the checkpoint) and broadcasts the plan over ``group`` (the data path's gloo group, ``TrainerRank.data_group``)."""
-    box = [_read_plan(store, dp_world_size) if dist.get_rank() == 0 else None]
+    def describe(self) -> str:
+        """One line: where the life starts and what it does with the steps an earlier life published after it,
+        e.g. ``from the checkpoint of step 1: steps 2..3 of an earlier life: 1 replayed (3), 1 skipped (2: a chunk
+        already deleted)``."""
+        start = f"from the checkpoint of step {self.checkpoint.step}" if self.checkpoint else "from the warm start"
+        if self.start_step >= self.published:
+            return f"{start}: no step of an earlier life after it"
+        return (f"{start}: steps {self.start_step}..{self.published - 1} of an earlier life: {len(self.replayed)} "
+                f"replayed ({_steps(self.replayed)}), {len(self.skipped)} skipped ({_steps(self.skipped)}"
+                f"{': a chunk already deleted' if self.skipped else ''})")
+
+
+def _steps(steps: list[int]) -> str:
+    return ", ".join(map(str, steps)) or "none"
+
+
+def plan_resume(store: Store, dp_world_size: int, group: dist.ProcessGroup,
+                published: int | None = None) -> ResumePlan:
+    """Every rank: rank 0 reads the run (``read_plan``) and broadcasts the plan over ``group`` (the data path's
+    gloo group, ``TrainerRank.data_group``)."""
+    box = [read_plan(store, dp_world_size, published) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
-def _read_plan(store: Store, dp_world_size: int) -> ResumePlan:
+def read_plan(store: Store, dp_world_size: int, published: int | None = None) -> ResumePlan:
+    """The plan of the run's next life, read-only: one listing each of ``checkpoints/``, ``steps/`` (unless
+    ``published`` is given) and each ``ledger/events/trainer_dp<r>/``; every segment of those actors; one HEAD per
+    chunk of the steps after the checkpoint.
+
+    Args:
+        published: steps ``0 .. published - 1`` are the earlier lives' (what the launcher found before this life
+            started); None: the step files listed now, up to the first missing one.
+    """
     checkpoint = newest_checkpoint(store)
-    steps = {s for k in store.list_prefix(STEPS_PREFIX) if (s := parse_step_key(k)) is not None}
-    published = next(s for s in range(len(steps) + 1) if s not in steps)
+    if published is None:
+        steps = {s for k in store.list_prefix(STEPS_PREFIX) if (s := parse_step_key(k)) is not None}
+        published = next(s for s in range(len(steps) + 1) if s not in steps)
     released = {r: _highest_release(store, r) for r in range(dp_world_size)}
     start = checkpoint.step + 1 if checkpoint else 0
     skipped = [s for s in range(start, published) if _some_chunk_deleted(store, s)]

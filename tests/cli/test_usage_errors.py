@@ -68,4 +68,5 @@ def test_the_trainer_module_entry_says_the_same_in_one_line(capsys):
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == (
         "error: the following arguments are required: RUN_URI (usage: python -m refpipe.job.train_rank [-h] "
-        "[--s3-endpoint-url S3_ENDPOINT_URL] [--resume] RUN_URI; see python -m refpipe.job.train_rank --help)\n")
+        "[--s3-endpoint-url S3_ENDPOINT_URL] [--resume] [--published N] RUN_URI; see python -m refpipe.job.train_rank "
+        "--help)\n")

@@ -267,3 +267,42 @@ def test_a_resume_config_may_change_num_steps_only(tmp_path, local_config):
     assert result.exit_code == 2
     assert "job.learning_rate, orchestrator.group_size differ from the run's config.json" in result.output
     assert store.list_prefix("") == ["config.json"]
+
+
+def test_a_plan_says_in_one_line_which_steps_of_an_earlier_life_it_replays_and_skips():
+    from refpipe.storage.checkpoints import CheckpointInfo
+
+    checkpoint = CheckpointInfo(step=1, policy_version=2, uri="file:///r/checkpoints/step_00000001")
+    assert ResumePlan(checkpoint, 4, {0: 2, 1: 2}, [2]).describe() == (
+        "from the checkpoint of step 1: steps 2..3 of an earlier life: 1 replayed (3), 1 skipped (2: a chunk already "
+        "deleted)")
+    assert ResumePlan(None, 2, {0: -1}, []).describe() == (
+        "from the warm start: steps 0..1 of an earlier life: 2 replayed (0, 1), 0 skipped (none)")
+    assert ResumePlan(checkpoint, 2, {0: 1}, []).describe() == (
+        "from the checkpoint of step 1: no step of an earlier life after it")
+    assert ResumePlan(checkpoint, 4, {0: 2}, [2]).replayed == [3]
+
+
+def test_a_step_the_resumed_life_publishes_itself_is_trained_not_replayed(tmp_path, local_config, monkeypatch):
+    """The first life (after_step, 3 steps) is killed once both DP ranks released step 2 (checkpoint of step 1):
+    steps 0..2 published. The resume (4 steps) skips step 2 (its chunks are gone); its orchestrator publishes step 3
+    while the trainer ranks start. Step 3 is this life's, so it is trained for the first time, not replayed: the
+    launcher's line, the trainer's line and the summary all say 0 replayed, 1 skipped. The rank read the listing when
+    its plan was ready and said "steps 2..3 trained again (1 of them skipped)", counted step 3 as replayed (summary:
+    replayed 1, skipped 1), while the launcher said "steps 2..2 trained again"."""
+    monkeypatch.setenv("COLUMNS", "400")  # the launcher's log line on one line
+    store = open_store(local_config)
+    config = write_config(tmp_path, local_config, release="after_step", num_steps=3)
+    life(tmp_path, ["--config", str(config)], "after_release:2", store, released_by([0, 1], 2))
+    assert store.list_prefix("steps") == [f"steps/step_{s:08d}.npz" for s in range(3)]
+    longer = tmp_path / "longer.toml"
+    longer.write_text("[job]\nnum_steps = 4\n")
+    done = life(tmp_path, ["--resume", store.prefix.uri, "--config", str(longer)], None, store)
+    assert done.returncode == 0, done.stdout
+    resumed = json.loads(store.get(SUMMARY_KEY))["resumed"]
+    assert (resumed["from_checkpoint_step"], resumed["replayed_steps"], resumed["skipped_steps"]) == (1, 0, 1)
+    assert [json.loads(store.get(metrics_key(s))).get("replayed") for s in (2, 3)] == [None, False]
+    line = ("from the checkpoint of step 1: steps 2..2 of an earlier life: 0 replayed (none), 1 skipped (2: a chunk "
+            "already deleted)")
+    assert f"[trainer rank 0] resumed {line}\n" in done.stdout, done.stdout
+    assert f"resuming run {store.prefix.uri} (life 1) {line}; steps released 3;" in done.stdout, done.stdout
