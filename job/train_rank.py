@@ -21,6 +21,7 @@ metrics (``metrics/trainer_step_<s>.json``). After the last step every rank call
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -41,7 +42,7 @@ from refpipe.storage.errors import ConfigError, KeyNotFoundError, ReplayMismatch
 from refpipe.storage.layout import FINISH_METRICS_KEY, metrics_key, step_key
 from refpipe.storage.store import Store
 from refpipe.trainer.checkpoint import apply_training_state, load_checkpoint, save_checkpoint, training_state
-from refpipe.trainer.dist import gather_rank_values, init_process_group
+from refpipe.trainer.dist import gather_rank_values, init_process_group, peer_failure
 from refpipe.trainer.pause import pause_point
 from refpipe.trainer.resume import ResumePlan, plan_resume
 from refpipe.trainer.step import TrainerRank
@@ -199,6 +200,34 @@ def main(run_uri: str, s3_endpoint_url: str | None = None, *, resume: bool = Fal
         raise ConfigError(f"WORLD_SIZE={world_size} (torchrun --nnodes x --nproc-per-node): run {store.prefix.uri} "
                           f"expects {expected} ranks (orchestrator.dp_world_size x trainer.model_parallel_size)")
     init_process_group(cfg.trainer, rank=int(os.environ["RANK"]), world_size=world_size)
+    with peer_failures_end_the_rank(store.prefix.uri):
+        train_life(store, cfg, resume=resume, published=published)
+
+
+@contextlib.contextmanager
+def peer_failures_end_the_rank(run_uri: str):
+    """End the rank with one ``error:`` line on stderr and exit code 1 when a collective fails because a peer rank
+    died or hangs (``trainer.dist.peer_failure``): an expected failure of a run over several processes, which the
+    launcher or the orchestrator reports too (by the ranks' processes or heartbeats). Any other error propagates.
+
+    Raises:
+        SystemExit: code 1, after the line.
+    """
+    try:
+        yield
+    except RuntimeError as e:
+        why = peer_failure(e)
+        if why is None:
+            raise
+        print(f"error: trainer rank {dist.get_rank()} of {dist.get_world_size()}: a collective failed ({why}): a "
+              f"peer rank died or stopped answering, so this rank stops too; once no role of the run is left, "
+              f"continue it from its newest checkpoint with `refpipe run --resume {run_uri}`", file=sys.stderr,
+              flush=True)
+        raise SystemExit(1) from None
+
+
+def train_life(store: Store, cfg: RunConfig, *, resume: bool, published: int | None) -> None:
+    """Every rank, in the initialised process group: train this life's steps (``main``), finish, close."""
     model = MoELM(cfg.model)
     policy = PolicyTrainer(cfg, model)
     rank = TrainerRank(store, cfg.fields, cfg.storage, cfg.trainer)

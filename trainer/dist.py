@@ -16,6 +16,7 @@ whose peer died or hangs raises instead of waiting forever.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -73,6 +74,32 @@ def init_process_group(config: TrainerConfig, *, rank: int, world_size: int, ini
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=config.collective_timeout_s))
     return topology
+
+
+_GLOO_TRANSPORT = re.compile(r"gloo/transport/\S*:\d+\]\s*")
+"""Where gloo's TCP transport names itself in an error: ``[<source path>/gloo/transport/tcp/pair.cc:553] ``."""
+
+
+def peer_failure(error: BaseException) -> str | None:
+    """How a collective failed, in one line, if it failed because a peer rank died or hangs; else None.
+
+    Gloo reports a dead peer as a ``RuntimeError`` of its TCP transport (torch 2.13: ``[.../gloo/transport/tcp/
+    pair.cc:553] Connection closed by peer [127.0.0.1]:58584. This is typically caused by a remote worker
+    crashing. ...``), a hung one after ``collective_timeout_s`` as ``[.../unbound_buffer.cc:81] Timed out waiting
+    600000ms for recv operation to complete``; torch raises ``DistNetworkError`` or ``DistStoreError`` once the
+    rendezvous store's host is gone.
+
+    Returns:
+        The transport's message without its source location and advice (``Connection closed by peer
+        [127.0.0.1]:58584``), the first line of a store or network error, or None for any other error.
+    """
+    lines = str(error).strip().splitlines()
+    first = lines[0] if lines else type(error).__name__
+    if match := _GLOO_TRANSPORT.search(first):
+        return first[match.end():].split(". This is typically")[0].rstrip(". ")
+    if isinstance(error, (dist.DistNetworkError, dist.DistStoreError)):
+        return first
+    return None
 
 
 def new_data_group(config: TrainerConfig) -> dist.ProcessGroup:

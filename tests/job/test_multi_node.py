@@ -272,3 +272,55 @@ def test_an_env_server_started_on_its_own_says_where_it_listens_and_how_far_it_g
     ]
     assert err.splitlines()[1].rsplit(" ", 1)[1].startswith("127.0.0.1:")
     assert server.returncode == 0 and chunks == 8
+
+
+def test_a_rank_whose_gloo_peer_was_sigkilled_ends_with_one_line(tmp_path):
+    """Two training nodes under torchrun (the first one's worker output in files: ``--log-dir``, ``--redirects 3``);
+    DP rank 1 pauses before releasing step 1 and its worker is SIGKILLed while rank 0 waits in step 2's collective.
+    Rank 0's stderr is one line naming the failed collective and the resume command, exit code 1; it was gloo's
+    traceback (``RuntimeError: [.../gloo/transport/tcp/pair.cc:553] Connection closed by peer``, 22 lines)."""
+    import glob
+    import re
+
+    import psutil
+
+    root = tmp_path / "root"
+    root.mkdir()
+    config = write_config(tmp_path, root, "peer", num_steps=4)
+    init = subprocess.run([f"{BIN}/refpipe", "init", "--config", config], capture_output=True, text=True,
+                          timeout=300)
+    assert init.returncode == 0, init.stdout + init.stderr
+    run, marker, logs = str(root / "peer"), tmp_path / "paused", tmp_path / "logs"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([f"{BIN}/refpipe", "env-server", run, "--replica", str(i), "--host", "127.0.0.1"],
+                              env=env, stderr=subprocess.DEVNULL) for i in range(2)]
+    procs.append(subprocess.Popen([f"{BIN}/refpipe", "orchestrate", run], env=env, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL))
+    port = free_port()
+    trainers = [subprocess.Popen([f"{BIN}/torchrun", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank),
+                                  "--master-addr", "127.0.0.1", "--master-port", str(port),
+                                  *(["--log-dir", str(logs), "--redirects", "3"] if rank == 0 else []),
+                                  "-m", "refpipe.job.train_rank", run],
+                                 env={**env, ENV: f"release_dp1:1:{marker}"}, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL) for rank in range(2)]
+    try:
+        while not marker.exists():
+            assert all(p.poll() is None for p in trainers + procs)
+            time.sleep(0.2)
+        time.sleep(3)  # rank 0 goes on into step 2's collectives
+        for worker in psutil.Process(trainers[1].pid).children(recursive=True):
+            os.kill(worker.pid, signal.SIGKILL)
+        assert trainers[0].wait(timeout=300) == 1
+    finally:
+        for proc in procs + trainers:
+            proc.kill()
+            proc.wait()
+    [err_path] = glob.glob(f"{logs}/*/attempt_0/0/stderr.log")
+    with open(err_path) as f:
+        lines = f.read().splitlines()
+    assert len(lines) == 1, "\n".join(lines)
+    uri = open_store(StorageConfig(root=str(root), run_id="peer")).prefix.uri
+    assert re.fullmatch(
+        r"error: trainer rank 0 of 2: a collective failed \(Connection closed by peer \[127\.0\.0\.1\]:\d+\): a peer "
+        r"rank died or stopped answering, so this rank stops too; once no role of the run is left, continue it from "
+        rf"its newest checkpoint with `refpipe run --resume {re.escape(uri)}`", lines[0]), lines[0]
