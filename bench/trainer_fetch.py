@@ -22,7 +22,10 @@ Three worlds of 2 ranks, one after the other (each its own processes, so peak RS
            default: twice the slowest rank's median refpipe fetch of the ``limit`` world).
            ``exposed_data_seconds_per_step`` = a step's wall time minus S (max over ranks, mean
            over the steps after the first, which nothing can prefetch); ``exposed_data_ratio`` =
-           that over the step's wall time. Each world deletes its steps' chunks.
+           that over the step's wall time. Each world deletes its steps' chunks. Each step's row
+           also prints ``main_thread_data_s``: the trainer's own ``exposed_data_seconds_max`` (the
+           data path's seconds on the rank's main thread, without the metrics all-gather), so the
+           rest of the exposed seconds is that all-gather and the step loop itself.
 
 On a shared 2-core VM wall times swing by 2-3x between runs, hence pairing and medians.
 
@@ -248,6 +251,7 @@ def steps_report(world: str, results: list[dict], train_s: float) -> dict:
     later = slice(1, None) if len(walls) > 1 else slice(None)
     row = {"world": world, "wall_s": [round(w, 3) for w in walls], "exposed_s": [round(e, 3) for e in exposed],
            "fetch_s": [round(m["fetch_seconds_max"], 3) for m in results[0]["metrics"]],
+           "main_thread_data_s": [round(m["exposed_data_seconds_max"], 3) for m in results[0]["metrics"]],
            "prefetched_ranks": [m["prefetched_ranks"] for m in results[0]["metrics"]],
            "deletes": results[0]["deletes"]}
     print(json.dumps(row), flush=True)
