@@ -24,7 +24,8 @@ favours neither; each phase starts after a ``sync`` (untimed).
 Counting, from the client side: filesystem calls through CPython audit events (``open``
 incl. ``os.open``, ``mkdir``, ``link``, ``rename``, ``remove``, ``rmdir``, ``listdir``,
 ``scandir``; ``stat`` is not audited: refpipe's delete adds one per branch, the commit-marker
-check); entries created = distinct paths created (``O_CREAT`` opens, ``mkdir``, ``link``).
+check); entries created = ``O_CREAT`` opens, ``mkdir`` and ``link`` calls; refpipe's ``O_PATH`` opens of
+the directories on a key's way count as ``walk`` (``FsCounter``).
 S3 requests through botocore's ``request-created`` event on each side's s3fs client.
 
 Last line: one JSON object with ``keep_time_ratio``, ``fetch_throughput_ratio``,
@@ -91,7 +92,14 @@ def vary(fields: dict[str, np.ndarray], i: int) -> None:
 
 
 class FsCounter:
-    """Filesystem calls under each side's directory, per phase, from CPython audit events."""
+    """Filesystem calls of each side, per phase, from CPython audit events.
+
+    The raw sides name absolute paths under their roots. refpipe's local store opens the run prefix by its
+    path and resolves every key below it from directory fds (``openat(O_PATH | O_NOFOLLOW)`` per component,
+    then the operation relative to the last one: ``LocalStore._directory``), so its calls name a bare entry
+    name: a relative path is refpipe's, and its ``O_PATH`` opens (the run prefix's included) count as
+    ``walk``, apart from the calls that touch data or create entries.
+    """
 
     EVENTS = {"open", "os.mkdir", "os.link", "os.rename", "os.remove", "os.rmdir", "os.listdir", "os.scandir"}
 
@@ -99,19 +107,21 @@ class FsCounter:
         self.roots = roots
         self.phase = None
         self.ops = {(s, p): Counter() for s in SIDES for p in PHASES}
-        self.created = {(s, p): set() for s in SIDES for p in PHASES}
+        self.created = {(s, p): 0 for s in SIDES for p in PHASES}
         sys.addaudithook(self._hook)
 
     def _hook(self, event: str, args: tuple) -> None:
         if self.phase is None or event not in self.EVENTS:
             return
         path = str(args[1] if event in ("os.link", "os.rename") else args[0])
-        for side, root in self.roots.items():
-            if path.startswith(root):
-                self.ops[side, self.phase][event] += 1
-                creates = event in ("os.mkdir", "os.link") or (event == "open" and args[2] & os.O_CREAT)
-                if creates:
-                    self.created[side, self.phase].add(path)
+        side = "refpipe" if not path.startswith("/") else next(
+            (side for side, root in self.roots.items() if path.startswith(root) or path == root.rstrip("/")), None)
+        if side is None:
+            return
+        walk = event == "open" and args[2] & os.O_PATH
+        self.ops[side, self.phase]["walk" if walk else event] += 1
+        if event in ("os.mkdir", "os.link") or (event == "open" and args[2] & os.O_CREAT):
+            self.created[side, self.phase] += 1
 
 
 class S3Counter:
@@ -361,7 +371,7 @@ def _counts(counter, phase: str, n: int) -> str:
     if isinstance(counter, S3Counter):
         return " | ".join(_fmt({k: v / n for k, v in counter.requests[s, phase].items()}) for s in SIDES)
     return " | ".join(f"{sum(counter.ops[s, phase].values()) / n:.2f} ops ({_fmt(_short(counter.ops[s, phase], n))}), "
-                      f"{len(counter.created[s, phase]) / n:.2f} created" for s in SIDES)
+                      f"{counter.created[s, phase] / n:.2f} created" for s in SIDES)
 
 
 def _short(ops: Counter, n: int) -> dict:
@@ -381,7 +391,7 @@ def _count_summary(counter, n: int) -> dict:
         "fs_ops_per_branch": {p: {s: round(sum(counter.ops[s, p].values()) / n, 3) for s in SIDES} for p in PHASES},
         "fs_ops_by_kind_per_branch": {p: {s: {k: round(v, 3) for k, v in sorted(_short(counter.ops[s, p], n).items())}
                                           for s in SIDES} for p in PHASES},
-        "fs_entries_created_per_branch": {p: {s: round(len(counter.created[s, p]) / n, 3) for s in SIDES}
+        "fs_entries_created_per_branch": {p: {s: round(counter.created[s, p] / n, 3) for s in SIDES}
                                           for p in PHASES},
     }
 
