@@ -1,7 +1,8 @@
 """``refpipe ls``: one screen about a run prefix: steps, chunks and bytes per writer, ledger status.
 
 Lists the prefix (one listing per shard directory, in parallel, with a progress
-bar) and reads no chunk. A chunk's writer comes from its branch id
+bar) and reads no chunk. Each step file's last bytes are read (one ranged read of
+``pipeline.step_file.TAIL_NBYTES``) to name the truncated ones as damaged. A chunk's writer comes from its branch id
 (``<actor>-<32 hex>``, what ``Keeper`` draws); only chunks with other ids have
 their ``zarr.json`` read for the ``writer`` attribute (an unreadable one is
 listed as corrupt, and the listing goes on). The ledger part counts
@@ -17,6 +18,8 @@ from typing import Annotated, Optional
 
 import typer
 from refpipe.cli.inspect_common import S3_ENDPOINT_HELP, clean_errors, fail, open_run, parallel_map, progress
+from refpipe.job.text import markup_safe
+from refpipe.pipeline.step_file import TAIL_NBYTES, damage_from_tail
 from refpipe.storage.chunk import read_writer
 from refpipe.storage.layout import (
     DATA_NAME,
@@ -51,10 +54,15 @@ def _sized_listing(store: Store, key_prefix: str, description: str) -> dict[str,
         return store.list_sizes(key_prefix)
 
 
-def _steps(listing: dict[str, int]) -> dict:
-    steps = sorted(step for key in listing if (step := parse_step_key(key)) is not None)
+def _steps(store: Store, listing: dict[str, int]) -> dict:
+    """Step counts and bytes, and ``damaged``: step file URI -> what its last bytes say is wrong (truncated)."""
+    keys = sorted(key for key in listing if parse_step_key(key) is not None)
+    steps = [parse_step_key(key) for key in keys]
+    damage = parallel_map(store, lambda key: damage_from_tail(
+        store.get(key, max(0, listing[key] - TAIL_NBYTES), listing[key]), listing[key]), keys, "checking step files")
     return {"num_steps": len(steps), "first": steps[0] if steps else None, "latest": steps[-1] if steps else None,
-            "nbytes": sum(listing.values())}
+            "nbytes": sum(listing.values()),
+            "damaged": {store.uri(key): problem for key, problem in zip(keys, damage) if problem}}
 
 
 def _writer_of(store: Store, node: str) -> str:
@@ -117,7 +125,7 @@ def run_summary(store: Store) -> dict:
     payloads = _sized_listing(store, PAYLOADS_PREFIX, "listing chunks")
     deletes = _sized_listing(store, DELETES_PREFIX, "listing delete records")
     events = _sized_listing(store, EVENTS_PREFIX, "listing ledger events")
-    return {"run_uri": store.prefix.uri, "steps": _steps(steps), "chunks": _chunks(store, payloads),
+    return {"run_uri": store.prefix.uri, "steps": _steps(store, steps), "chunks": _chunks(store, payloads),
             "ledger": _ledger(store, deletes, events), "empty": not (steps or payloads or deletes or events)}
 
 
@@ -127,6 +135,9 @@ def render(summary: dict, console: Console) -> None:
     console.print(f"[bold]run[/] {summary['run_uri']}", highlight=False, soft_wrap=True)
     span = f" (first {steps['first']}, latest {steps['latest']})" if steps["num_steps"] else ""
     console.print(f"steps: {steps['num_steps']}{span}, {decimal(steps['nbytes'])}", highlight=False, soft_wrap=True)
+    for uri, problem in steps["damaged"].items():
+        console.print(f"[yellow]damaged step file ({markup_safe(problem)}):[/] {markup_safe(uri)}", highlight=False,
+                      soft_wrap=True)
     console.print(f"chunks: {chunks['num_chunks']}, {decimal(chunks['nbytes'])}; "
                   f"{chunks['num_incomplete']} incomplete, {chunks['num_temp_files']} temp files",
                   highlight=False, soft_wrap=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import io
 import json
+import struct
 import zipfile
 from collections.abc import Mapping
 
@@ -223,6 +224,55 @@ def publish_step_file(store: Store, header: StepHeader, streams) -> str:
     key = step_key(header.step)
     store.put(key, encode_step_file(header, streams), exclusive=True)
     return store.uri(key)
+
+
+_END = struct.Struct("<4s4H2LH")
+"""Zip's end of central directory record (APPNOTE 4.3.16): signature, disk numbers, entry counts, central
+directory size and offset, comment length; ``encode_step_file`` writes it last, with no comment."""
+_ZIP64_LOCATOR = struct.Struct("<4sLQL")
+_ZIP64_END = struct.Struct("<4sQ2H2L4Q")
+TAIL_NBYTES = _ZIP64_END.size + _ZIP64_LOCATOR.size + _END.size
+"""Bytes at the end of a step file that ``damage_from_tail`` judges it by (98: the zip64 end records too)."""
+
+
+def damage_from_tail(tail: bytes, nbytes: int) -> str | None:
+    """Whether a step file is whole, judged by its last bytes only (``refpipe ls``: one ranged read per step).
+
+    Args:
+        tail: the file's last ``min(TAIL_NBYTES, nbytes)`` bytes.
+        nbytes: the file's size in bytes (from the listing).
+
+    Returns:
+        None when its zip end record is the file's last bytes and says its central directory ends right before
+        it (a zip64 end record and locator, written when the counts or offsets overflow, likewise); else what is
+        wrong, e.g. ``no zip end record in its last 22 bytes (5136 bytes: truncated or foreign)``. A file cut
+        anywhere loses that record; damage inside the members is found by reading it (``StepFile.read``).
+    """
+    record = tail[-_END.size:]
+    if nbytes < _END.size or record[:4] != b"PK\x05\x06" or record[-2:] != b"\0\0":  # no comment after it
+        return f"no zip end record in its last {_END.size} bytes ({nbytes} bytes: truncated or foreign)"
+    *_, entries, cd_size, cd_offset, _ = _END.unpack(record)
+    end = nbytes - _END.size
+    if entries == 0xFFFF or 0xFFFFFFFF in (cd_size, cd_offset):
+        end, cd_size, cd_offset = _zip64_directory(tail, end)
+    if end < 0 or cd_offset + cd_size != end:
+        return (f"its central directory (offset {cd_offset}, {cd_size} bytes) does not end where its end record "
+                f"starts (byte {end} of {nbytes}): truncated or foreign")
+    return None
+
+
+def _zip64_directory(tail: bytes, end: int) -> tuple[int, int, int]:
+    """``(start of the zip64 end record, central directory size, offset)`` from the records before the end record
+    at ``end``; ``(-1, 0, 0)`` when they are not where zipfile writes them."""
+    locator = tail[-_END.size - _ZIP64_LOCATOR.size:-_END.size]
+    record = tail[-TAIL_NBYTES:-_END.size - _ZIP64_LOCATOR.size]
+    if len(record) < _ZIP64_END.size or locator[:4] != b"PK\x06\x07" or record[:4] != b"PK\x06\x06":
+        return -1, 0, 0
+    start = end - _ZIP64_LOCATOR.size - _ZIP64_END.size
+    if _ZIP64_LOCATOR.unpack(locator)[2] != start:
+        return -1, 0, 0
+    *_, cd_size, cd_offset = _ZIP64_END.unpack(record)
+    return start, cd_size, cd_offset
 
 
 class StepFile:

@@ -221,7 +221,7 @@ def test_ls_counts_steps_chunks_per_writer_and_ledger(run):
     summary = json.loads(result.stdout)
     files = {k.removeprefix(run.store.prefix.path + "/"): v[0] for k, v in before.items()}
     step_bytes = sum(v for k, v in files.items() if k.startswith("steps/"))
-    assert summary["steps"] == {"num_steps": 2, "first": 0, "latest": 1, "nbytes": step_bytes}
+    assert summary["steps"] == {"num_steps": 2, "first": 0, "latest": 1, "nbytes": step_bytes, "damaged": {}}
     def nbytes(names):
         return sum(v for k, v in files.items() for n in names
                    if k.startswith(chunk_keys(run.store, run.refs[n])[0][:-3]))
@@ -319,6 +319,21 @@ def test_ls_flags_a_corrupt_zarr_json_and_goes_on(local_run):
     result = invoke(["ls", local_run.store.prefix.uri])
     assert (result.exit_code, result.stderr) == (0, "")
     assert f"corrupt zarr.json (writer unknown): {local_run.store.uri(meta_key)}" in result.stdout.splitlines()
+
+
+def test_ls_names_a_truncated_step_file_as_damaged_and_goes_on(run):
+    """Step 1 cut to its first 1,000 bytes: `ls` names it in one line (it listed the steps and said nothing), by the
+    zip end record its last bytes lack; the intact step 0 is not named."""
+    key = step_key(1)
+    run.store.put(key, run.store.get(key)[:1000])
+    result = invoke(["ls", run.store.prefix.uri, "--json", *run.cli_args()])
+    assert (result.exit_code, result.stderr) == (0, "")
+    problem = "no zip end record in its last 22 bytes (1000 bytes: truncated or foreign)"
+    assert json.loads(result.stdout)["steps"]["damaged"] == {run.store.uri(key): problem}
+    result = invoke(["ls", run.store.prefix.uri, *run.cli_args()])
+    assert (result.exit_code, result.stderr) == (0, "")
+    assert [line for line in result.stdout.splitlines() if "damaged" in line] == [
+        f"damaged step file ({problem}): {run.store.uri(key)}"]
 
 
 def test_inspect_counts_a_chunk_without_its_data_as_missing(local_run):

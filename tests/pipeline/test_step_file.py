@@ -208,3 +208,28 @@ def test_a_step_file_with_a_compressed_member_is_refused(published):
         StepFile.read(store, 7)
     assert str(info.value) == (f"step file {store.uri(step_key(7))}: not a readable step file (truncated or foreign): "
                                f"member {HEADER_MEMBER} is compressed: expected every member stored")
+
+
+def test_a_step_files_zip_end_records_say_whether_it_is_whole():
+    """``damage_from_tail`` on zipfile's own output: whole (and zip64, 65,536 members), cut by one byte, or with a
+    comment (``encode_step_file`` writes none)."""
+    import io
+    import zipfile
+
+    from refpipe.pipeline.step_file import TAIL_NBYTES, damage_from_tail
+
+    def whole_and_cut(members: int, comment: bytes = b"") -> tuple:
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as zf:
+            for i in range(members):
+                zf.writestr(zipfile.ZipInfo(f"m{i}"), b"x")
+            zf.comment = comment
+        data = buf.getvalue()
+        return len(data), damage_from_tail(data[-TAIL_NBYTES:], len(data)), \
+            damage_from_tail(data[:-1][-TAIL_NBYTES:], len(data) - 1)
+
+    assert whole_and_cut(3) == (265, None, "no zip end record in its last 22 bytes (264 bytes: truncated or foreign)")
+    assert whole_and_cut(65_536) == (
+        5_810_582, None, "no zip end record in its last 22 bytes (5810581 bytes: truncated or foreign)")  # zip64
+    assert whole_and_cut(1, b"hi")[1] == "no zip end record in its last 22 bytes (105 bytes: truncated or foreign)"
+    assert damage_from_tail(b"", 0) == "no zip end record in its last 22 bytes (0 bytes: truncated or foreign)"
