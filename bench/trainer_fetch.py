@@ -15,7 +15,9 @@ Three worlds of 2 ranks, one after the other (each its own processes, so peak RS
            assembled into its padded layout and hashed as its chunks arrive, into the rank's
            ``BufferPool``: from the second round on, the previous round's memory) +
            ``TrainerRank.stand_in_dropped``. ``fetch_assemble_vs_limit`` = median over rounds
-           of limit seconds / refpipe seconds, scaled to the same bytes, min over ranks.
+           of limit seconds / refpipe seconds, scaled to the same bytes, min over ranks. Between
+           the two, the limit's reads again with a crc32c of each buffer on the same thread:
+           ``read_crc32c_vs_limit``, the most a fetch that verifies every byte read could reach.
 ``no_prefetch`` / ``prefetch``  ``--steps`` full ``TrainerRank.run_step`` calls each
            (``TrainerConfig.prefetch_next_step`` off / on) whose ``train`` sleeps
            ``--train-seconds`` S (simulated GPU time: the CPU stays free for the data path;
@@ -51,6 +53,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import crc32c
 import numpy as np
 from _args import positive_int  # noqa: E402  (bench/ is sys.path[0] when run as a script)
 from refpipe.pipeline.fields import FieldsConfig
@@ -116,15 +119,19 @@ def make_steps(storage: StorageConfig, num_branches: int, num_steps: int) -> Non
     ledger.close()
 
 
-def read_limit(paths: list[str], buffers: list[np.ndarray], threads: int) -> int:
-    """``preadv`` each file into its buffer (allocated once by the caller) on ``threads`` threads; bytes read."""
+def read_limit(paths: list[str], buffers: list[np.ndarray], threads: int, *, checksum: bool = False) -> int:
+    """``preadv`` each file into its buffer (allocated once by the caller) on ``threads`` threads; bytes read.
+    ``checksum``: then crc32c each buffer on the same thread (what verifying every byte read adds, alone)."""
     def one(item: tuple[str, np.ndarray]) -> int:
         path, buf = item
         fd = os.open(path, os.O_RDONLY)
         try:
-            return os.preadv(fd, [buf], 0)
+            n = os.preadv(fd, [buf], 0)
         finally:
             os.close(fd)
+        if checksum:
+            crc32c.crc32c(buf)
+        return n
 
     with ThreadPoolExecutor(max_workers=threads) as pool:
         return sum(pool.map(one, zip(paths, buffers)))
@@ -155,18 +162,22 @@ def limit_world(trainer, store, storage: StorageConfig, rounds: int) -> dict:
     paths = [store.path(chunk_keys(store, header.refs[i])[0]) for i in sorted(own_requests(header, dp))]
     buffers = [np.ones(os.path.getsize(p), np.uint8) for p in paths]
     not_dropped = np.zeros(len(header.micro_batches_of(dp)), bool)
-    limit_s, ours_s = [], []
+    limit_s, verified_s, ours_s = [], [], []
     for _ in range(rounds):
         dist.barrier()
         with timed(limit_s):
             limit_nbytes = read_limit(paths, buffers, storage.max_concurrent_fetches)
+        dist.barrier()
+        with timed(verified_s):
+            read_limit(paths, buffers, storage.max_concurrent_fetches, checksum=True)
         dist.barrier()
         with timed(ours_s):
             fetched = trainer.fetch(step_file)
             batches = trainer.stand_in_dropped(step_file, fetched, not_dropped)
         nbytes = fetched.nbytes
         del fetched, batches
-    return {"limit_s": limit_s, "fetch_assemble_s": ours_s, "nbytes": nbytes, "limit_nbytes": limit_nbytes}
+    return {"limit_s": limit_s, "read_crc_s": verified_s, "fetch_assemble_s": ours_s, "nbytes": nbytes,
+            "limit_nbytes": limit_nbytes}
 
 
 def steps_world(trainer, steps: list[int], train_s: float) -> dict:
@@ -237,9 +248,12 @@ def limit_report(results: list[dict]) -> dict:
                              r["nbytes"] / statistics.median(r["fetch_assemble_s"]) / 2**30, 3),
                          "limit_s": [round(t, 3) for t in r["limit_s"]],
                          "fetch_assemble_s": [round(t, 3) for t in r["fetch_assemble_s"]],
-                         "vs_limit": round(statistics.median(paired) * r["nbytes"] / r["limit_nbytes"], 3)})
+                         "vs_limit": round(statistics.median(paired) * r["nbytes"] / r["limit_nbytes"], 3),
+                         "read_crc_vs_limit": round(statistics.median(
+                             [limit / crc for limit, crc in zip(r["limit_s"], r["read_crc_s"])]), 3)})
         print(json.dumps(per_rank[-1]), flush=True)
     return {"fetch_assemble_vs_limit": min(p["vs_limit"] for p in per_rank),
+            "read_crc32c_vs_limit": min(p["read_crc_vs_limit"] for p in per_rank),
             "fetch_seconds_per_rank": round(max(statistics.median(r["fetch_assemble_s"]) for r in results), 3),
             "limit_peak_rss_MiB": round(max(r["peak_rss_MiB"] for r in results))}
 
