@@ -36,6 +36,14 @@ from typer.testing import CliRunner
 BIN = os.path.dirname(sys.executable)
 
 
+def _init(tmp_path, root, run_id: str, **overrides) -> None:
+    """Write a run config (``test_main_job.write_config``) and run ``refpipe init`` on it as its own process."""
+    config = write_config(tmp_path, root, run_id, **overrides)
+    init = subprocess.run([f"{BIN}/refpipe", "init", "--config", config], capture_output=True, text=True,
+                          timeout=300)
+    assert init.returncode == 0, init.stdout + init.stderr
+
+
 def _node(tmp_path, name: str, root) -> str:
     """A node's working directory, where the run root is mounted as ``mnt``."""
     node = tmp_path / name
@@ -97,10 +105,7 @@ def test_a_second_orchestrator_is_refused_at_once_naming_the_live_one(tmp_path, 
 def test_two_nodes_each_role_started_on_its_own_train_to_a_clean_audit(tmp_path):
     root = tmp_path / "lustre"
     root.mkdir()
-    config = write_config(tmp_path, root, "two", num_steps=2)
-    init = subprocess.run([f"{BIN}/refpipe", "init", "--config", config], capture_output=True, text=True,
-                          timeout=300)
-    assert init.returncode == 0, init.stdout + init.stderr
+    _init(tmp_path, root, "two", num_steps=2)
     run = "mnt/two"  # every node reaches the run through its own mount path, relative to its own cwd
     inference, train0, train1 = (_node(tmp_path, name, root) for name in ("inference", "train0", "train1"))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -240,9 +245,7 @@ def test_an_env_server_started_on_its_own_says_where_it_listens_and_how_far_it_g
     from refpipe.job.roles import authkey, connect_replica
 
     root = tmp_path / "root"
-    config = write_config(tmp_path, root, "solo", warm_start_steps=0)
-    init = subprocess.run([f"{BIN}/refpipe", "init", "--config", config], capture_output=True, text=True, timeout=300)
-    assert init.returncode == 0, init.stdout + init.stderr
+    _init(tmp_path, root, "solo", warm_start_steps=0)
     store = open_store(StorageConfig(root=str(root), run_id="solo"))
     server = subprocess.Popen([f"{BIN}/refpipe", "env-server", str(root / "solo"), "--replica", "1", "--host",
                                "127.0.0.1"], stderr=subprocess.PIPE, text=True, env={**os.environ,
@@ -286,10 +289,7 @@ def test_a_rank_whose_gloo_peer_was_sigkilled_ends_with_one_line(tmp_path):
 
     root = tmp_path / "root"
     root.mkdir()
-    config = write_config(tmp_path, root, "peer", num_steps=4)
-    init = subprocess.run([f"{BIN}/refpipe", "init", "--config", config], capture_output=True, text=True,
-                          timeout=300)
-    assert init.returncode == 0, init.stdout + init.stderr
+    _init(tmp_path, root, "peer", num_steps=4)
     run, marker, logs = str(root / "peer"), tmp_path / "paused", tmp_path / "logs"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([f"{BIN}/refpipe", "env-server", run, "--replica", str(i), "--host", "127.0.0.1"],
