@@ -13,13 +13,13 @@ import secrets
 import tomllib
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 from refpipe.job.model import ModelConfig
 from refpipe.job.rollout import SamplingConfig
 from refpipe.job.task import TaskConfig
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.orchestrator import OrchestratorConfig
-from refpipe.storage.config import StorageConfig
+from refpipe.storage.config import CONFIG, StorageConfig
 from refpipe.storage.errors import ConfigError, validation_problems
 from refpipe.trainer.config import TrainerConfig
 
@@ -27,7 +27,7 @@ from refpipe.trainer.config import TrainerConfig
 class JobConfig(BaseModel):
     """The main job's own settings: processes, steps, optimisation and checks."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = CONFIG
 
     num_steps: int = Field(default=16, ge=1)
     """Trainer steps (optimizer steps) of the run."""
@@ -75,7 +75,7 @@ class RunConfig(BaseModel):
     (``_derive_sections``).
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = CONFIG
 
     storage: StorageConfig = StorageConfig()
     model: ModelConfig = ModelConfig()

@@ -18,7 +18,8 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
+from refpipe.storage.config import CONFIG
 from refpipe.storage.errors import ConfigError, FieldError
 from torch import nn
 
@@ -35,7 +36,7 @@ VOCAB_SIZE = 259
 class ModelConfig(BaseModel):
     """Shape and seed of the MoE policy (defaults: ~250k parameters)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = CONFIG
 
     d_model: int = Field(default=64, ge=8, le=4096)
     """Width of the residual stream (the main job's policy trains on CPU: at most 4,096)."""

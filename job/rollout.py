@@ -18,15 +18,16 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 from refpipe.job.model import EOS_ID, MoELM
+from refpipe.storage.config import CONFIG
 from refpipe.storage.errors import ConfigError
 
 
 class SamplingConfig(BaseModel):
     """How env servers sample completions."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = CONFIG
 
     temperature: float = Field(default=1.0, gt=0)
     """Logits are divided by this before the softmax; recorded logprobs use the same scaling."""

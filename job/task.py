@@ -16,15 +16,16 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 from refpipe.job.model import BOS_ID, EOS_ID, MoELM
+from refpipe.storage.config import CONFIG
 from refpipe.storage.errors import ConfigError
 
 
 class TaskConfig(BaseModel):
     """Prompt generation of the reverse task."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = CONFIG
 
     alphabet: str = "abcdefgh"
     """Letters words are drawn from (ASCII)."""

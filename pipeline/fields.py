@@ -15,15 +15,16 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 from refpipe.storage.chunk import ArraySpec
+from refpipe.storage.config import CONFIG
 from refpipe.storage.errors import FieldError
 
 
 class FieldsConfig(BaseModel):
     """Trailing shapes of the side-channel fields a run carries; None = field not carried."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = CONFIG
 
     num_layers: int | None = Field(default=None, ge=1)
     """MoE layers in ``routed_experts`` [tokens, num_layers, top_k]."""
@@ -37,7 +38,7 @@ class FieldsConfig(BaseModel):
     """Width of ``sample_support`` [completion_tokens, width], -1 = no id."""
     sampling_mask: bool = False
     """Whether branches carry the ragged ``sampling_mask`` (ids + per-token counts)."""
-    required: tuple[str, ...] = ()
+    required: tuple[str, ...] = Field(default=(), strict=False)
     """Fields every trainable sample must carry (each one configured above). The orchestrator filters a
     branch missing one at submit (deleting its chunk); the trainer refuses a micro batch where a sequence
     with loss tokens lacks one (``trainer.assemble``)."""

@@ -22,13 +22,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, Field, field_validator
 from refpipe.pipeline.advantages import group_advantages, reward_in_range, stale, zero_advantage
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.packing import PackedMicroBatch, pack_step, step_contents
 from refpipe.pipeline.samples import BranchResult, Episode, Sample, build_sample, check_episode, kept_completion_tokens
 from refpipe.pipeline.step_file import MAX_SEQ_LEN, StepHeader, publish_step_file
 from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.config import CONFIG
 from refpipe.storage.errors import EpisodeError
 from refpipe.storage.layout import ORCHESTRATOR_ACTOR
 from refpipe.storage.ledger import Ledger
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 class OrchestratorConfig(BaseModel):
     """How the orchestrator turns groups of episodes into steps."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = CONFIG
 
     seq_len: int = Field(default=4096, ge=1, le=MAX_SEQ_LEN)
     """Token budget of a micro batch (tokens, at most ``pipeline.step_file.MAX_SEQ_LEN``); samples keep their
@@ -53,7 +54,7 @@ class OrchestratorConfig(BaseModel):
     """Episodes per group (at most 4,096); a group's advantages are computed once all of them arrived."""
     max_async_level: int = Field(default=1, ge=0)
     """Step ``s`` trains samples of policy versions ``s - max_async_level .. s``; older ones are stale."""
-    reward_range: tuple[float, float] | None = None
+    reward_range: tuple[float, float] | None = Field(default=None, strict=False)
     """Keep a group only if its mean reward lies in ``[low, high]``; None keeps every group."""
     std_normalize: bool = True
     """Divide advantages by the group's reward standard deviation."""

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, Field, field_validator
+from refpipe.storage.config import CONFIG
 
 
 class TrainerConfig(BaseModel):
     """How trainer ranks are laid out and how long they wait for step files and peers."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = CONFIG
 
     model_parallel_size: int = Field(default=1, ge=1)
     """Ranks per DP rank (tensor x pipeline x context parallel). ``world_size`` must be a multiple;

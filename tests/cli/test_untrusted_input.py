@@ -172,9 +172,26 @@ def test_an_invalid_config_is_one_line_naming_each_field_and_value(tmp_path):
     config.write_text(f'[job]\nnum_steps = "abc"\nnum_env_workers = 0\n[storage]\nroot = "{tmp_path}/root"\n[bogus]\n'
                       'x = 1\n')
     result = invoke(["run", "--config", str(config)])
-    assert_one_line_error(result, f"error: config {config}: job.num_steps: Input should be a valid integer, unable "
-                                  "to parse string as an integer (got 'abc'); job.num_env_workers: Input should be "
-                                  "greater than or equal to 1 (got 0); bogus: Extra inputs are not permitted\n")
+    assert_one_line_error(result, f"error: config {config}: job.num_steps: Input should be a valid integer (got "
+                                  "'abc'); job.num_env_workers: Input should be greater than or equal to 1 (got 0); "
+                                  "bogus: Extra inputs are not permitted\n")
+    assert not (tmp_path / "root").exists()
+
+
+@pytest.mark.parametrize("line,problem", [
+    ("[trainer]\ncollective_timeout_s = inf", "trainer.collective_timeout_s: Input should be a finite number (got inf)"),
+    ("[job]\nstep_deadline_s = nan", "job.step_deadline_s: Input should be a finite number (got nan)"),
+    ("[job]\nnum_steps = true", "job.num_steps: Input should be a valid integer (got True)"),
+    ("[trainer]\nstep_timeout_s = \"300\"", "trainer.step_timeout_s: Input should be a valid number (got '300')"),
+    ("[model]\nseed = \"0\"", "model.seed: Input should be a valid integer (got '0')"),
+])
+def test_a_config_value_of_another_type_or_not_finite_is_refused_before_the_run_starts(tmp_path, line, problem):
+    """Fresh-user inputs: ``inf`` passed validation and ``config.json`` held it as ``null``, so every role refused the
+    run (and its resume) after the warm start; ``true`` ran 1 step, ``"300"`` and ``"0"`` were taken as numbers."""
+    config = tmp_path / "typed.toml"
+    config.write_text(f'[storage]\nroot = "{tmp_path}/root"\n{line}\n')
+    result = invoke(["run", "--config", str(config)])
+    assert_one_line_error(result, f"error: config {config}: {problem}\n")
     assert not (tmp_path / "root").exists()
 
 
