@@ -414,7 +414,8 @@ class Launcher:
         if dead:
             raise RunError(f"trainer dead: {'; '.join(dead)}. The run cannot go on: stop its other roles (env-server "
                            f"replicas, trainer ranks), then continue it from its newest checkpoint with "
-                           f"`refpipe run --resume {self.store.prefix.uri}`")
+                           f"`refpipe run --resume {self.store.prefix.uri}` (unless a trainer rank's error above "
+                           f"says a resume meets it again)")
 
     def trainer_finished(self) -> None:
         """Count the trainer's last release and its ranks' peak RSS (nothing if it did not finish)."""

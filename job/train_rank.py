@@ -38,7 +38,7 @@ from refpipe.job.model import MoELM
 from refpipe.job.report import peak_rss_bytes
 from refpipe.job.roles import exit_with_launcher, open_run
 from refpipe.job.weights import check_same_weights, load_weights, publish_weights
-from refpipe.storage.errors import ConfigError, KeyNotFoundError, ReplayMismatchError
+from refpipe.storage.errors import ConfigError, KeyNotFoundError, RefpipeError, ReplayMismatchError
 from refpipe.storage.layout import FINISH_METRICS_KEY, metrics_key, step_key
 from refpipe.storage.store import Store
 from refpipe.trainer.checkpoint import apply_training_state, load_checkpoint, save_checkpoint, training_state
@@ -200,21 +200,27 @@ def main(run_uri: str, s3_endpoint_url: str | None = None, *, resume: bool = Fal
         raise ConfigError(f"WORLD_SIZE={world_size} (torchrun --nnodes x --nproc-per-node): run {store.prefix.uri} "
                           f"expects {expected} ranks (orchestrator.dp_world_size x trainer.model_parallel_size)")
     init_process_group(cfg.trainer, rank=int(os.environ["RANK"]), world_size=world_size)
-    with peer_failures_end_the_rank(store.prefix.uri):
+    with failures_end_the_rank(store.prefix.uri):
         train_life(store, cfg, resume=resume, published=published)
 
 
 @contextlib.contextmanager
-def peer_failures_end_the_rank(run_uri: str):
+def failures_end_the_rank(run_uri: str):
     """End the rank with one ``error:`` line on stderr and exit code 1 when a collective fails because a peer rank
-    died or hangs (``trainer.dist.peer_failure``): an expected failure of a run over several processes, which the
-    launcher or the orchestrator reports too (by the ranks' processes or heartbeats). Any other error propagates.
+    died or hangs (``trainer.dist.peer_failure``: an expected failure of a run over several processes, which the
+    launcher or the orchestrator reports too, by the ranks' processes or heartbeats), or on a refpipe error (typed:
+    its message names the cause and what to do, e.g. ``ReplayMismatchError``; it printed a traceback). Any other
+    error propagates.
 
     Raises:
         SystemExit: code 1, after the line.
     """
     try:
         yield
+    except RefpipeError as e:
+        print(f"error: trainer rank {dist.get_rank()} of {dist.get_world_size()}: {type(e).__name__}: {e}",
+              file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     except RuntimeError as e:
         why = peer_failure(e)
         if why is None:
@@ -311,9 +317,18 @@ def check_replay(store: Store, step: int, hashes: list[list[str]]) -> None:
         first = json.loads(store.get(metrics_key(step)))["micro_batch_hashes"]
     except KeyNotFoundError:
         return  # the earlier life died before its metrics of this step: nothing to compare with
-    if first != hashes:
-        raise ReplayMismatchError(f"step {step} replayed from {store.uri(step_key(step))}: micro batch hashes "
-                                  f"{hashes} differ from the first time's {first}; stopping")
+    if first == hashes:
+        return
+    where = f"step {step} replayed from {store.uri(step_key(step))}"
+    dropped = [f"dp_rank={dp} micro batch {i}" for dp, (now, then) in enumerate(zip(hashes, first))
+               for i, (h, h_first) in enumerate(zip(now, then)) if not h and h_first]
+    if dropped:
+        raise ReplayMismatchError(
+            f"{where}: {len(dropped)} micro batches the earlier life trained could not be fetched this time "
+            f"({', '.join(dropped)}; the ranks' fetch errors above name their chunks), so the replay cannot train "
+            f"what the earlier life trained; resuming again meets the same chunks: restore them from a copy of the "
+            f"run, or end the run with `refpipe sweep --abandon {store.prefix.uri}` (deletes its chunks)")
+    raise ReplayMismatchError(f"{where}: micro batch hashes {hashes} differ from the first time's {first}; stopping")
 
 
 class _OneLineErrors(argparse.ArgumentParser):

@@ -30,7 +30,7 @@ from refpipe.job.weights import check_same_weights, publish_weights
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import ReplayMismatchError
-from refpipe.storage.layout import SUMMARY_KEY, address_key, metrics_key, weights_key
+from refpipe.storage.layout import SUMMARY_KEY, address_key, metrics_key, step_key, weights_key
 from refpipe.trainer.pause import ENV
 from refpipe.trainer.resume import ResumePlan
 from typer.testing import CliRunner
@@ -225,6 +225,22 @@ def test_a_replayed_micro_batch_that_differs_stops_the_run(local_config):
     with pytest.raises(ReplayMismatchError, match="step 3 replayed from .*step_00000003.npz: micro batch hashes"):
         check_replay(store, 3, [["aa", "bX"], ["cc"]])
     check_replay(store, 4, [["dd"]])  # the first life died before its metrics of step 4: nothing to compare
+
+
+def test_a_replayed_step_whose_chunks_are_damaged_names_its_dropped_micro_batches_and_the_way_out(local_config):
+    """Fresh-user input: a byte of a replayed step's c.0 flipped and another c.0 removed in a stopped run; every
+    ``refpipe run --resume`` ended in both ranks' tracebacks of ``ReplayMismatchError: ... micro batch hashes [['',
+    ...`` and the launcher's advice to resume again. The ranks now print this one line (``failures_end_the_rank``)."""
+    store = open_store(local_config)
+    store.put(metrics_key(4), json.dumps({"micro_batch_hashes": [["aa", "bb"], ["cc"]]}).encode())
+    with pytest.raises(ReplayMismatchError) as e:
+        check_replay(store, 4, [["aa", ""], [""]])
+    assert str(e.value) == (
+        f"step 4 replayed from {store.uri(step_key(4))}: 2 micro batches the earlier life trained could not be "
+        f"fetched this time (dp_rank=0 micro batch 1, dp_rank=1 micro batch 0; the ranks' fetch errors above name "
+        f"their chunks), so the replay cannot train what the earlier life trained; resuming again meets the same "
+        f"chunks: restore them from a copy of the run, or end the run with `refpipe sweep --abandon "
+        f"{store.prefix.uri}` (deletes its chunks)")
 
 
 def test_a_version_published_again_must_be_the_earlier_lifes_weights(local_config):
