@@ -179,7 +179,8 @@ def test_an_invalid_config_is_one_line_naming_each_field_and_value(tmp_path):
 
 
 @pytest.mark.parametrize("line,problem", [
-    ("[trainer]\ncollective_timeout_s = inf", "trainer.collective_timeout_s: Input should be a finite number (got inf)"),
+    ("[trainer]\ncollective_timeout_s = inf",
+     "trainer.collective_timeout_s: Input should be a finite number (got inf)"),
     ("[job]\nstep_deadline_s = nan", "job.step_deadline_s: Input should be a finite number (got nan)"),
     ("[job]\nnum_steps = true", "job.num_steps: Input should be a valid integer (got True)"),
     ("[trainer]\nstep_timeout_s = \"300\"", "trainer.step_timeout_s: Input should be a valid number (got '300')"),
