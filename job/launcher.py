@@ -414,7 +414,7 @@ class Launcher:
         if dead:
             raise RunError(f"trainer dead: {'; '.join(dead)}. The run cannot go on: stop its other roles (env-server "
                            f"replicas, trainer ranks), then continue it from its newest checkpoint with "
-                           f"`refpipe run --resume {self.store.prefix.uri}` (unless a trainer rank's error above "
+                           f"`refpipe run --resume {self.store.prefix.uri}` (unless a trainer rank's own error "
                            f"says a resume meets it again)")
 
     def trainer_finished(self) -> None:

@@ -177,7 +177,8 @@ def test_orchestrate_stops_naming_a_trainer_node_that_was_sigkilled(tmp_path):
     assert summary["failure"] == (
         f"RunError: trainer dead: trainer_dp0 (pid {worker} on trainer-b: heartbeat {store.uri(beat)} unchanged for "
         f"4 s). The run cannot go on: stop its other roles (env-server replicas, trainer ranks), then continue it "
-        f"from its newest checkpoint with `refpipe run --resume {store.prefix.uri}`"), out
+        f"from its newest checkpoint with `refpipe run --resume {store.prefix.uri}` (unless a trainer rank's own "
+        f"error says a resume meets it again)"), out
 
 
 @pytest.mark.parametrize("command", [["orchestrate"], ["env-server", "--replica", "0"]])
