@@ -81,8 +81,9 @@ def keep_output(keeper: Keeper, output: Any, *, fields: Mapping[str, np.ndarray]
         branch_id: the chunk's id, unique in the run (None: drawn at random).
 
     Raises:
-        FieldError: routing rows negative, more than P + C, or any array breaking its field's rules
-            (nothing is kept, ``output`` is unchanged).
+        FieldError: routing rows not [R, num_layers, top_k] integers, more than P + C of them, an expert id
+            outside ``[0, num_experts)``, or any array breaking its field's rules (nothing is kept,
+            ``output`` is unchanged).
     """
     num_prompt, num_response = len(output.prompt_ids), len(output.response_ids)
     arrays = dict(fields or {})
@@ -104,13 +105,17 @@ def _routing_rows(rows: Any, num_tokens: int, cfg: FieldsConfig) -> np.ndarray:
     The one cast of this integration: keep stores expert ids as unsigned 8/16-bit; verl's engines
     return int32/int64 and verl itself casts to int16 (so any id it can hold survives both ways).
     """
-    a = rows.numpy() if isinstance(rows, torch.Tensor) else np.asarray(rows)
+    a = rows.cpu().numpy() if isinstance(rows, torch.Tensor) else np.asarray(rows)
     if a.ndim != 3 or not np.issubdtype(a.dtype, np.integer) or not 1 <= len(a) <= num_tokens:
         raise FieldError(f"{ROUTING}: {a.dtype} {list(a.shape)}: expected integer rows [R, num_layers, top_k] "
                          f"with 1 <= R <= {num_tokens} (prompt + response tokens)")
-    if a.size and int(a.min()) < 0:
-        raise FieldError(f"{ROUTING}: expert id {int(a.min())}: expected ids >= 0")
-    return a.astype(np.uint8 if (cfg.num_experts or 0) <= 256 else np.uint16)
+    if cfg.num_experts is None:  # not configured: keep refuses the field
+        return a
+    low, high = (int(a.min()), int(a.max())) if a.size else (0, 0)
+    if low < 0 or high >= cfg.num_experts:  # checked before the cast, which would wrap them
+        raise FieldError(f"{ROUTING}: expert ids in [{low}, {high}]: expected 0 <= id < num_experts="
+                         f"{cfg.num_experts}")
+    return a.astype(np.uint8 if cfg.num_experts <= 256 else np.uint16)
 
 
 def _pad_routing(rows: np.ndarray, num_tokens: int, cfg: FieldsConfig) -> np.ndarray:
@@ -119,7 +124,7 @@ def _pad_routing(rows: np.ndarray, num_tokens: int, cfg: FieldsConfig) -> np.nda
     wanted = num_tokens - (cfg.routing_rows == "all_but_last")
     if len(rows) >= wanted:
         return rows
-    pad = spread_expert_rows(wanted, rows.shape[1], rows.shape[2], cfg.num_experts or 1, rows.dtype)
+    pad = spread_expert_rows(wanted, rows.shape[1], rows.shape[2], cfg.num_experts, rows.dtype)
     return np.concatenate([rows, pad[len(rows):]])
 
 

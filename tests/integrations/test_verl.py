@@ -152,14 +152,18 @@ def test_the_dataproto_through_the_driver_loses_the_routing_bytes_and_nothing_el
 
 def test_bad_engine_rows_are_refused_and_nothing_is_kept(local_config):
     keeper = keeper_for(local_config, SHAPE)
-    too_many, negative = example.engine_outputs(SHAPE)[:2]
-    too_many.routed_experts = np.zeros((len(too_many.prompt_ids) + len(too_many.response_ids) + 1, 3, 2), np.int32)
-    negative.routed_experts = negative.routed_experts.copy()
+    too_many, negative, wraps = example.engine_outputs(SHAPE)[:3]
+    num_tokens = len(too_many.prompt_ids) + len(too_many.response_ids)
+    too_many.routed_experts = np.zeros((num_tokens + 1, 3, 2), np.int32)
     negative.routed_experts[0, 0, 0] = -1
-    with pytest.raises(FieldError, match=r"expected integer rows \[R, num_layers, top_k\] with 1 <= R <= "):
+    wraps.routed_experts[0, 0, 0] = 264  # as uint8: 8, which keep's own check could not see
+    with pytest.raises(FieldError, match=rf"int32 \[{num_tokens + 1}, 3, 2\]: expected integer rows \[R, num_layers, "
+                                         rf"top_k\] with 1 <= R <= {num_tokens} \(prompt \+ response tokens\)"):
         keep_output(keeper, too_many)
-    with pytest.raises(FieldError, match="expert id -1: expected ids >= 0"):
+    with pytest.raises(FieldError, match=r"expert ids in \[-1, 7\]: expected 0 <= id < num_experts=8"):
         keep_output(keeper, negative)
+    with pytest.raises(FieldError, match=r"expert ids in \[0, 264\]: expected 0 <= id < num_experts=8"):
+        keep_output(keeper, wraps)
     assert too_many.routed_experts is not None and PAYLOAD_KEY not in too_many.extra_fields
     keeper.ledger.close()
     assert audit(keeper.store, finished=True).kept == 0
