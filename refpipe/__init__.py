@@ -14,7 +14,8 @@ stack"); every other module is internal and may change:
 - storage: ``open_store``, ``Store``, ``PayloadRef``, ``fetch_arrays``;
 - errors: ``RefpipeError`` and its subclasses.
 
-Names load on first use, so ``import refpipe`` stays light (the trainer's names import torch).
+Names load on first use, so ``import refpipe`` stays light (the trainer's names import torch); type checkers
+and IDEs read them from the ``TYPE_CHECKING`` imports below (a test keeps those, ``__all__`` and ``_WHERE`` equal).
 The subpackages are installed from the top-level folders of the repository (``storage/``,
 ``pipeline/``, ``trainer/``, ``job/``, ``cli/``, ``integrations/``) as ``refpipe.storage`` and
 so on; nothing of refpipe is importable under a bare name.
@@ -22,6 +23,7 @@ so on; nothing of refpipe is importable under a bare name.
 
 from importlib import import_module
 from importlib.metadata import version as _version
+from typing import TYPE_CHECKING
 
 __version__ = _version("refpipe")
 
@@ -45,7 +47,61 @@ _WHERE = {
     "Store": "refpipe.storage.store", "PayloadRef": "refpipe.storage.chunk", "fetch_arrays": "refpipe.storage.fetch",
     **{name: "refpipe.storage.errors" for name in _ERRORS},
 }
-__all__ = sorted(_WHERE)
+__all__ = [
+    "AlignmentError", "Branch", "BranchResult", "CheckpointError", "ChunkCorruptError", "ChunkNotFoundError",
+    "ConfigError", "DeleteKeysError", "DeleteRecordError", "DeleteResult", "DoubleDeleteError", "Episode",
+    "EpisodeError", "FetchError", "FieldError", "FieldsConfig", "Keeper", "KeyExistsError", "KeyNotFoundError",
+    "Ledger", "LedgerRecordError", "Orchestrator", "OrchestratorConfig", "OutsideRunError", "PackingError",
+    "PayloadRef", "Ragged", "RefpipeError", "ReplayMismatchError", "RunNotFoundError", "RunPathNotADirectoryError",
+    "RunStillRunningError", "StepFileError", "StepHeader", "StepMetrics", "StorageConfig", "StorageError", "Store",
+    "TrainMicroBatch", "TrainerConfig", "TrainerRank", "TransientStorageError", "UnknownRefError", "fetch_arrays",
+    "init_process_group", "new_data_group", "open_store",
+]
+"""The public names, spelled out so that type checkers see them (pyright reads only a literal ``__all__``)."""
+
+if TYPE_CHECKING:
+    from refpipe.pipeline.fields import FieldsConfig, Ragged
+    from refpipe.pipeline.keep import Branch, Keeper
+    from refpipe.pipeline.orchestrator import Orchestrator, OrchestratorConfig
+    from refpipe.pipeline.samples import BranchResult, Episode
+    from refpipe.pipeline.step_file import StepHeader
+    from refpipe.storage.backends import open_store
+    from refpipe.storage.chunk import PayloadRef
+    from refpipe.storage.config import StorageConfig
+    from refpipe.storage.errors import (
+        AlignmentError,
+        CheckpointError,
+        ChunkCorruptError,
+        ChunkNotFoundError,
+        ConfigError,
+        DeleteKeysError,
+        DeleteRecordError,
+        DoubleDeleteError,
+        EpisodeError,
+        FetchError,
+        FieldError,
+        KeyExistsError,
+        KeyNotFoundError,
+        LedgerRecordError,
+        OutsideRunError,
+        PackingError,
+        RefpipeError,
+        ReplayMismatchError,
+        RunNotFoundError,
+        RunPathNotADirectoryError,
+        RunStillRunningError,
+        StepFileError,
+        StorageError,
+        TransientStorageError,
+        UnknownRefError,
+    )
+    from refpipe.storage.fetch import fetch_arrays
+    from refpipe.storage.ledger import DeleteResult, Ledger
+    from refpipe.storage.store import Store
+    from refpipe.trainer.config import TrainerConfig
+    from refpipe.trainer.dist import init_process_group, new_data_group
+    from refpipe.trainer.step import StepMetrics, TrainerRank
+    from refpipe.trainer.tensors import TrainMicroBatch
 
 
 def __getattr__(name: str):

@@ -9,3 +9,8 @@ Modules: ``config`` (TrainerConfig), ``dist`` (topology ``dp_rank = rank // mode
 checkpoints with refpipe's commit marker), ``resume`` (a restarted trainer's plan), ``pause``
 (the crash tests' pause points).
 """
+
+# This folder installs as refpipe.trainer only: a copy under a bare name would hold types that are not refpipe's.
+if __name__ != "refpipe.trainer":
+    raise ImportError(f"{__name__}: refpipe's trainer/ folder imported under a bare name (the repository root "
+                      "is on sys.path); import refpipe.trainer instead", name=__name__)

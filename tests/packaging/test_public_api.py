@@ -44,3 +44,21 @@ def test_every_error_type_is_public():
 
     types = {n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, errors.RefpipeError)}
     assert len(types) == 25 and types <= set(refpipe.__all__)
+
+
+def test_type_checkers_see_every_public_name_where_it_loads_from():
+    """The ``TYPE_CHECKING`` imports (what mypy, pyright and IDEs read) name exactly ``_WHERE``'s modules, and
+    ``__all__`` is its names, sorted; ``py.typed`` marks the package as typed."""
+    import ast
+    from pathlib import Path
+
+    import refpipe
+
+    source = Path(refpipe.__file__).resolve()
+    (block,) = [node for node in ast.parse(source.read_text()).body if isinstance(node, ast.If)
+                and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"]
+    seen = {alias.name: node.module for node in block.body if isinstance(node, ast.ImportFrom)
+            for alias in node.names}
+    assert seen == refpipe._WHERE
+    assert refpipe.__all__ == sorted(refpipe._WHERE) == PUBLIC
+    assert (source.parent / "py.typed").is_file()
