@@ -62,7 +62,7 @@ class JobConfig(BaseModel):
 
 RUN_DEFAULTS = {"orchestrator": {"seq_len": 256, "dp_world_size": 2, "groups_per_step": 8, "group_size": 8},
                 "trainer": {"step_timeout_s": 300.0, "collective_timeout_s": 300.0}}
-"""Where the run config's defaults differ from the component's own (README, "Config reference"): a section given
+"""Where the run config's defaults differ from the component's own (docs/configuration.md): a section given
 in part keeps these for the keys it does not set."""
 
 

@@ -100,7 +100,7 @@ def test_wheel_holds_only_the_refpipe_package(tmp_path):
 LAYERS = {"storage": set(), "pipeline": {"storage"}, "trainer": {"storage", "pipeline"},
           "job": {"storage", "pipeline", "trainer"}, "integrations": {"storage", "pipeline"},
           "cli": {"storage", "pipeline", "trainer", "job"}}
-"""Which of our packages each package may import (README "Data flow": imports flow one way)."""
+"""Which of our packages each package may import (README "Dive into the code": imports flow one way)."""
 
 
 def _layer_violations(path: Path) -> list[str]:
