@@ -47,9 +47,9 @@ def test_sglang_suffix_from_routed_experts_start_len_joins_the_earlier_turn():
 
 @pytest.mark.parametrize("kwargs,message", [
     ({"data": "not base64!"}, "SGLang routed_experts: not base64"),
-    ({"data": _sglang_wire(_routing(7))}, "SGLang routed_experts: 168 bytes: expected 8 rows of int32 [3, 2] (192 bytes: "
-                                          "positions [0, 8) of 9 tokens; set routed_experts_start_len to what the "
-                                          "request sent)"),
+    ({"data": _sglang_wire(_routing(7))},
+     "SGLang routed_experts: 168 bytes: expected 8 rows of int32 [3, 2] (192 bytes: positions [0, 8) of 9 tokens; "
+     "set routed_experts_start_len to what the request sent)"),
     ({"data": _sglang_wire(_routing(4)), "start_len": 4}, "from routed_experts_start_len=4: earlier holds None rows"),
 ])
 def test_sglang_errors_name_the_rows_expected(kwargs, message):
