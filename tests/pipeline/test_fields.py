@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from refpipe.pipeline.fields import FIELDS, FieldsConfig, Ragged, spread_expert_rows, trailing_shape, validate_branch
@@ -161,3 +163,37 @@ def test_required_fields_must_be_configured():
 
 def test_routing_dtype_is_sized_from_num_experts():
     assert [FieldsConfig(num_experts=n).routing_dtype.str for n in (8, 256, 257, 384)] == ["|u1", "|u1", "<u2", "<u2"]
+
+
+@pytest.mark.parametrize("decl,message", [
+    ({"dtypes": ["object"]}, "dtype 'object': expected a numpy name of one of"),
+    ({"domain": "tokens"}, "padding 'empty_rows' in the tokens domain: expected zeros, repeat_rows or strided_ids"),
+    ({"padding": "zeros"}, "padding 'zeros' in the completion domain"),
+    ({"domain": "prompt", "rows": "all_but_last", "padding": "empty_rows"}, "rows 'all_but_last' in the prompt domain"),
+    ({"domain": "tokens", "padding": "strided_ids", "shape": [2]}, "padding 'strided_ids': expected integer dtypes"),
+    ({"ragged": True, "shape": [2]}, "ragged with shape [2] in the completion domain"),
+    ({"checks": {"distinct": True}}, "checks.distinct: expected a trailing dimension"),
+    ({"name": "Bad.Name"}, "String should match pattern"),
+])
+def test_a_declaration_with_inconsistent_rules_is_refused(decl, message):
+    from refpipe.pipeline.field_decl import FieldDecl
+    with pytest.raises(ValueError, match=re.escape(message)):
+        FieldDecl.model_validate({"name": "x", "dtypes": ["float32"]} | decl)
+
+
+@pytest.mark.parametrize("declare,message", [
+    ([{"name": "topk_ids", "dtypes": ["int32"]}], "field 'topk_ids' is declared twice or is a built-in field"),
+    ([{"name": "x", "dtypes": ["int32"], "shape": ["hidden"]}], "field 'x' names ['hidden']: expected settings"),
+    ([{"name": "x", "dtypes": ["int32"], "shape": ["logprobs_k"]}], "field 'x' names ['logprobs_k']"),
+])
+def test_fields_config_refuses_a_declaration_it_cannot_shape(declare, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        FieldsConfig(declare=declare)
+
+
+def test_declared_fields_join_the_registry_and_required():
+    cfg = FieldsConfig(num_layers=3, top_k=2, num_experts=8, declare=[
+        {"name": "teacher_logprobs", "dtypes": ["float32"], "required": True, "checks": {"finite": True}}])
+    assert list(cfg.registry()) == ["routed_experts", "teacher_logprobs"]
+    assert cfg.required == ("teacher_logprobs",)
+    assert FieldsConfig.model_validate_json(cfg.model_dump_json()) == cfg  # as a step header carries it
