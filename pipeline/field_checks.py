@@ -25,20 +25,20 @@ def check_values(a: np.ndarray, checks: ValueChecks, dims: Dims, axes: tuple[int
 def check_bounds(a: np.ndarray, checks: ValueChecks, dims: Dims, axes: tuple[int | str, ...] = ()) -> str | None:
     """``finite``, ``low``, ``high`` and ``below`` (the sentinel passes them), or None.
 
-    One pass each for min and max (NaN propagates through both, so they find it too); the exact index is
-    searched only once a bound is broken.
+    At most one pass each for min and max, only those a bound needs (NaN propagates into either, so a float
+    array always gets one); a sentinel at an extreme costs one masked pass; the index is searched only
+    once a bound is broken.
     """
-    lo, hi = value_bounds(checks, dims)
-    floating = a.dtype.kind == "f"
-    if not a.size or (not floating and not checks.finite and lo <= _dtype_min(a) and _dtype_max(a) <= hi):
+    if not a.size:
         return None
-    if not floating and lo <= _dtype_min(a):
-        top, bottom = a.max(), lo  # unsigned ids with low=0: one pass
-    else:
-        top, bottom = a.max(), a.min()
+    lo, hi = value_bounds(checks, dims)
     sentinel = checks.sentinel_value
-    if _within(top, lo, hi, checks.finite, sentinel) and _within(bottom, lo, hi, checks.finite, sentinel) and (
-            sentinel is None or not (top == sentinel or bottom == sentinel) or _all_within(a, lo, hi, checks)):
+    strict_float = a.dtype.kind == "f" and checks.finite
+    need_min = lo > _dtype_min(a) or (strict_float and sentinel != -math.inf)
+    need_max = hi < _dtype_max(a) or strict_float or (a.dtype.kind == "f" and not need_min)
+    extremes = [float(v) for v in ((a.max(),) if need_max else ()) + ((a.min(),) if need_min else ())]
+    if all(_within(v, lo, hi, checks.finite, sentinel) for v in extremes) and (
+            sentinel is None or sentinel not in extremes or _all_within(a, lo, hi, checks)):
         return None
     bad = ~_elementwise_ok(a, lo, hi, checks)
     index = [int(i) for i in np.unravel_index(int(np.argmax(bad)), a.shape)]

@@ -197,3 +197,19 @@ def test_declared_fields_join_the_registry_and_required():
     assert list(cfg.registry()) == ["routed_experts", "teacher_logprobs"]
     assert cfg.required == ("teacher_logprobs",)
     assert FieldsConfig.model_validate_json(cfg.model_dump_json()) == cfg  # as a step header carries it
+
+
+def test_a_sentinel_passes_the_bounds_and_nothing_else_does():
+    from refpipe.pipeline.field_checks import check_bounds
+    from refpipe.pipeline.field_decl import ValueChecks
+    ids = ValueChecks(low=0, high=9, sentinel=-1)
+    assert check_bounds(np.array([[-1, 3], [9, -1]], np.int32), ids, {}) is None
+    assert check_bounds(np.array([[-1, 3], [-2, 10]], np.int32), ids, {}) == (
+        "row 1 [index 0] value -2: expected >= 0, <= 9, or the sentinel -1")
+    logprobs = FIELDS["topk_logprobs"].checks
+    assert check_bounds(np.array([[-np.inf, -1.0]], np.float32), logprobs, {}) is None
+    assert check_bounds(np.full((1, 2), -np.inf, np.float32), logprobs, {}) is None
+    assert check_bounds(np.array([[-np.inf, np.nan]], np.float32), logprobs, {}) == (
+        "row 0 [index 1] value nan: expected finite, <= 0.0, or the sentinel -inf")
+    assert check_bounds(np.array([[np.nan]], np.float32), ValueChecks(), {}) == (
+        "row 0 [index 0] value nan: expected not NaN")
