@@ -213,3 +213,17 @@ def test_a_sentinel_passes_the_bounds_and_nothing_else_does():
         "row 0 [index 1] value nan: expected finite, <= 0.0, or the sentinel -inf")
     assert check_bounds(np.array([[np.nan]], np.float32), ValueChecks(), {}) == (
         "row 0 [index 0] value nan: expected not NaN")
+
+
+def test_the_declarations_in_docs_fields_md_are_valid():
+    import tomllib
+    from pathlib import Path
+
+    from refpipe.job.config import RunFieldsConfig
+    text = (Path(__file__).resolve().parents[2] / "docs" / "fields.md").read_text()
+    python, toml = (text.split(f"```{lang}\n")[1].split("```")[0] for lang in ("python", "toml"))
+    scope: dict = {}
+    exec(python, scope)  # noqa: S102 -- the doc's own example
+    assert [d.name for d in scope["fields"].declare] == ["teacher_logprobs", "token_rewards", "image_features"]
+    table = RunFieldsConfig.model_validate(tomllib.loads(toml)["fields"])
+    assert [d.name for d in table.declare] == ["teacher_logprobs", "image_features"] and table.vocab_size == 151936
