@@ -42,22 +42,18 @@ rows of its ref's first ``num_tokens`` tokens, for each field its ref carries.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
 from refpipe.pipeline.field_checks import check_bounds
-from refpipe.pipeline.field_decl import FieldDecl, narrow_dtype, padding_rows
+from refpipe.pipeline.field_decl import FieldDecl, narrow_dtype
 from refpipe.pipeline.fields import FieldsConfig
-from refpipe.pipeline.step_file import STREAMS, MicroBatchRecord, SequenceRecord
+from refpipe.pipeline.step_file import MicroBatchRecord, SequenceRecord
 from refpipe.storage.chunk import PayloadRef, domain_rows
 from refpipe.storage.errors import FieldError, PackingError
-
-_STREAM_PADDING = {"input_ids": 0, "loss_mask": False, "advantages": 0.0, "inference_logprobs": 0.0,
-                   "temperatures": 1.0}
-"""Value of each stream at padding tokens (``position_ids`` count 0, 1, ... instead)."""
+from refpipe.trainer.layout import field_row_ids, pad_streams, padded_cu_seqlens, padding_rows_of
 
 
 @dataclass(frozen=True)
@@ -252,7 +248,7 @@ def finish_micro_batch(plan: MicroBatchPlan, streams: Mapping[str, np.ndarray],
         cu = plan.cu_rows[fdef.name]
         if fdef.domain == "tokens":
             padded = plan.buffers[fdef.name]
-            padded[mb.num_tokens:] = _padding_rows(fdef, plan.seq_len - mb.num_tokens, plan.fields, padded.dtype,
+            padded[mb.num_tokens:] = padding_rows_of(fdef, plan.seq_len - mb.num_tokens, plan.fields, padded.dtype,
                                                    padded[: mb.num_tokens])
             out[fdef.name] = FieldBatch(padded[: mb.num_tokens], cu, padded=padded)
             continue
@@ -293,7 +289,7 @@ def assemble_dropped_micro_batch(
             real = (token_rows or {}).get(fdef.name)
             dtype = _buffer_dtype(fdef, fields, [] if real is None else [real.dtype.str])
             if real is None or len(real) == 0:
-                padded = _padding_rows(fdef, seq_len, fields, dtype, real).copy()
+                padded = padding_rows_of(fdef, seq_len, fields, dtype, real).copy()
             else:
                 padded = np.resize(real, (seq_len, *trailing)).astype(dtype, copy=False)
             out[fdef.name] = FieldBatch(padded[: mb.num_tokens], mb.cu_seqlens(), padded=padded)
@@ -334,24 +330,6 @@ def micro_batch_hash(mb: AssembledMicroBatch) -> str:
         digest.update(f"{name}:{a.dtype.str}:{a.shape}".encode())
         digest.update(a.view(np.uint8).reshape(-1))
     return digest.hexdigest()
-
-
-def pad_streams(streams: Mapping[str, np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
-    """Every stream ``[T]`` copied into ``[seq_len]`` of its ``STREAMS`` dtype, padded as documented above."""
-    out = {}
-    for name, dtype in STREAMS.items():
-        real = streams[name]
-        a = np.empty(seq_len, dtype)
-        a[: len(real)] = real
-        a[len(real):] = np.arange(seq_len - len(real)) if name == "position_ids" else _STREAM_PADDING[name]
-        out[name] = a
-    return out
-
-
-def padded_cu_seqlens(mb: MicroBatchRecord, seq_len: int) -> np.ndarray:
-    """int32 ``mb.cu_seqlens()`` with ``seq_len`` appended when the micro batch is padded."""
-    cu = mb.cu_seqlens()
-    return np.append(cu, np.int32(seq_len)).astype(np.int32) if mb.num_tokens < seq_len else cu
 
 
 def _check_fits(mb: MicroBatchRecord, seq_len: int, what: str) -> None:
@@ -457,53 +435,3 @@ def _cut(got: Mapping[str, np.ndarray], name: str, num_rows: int, trailing: tupl
         shape = None if a is None else list(a.shape)
         raise FieldError(f"{where}: array {name} is {shape}: expected at least {num_rows} rows of {list(trailing)}")
     return a[:num_rows]
-
-
-def _padding_rows(fdef: FieldDecl, num_rows: int, cfg: FieldsConfig, dtype: np.dtype,
-                  real: np.ndarray | None) -> np.ndarray:
-    """Rows for padding tokens of a token-domain field by its padding rule (read-only: copy before writing);
-    ``repeat_rows`` repeats ``real`` [T, *row_shape] cyclically (zeros when there are none)."""
-    trailing = fdef.trailing(cfg.dims)
-    if fdef.padding == "repeat_rows" and real is not None and len(real):
-        return np.resize(real, (num_rows, *trailing))
-    return _cached_padding(fdef, num_rows, trailing, tuple(cfg.dims.items()), np.dtype(dtype).str)
-
-
-@functools.lru_cache(maxsize=16)
-def _cached_padding(fdef: FieldDecl, num_rows: int, trailing: tuple[int, ...], dims: tuple, dtype: str) -> np.ndarray:
-    """``field_decl.padding_rows``, computed once per shape: every micro batch of a step pads alike."""
-    rows = padding_rows(fdef, num_rows, trailing, dict(dims), np.dtype(dtype))
-    rows.flags.writeable = False
-    return rows
-
-
-def field_row_ids(domain: str, mb: MicroBatchRecord, refs: Sequence[PayloadRef], cu_rows: np.ndarray,
-                  seq_len: int) -> np.ndarray:
-    """[seq_len] int64 row of a ``completion`` or ``prompt`` field per position, -1 elsewhere (module docstring)."""
-    if domain == "completion":
-        return completion_row_ids(mb, refs, cu_rows, seq_len)
-    row_ids = np.full(seq_len, -1, np.int64)
-    starts = mb.cu_seqlens()
-    for s in range(len(mb.sequences)):
-        num_rows = int(cu_rows[s + 1] - cu_rows[s])
-        row_ids[starts[s] : starts[s] + num_rows] = np.arange(cu_rows[s], cu_rows[s] + num_rows)
-    return row_ids
-
-
-def completion_row_ids(mb: MicroBatchRecord, refs: Sequence[PayloadRef], cu_rows: np.ndarray,
-                       seq_len: int) -> np.ndarray:
-    """[seq_len] int64: the completion row each position predicts, -1 elsewhere (module docstring).
-
-    Args:
-        cu_rows: [S + 1] int32 cumulative completion rows per sequence (0 for sequences without rows).
-    """
-    row_ids = np.full(seq_len, -1, np.int64)
-    starts = mb.cu_seqlens()
-    for s, seq in enumerate(mb.sequences):
-        num_rows = int(cu_rows[s + 1] - cu_rows[s])
-        if num_rows == 0:
-            continue
-        first = int(starts[s]) + refs[seq.ref].num_prompt_tokens - 1  # position predicting completion row 0
-        skip = 1 if first < starts[s] else 0  # no prompt: nothing in this sequence predicts row 0
-        row_ids[first + skip : first + num_rows] = np.arange(cu_rows[s] + skip, cu_rows[s] + num_rows)
-    return row_ids

@@ -20,14 +20,9 @@ from refpipe.job.model import MoELM
 from refpipe.job.train_rank import PolicyTrainer
 from refpipe.pipeline.fields import spread_expert_rows
 from refpipe.pipeline.step_file import MicroBatchRecord, SequenceRecord
-from refpipe.trainer.assemble import (
-    AssembledMicroBatch,
-    FieldBatch,
-    assemble_dropped_micro_batch,
-    pad_streams,
-    padded_cu_seqlens,
-)
+from refpipe.trainer.assemble import AssembledMicroBatch, FieldBatch, assemble_dropped_micro_batch
 from refpipe.trainer.dist import init_process_group
+from refpipe.trainer.layout import pad_streams, padded_cu_seqlens
 from refpipe.trainer.tensors import to_torch
 
 SEQ_LEN, P, C = 32, 4, 6

@@ -16,7 +16,7 @@ from refpipe.pipeline.step_file import MicroBatchRecord, SequenceRecord
 from refpipe.storage.chunk import ArraySpec, PayloadRef
 from refpipe.storage.errors import FieldError
 from refpipe.storage.layout import node_key
-from refpipe.trainer.assemble import field_row_ids
+from refpipe.trainer.layout import field_row_ids
 
 FAST = settings(max_examples=40, deadline=None)
 shapes = st.tuples(st.integers(0, 6), st.integers(1, 8), st.integers(1, 3), st.integers(1, 4))  # P, C, L, K
