@@ -20,7 +20,8 @@ _STREAM_PADDING = {"input_ids": 0, "loss_mask": False, "advantages": 0.0, "infer
 
 
 def pad_streams(streams: Mapping[str, np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
-    """Every stream ``[T]`` copied into ``[seq_len]`` of its ``STREAMS`` dtype, padded as ``trainer.assemble``'s module docstring says."""
+    """Every stream ``[T]`` copied into ``[seq_len]`` of its ``STREAMS`` dtype, padded as ``trainer.assemble``
+    documents."""
     out = {}
     for name, dtype in STREAMS.items():
         real = streams[name]

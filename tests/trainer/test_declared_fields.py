@@ -10,7 +10,7 @@ import pytest
 import torch
 from refpipe.cli.main import app
 from refpipe.pipeline.field_decl import FieldDecl, ValueChecks
-from refpipe.pipeline.fields import FieldsConfig, validate_branch
+from refpipe.pipeline.fields import FieldsConfig, Ragged, validate_branch
 from refpipe.pipeline.keep import Branch
 from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.backends import open_store
@@ -28,6 +28,7 @@ DECLARED = (
               checks=ValueChecks(low=0, below="vocab_size", distinct=True)),
     FieldDecl(name="teacher_logprobs", dtypes=["float32"], checks=ValueChecks(finite=True, high=0.0)),
     FieldDecl(name="image_features", dtypes=["float16"], shape=[4], domain="prompt"),
+    FieldDecl(name="prompt_tags", dtypes=["int16"], domain="prompt", ragged=True, checks=ValueChecks(low=0)),
 )
 CFG = FieldsConfig(num_layers=2, top_k=2, num_experts=8, vocab_size=100, declare=DECLARED)
 SEQ_LEN = 16
@@ -41,6 +42,7 @@ def _branch(rng, p: int, c: int, name: str) -> Branch:
         "draft_ids": (rng.integers(0, 50, (t, 1)) + np.array([0, 50])).astype(np.int64),
         "teacher_logprobs": -rng.random(c, dtype=np.float32),
         "image_features": rng.standard_normal((p, 4)).astype(np.float16),
+        "prompt_tags": Ragged(np.arange(2 * p, dtype=np.int64), np.full(p, 2, np.int32)),
     }, branch_id=name)
 
 
@@ -71,6 +73,9 @@ def test_declared_fields_assemble_by_their_declarations(built):
     image = mb.fields["image_features"]
     assert image.values.tobytes() == a["image_features"].tobytes() + b["image_features"].tobytes()
     assert image.row_ids.tolist() == [0, 1, 2, -1, -1, -1, -1, 3, 4, -1, -1, -1, -1, -1, -1, -1]
+    tags = mb.fields["prompt_tags"]
+    assert tags.values.dtype == np.int16 and tags.values.tolist() == [*range(6), *range(4)]
+    assert tags.counts.tolist() == [2] * 5 and tags.row_ids.tolist() == image.row_ids.tolist()
     image.values[0, 0] += 1  # the replay hash covers every declared field's bytes
     assert micro_batch_hash(mb) != fetched.hashes[0]
 
@@ -86,7 +91,7 @@ def test_the_cli_shows_and_verifies_declared_fields(built, tmp_path):
     assert got.tobytes() == branches["a"].fields["image_features"].tobytes() + \
         branches["b"].fields["image_features"].tobytes()
     summary = json.loads(runner.invoke(app, ["inspect", step_uri, "--json"], catch_exceptions=False).stdout)
-    assert summary["micro_batches"][0]["fields"] == ["draft_ids", "image_features", "routed_experts",
+    assert summary["micro_batches"][0]["fields"] == ["draft_ids", "image_features", "prompt_tags", "routed_experts",
                                                      "teacher_logprobs", "value_targets"]
     verified = runner.invoke(app, ["verify", step_uri], catch_exceptions=False)
     assert verified.exit_code == 0 and "all intact" in verified.stdout, verified.output
