@@ -127,7 +127,7 @@ class Orchestrator:
             OutsideRunError: a ref lies outside the run prefix (nothing deleted).
             EpisodeError: malformed episode, or its id is already queued in its group (nothing deleted).
         """
-        check_episode(episode, self.store.prefix)
+        check_episode(episode, self.store.prefix, vocab_size=self.fields.vocab_size)
         queued = self._pending.get(episode.group_id, [])
         self._check_new(episode, queued)
         self.ledger.record("receive", episode_id=episode.episode_id, group_id=episode.group_id,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
-from refpipe.pipeline.step_file import STREAMS
+from refpipe.pipeline.step_file import STREAMS, has_token_rows
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.errors import EpisodeError, OutsideRunError, PackingError
 from refpipe.storage.uri import RunPrefix
@@ -141,8 +141,8 @@ class Sample:
 
     @property
     def has_routing(self) -> bool:
-        """Whether the sample's chunk carries ``routed_experts``."""
-        return self.payload is not None and "routed_experts" in self.payload.ref.arrays
+        """Whether the sample's chunk carries token-domain rows (``routed_experts``: ``step_file.has_token_rows``)."""
+        return self.payload is not None and has_token_rows(self.payload.ref)
 
     def streams(self) -> dict[str, np.ndarray]:
         """The six streams by name, in ``STREAMS`` order."""
@@ -186,8 +186,10 @@ def build_sample(episode: Episode, branch: BranchResult, *, reward: float, advan
     )
 
 
-def check_episode(episode: Episode, prefix: RunPrefix) -> None:
+def check_episode(episode: Episode, prefix: RunPrefix, *, vocab_size: int | None = None) -> None:
     """Validate an episode before the orchestrator acts on it (no I/O, nothing deleted).
+
+    ``vocab_size`` (``FieldsConfig.vocab_size``): token ids must be below it; None checks ``>= 0`` only.
 
     Raises:
         OutsideRunError: a ref was kept in another run (the run id in its URI is not this run's;
@@ -195,8 +197,9 @@ def check_episode(episode: Episode, prefix: RunPrefix) -> None:
             names another chunk than its branch id (names the episode and branch).
         EpisodeError: no branches; a token array of the wrong dtype or shape; a non-positive
             temperature or negative policy version; rewards that are not finite or not one per
-            branch; a ref whose prompt/completion token counts disagree with the branch's tokens;
-            the same ref twice.
+            branch; a token id < 0 or >= ``vocab_size``; an inference logprob that is NaN, infinite
+            or > 0 (one line naming the episode, branch, array and index); a ref whose
+            prompt/completion token counts disagree with the branch's tokens; the same ref twice.
     """
     what = f"episode {episode.episode_id!r} (group {episode.group_id!r}, env {episode.env_name!r})"
     if not episode.branches:
@@ -207,6 +210,7 @@ def check_episode(episode: Episode, prefix: RunPrefix) -> None:
                            f"({len(episode.branches)})")
     for i, branch in enumerate(episode.branches):
         _check_branch(branch, f"{what} branch {i}", prefix)
+        _check_values(branch, f"{what} branch {i}", vocab_size)
     branch_ids = [ref.branch_id for ref in episode.refs()]
     if len(set(branch_ids)) != len(branch_ids):
         raise EpisodeError(f"{what}: the same ref appears in more than one branch: {branch_ids}")
@@ -235,3 +239,19 @@ def _check_branch(branch: BranchResult, what: str, prefix: RunPrefix) -> None:
     if got != (len(branch.prompt_ids), c):
         raise EpisodeError(f"{what}: ref {branch.ref.uri} holds {got[0]} prompt + {got[1]} completion tokens: "
                            f"expected {len(branch.prompt_ids)} + {c} (the branch's tokens)")
+
+
+def _check_values(branch: BranchResult, what: str, vocab_size: int | None) -> None:
+    """Token ids in ``[0, vocab_size)``, inference logprobs finite and <= 0: else one line naming the index."""
+    for name in ("prompt_ids", "completion_ids"):
+        ids = getattr(branch, name)
+        if ids.size and (int(ids.min()) < 0 or (vocab_size is not None and int(ids.max()) >= vocab_size)):
+            bad = int(np.argmax((ids < 0) | (ids >= (vocab_size or np.iinfo(np.int32).max))))
+            limit = "" if vocab_size is None else f" and < vocab_size={vocab_size}"
+            raise EpisodeError(f"{what}: {name}[{bad}] = {int(ids[bad])}: expected a token id >= 0{limit}")
+    logprobs = branch.inference_logprobs
+    top = logprobs.max() if logprobs.size else 0.0  # NaN and +inf propagate into the max, -inf into the min
+    if not top <= 0 or (logprobs.size and np.isneginf(logprobs.min())):
+        bad = int(np.argmax(~(np.isfinite(logprobs) & (logprobs <= 0))))
+        raise EpisodeError(f"{what}: inference_logprobs[{bad}] = {float(logprobs[bad])}: expected a finite "
+                           "logprob <= 0")

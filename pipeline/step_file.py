@@ -30,7 +30,7 @@ from collections.abc import Mapping
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from refpipe.pipeline.fields import FIELDS, FieldsConfig, trailing_shape
+from refpipe.pipeline.fields import FieldsConfig
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.errors import StepFileError, validation_problems
 from refpipe.storage.layout import step_key
@@ -86,7 +86,8 @@ class MicroBatchRecord(BaseModel):
     num_padding_tokens: int = Field(ge=0)
     """``seq_len - num_tokens``: tokens the trainer pads to reach ``seq_len``."""
     has_routing: bool
-    """Every sequence carries ``routed_experts`` (micro batches never mix with and without)."""
+    """Every sequence carries token-domain rows (``routed_experts``, or a declared token-domain field: micro
+    batches never mix with and without; ``has_token_rows``)."""
 
     @property
     def num_tokens(self) -> int:
@@ -147,9 +148,10 @@ class StepHeader(BaseModel):
 
     def _check_ref_fields(self, i: int, ref: PayloadRef) -> None:
         """Every stored array of ``refs[i]`` is a field ``self.fields`` configures, with its trailing shape."""
+        registry = self.fields.registry()
         for name, spec in ref.arrays.items():
-            fdef = FIELDS.get(name.split(".")[0])
-            trailing = None if fdef is None else trailing_shape(fdef, self.fields)
+            fdef = registry.get(name.split(".")[0])
+            trailing = None if fdef is None else fdef.trailing(self.fields.dims)
             if trailing is None:
                 raise ValueError(f"ref {i} ({ref.uri}): array {name!r} is not a field configured in "
                                  f"fields ({self.fields!r})")
@@ -170,7 +172,7 @@ class StepHeader(BaseModel):
             if not 0 <= seq.ref < len(self.refs) or seq.num_tokens > self.refs[seq.ref].num_tokens:
                 raise ValueError(f"micro batch dp_rank={mb.dp_rank} index={mb.index}: ref {seq.ref} missing "
                                  f"or shorter than {seq.num_tokens} tokens")
-            if mb.has_routing != ("routed_experts" in self.refs[seq.ref].arrays):
+            if mb.has_routing != has_token_rows(self.refs[seq.ref]):
                 raise ValueError(f"micro batch dp_rank={mb.dp_rank} index={mb.index}: has_routing={mb.has_routing} "
                                  f"but ref {seq.ref} disagrees")
 
@@ -181,6 +183,11 @@ class StepHeader(BaseModel):
     def owned_refs(self, dp_rank: int) -> list[PayloadRef]:
         """The refs DP rank ``dp_rank`` deletes after the step (each ref has one owner)."""
         return [ref for ref, owner in zip(self.refs, self.owners) if owner == dp_rank]
+
+
+def has_token_rows(ref: PayloadRef) -> bool:
+    """Whether a ref stores a token-domain array (routing): its samples pack apart from the others."""
+    return any(spec.domain == "tokens" for spec in ref.arrays.values())
 
 
 def member_name(dp_rank: int, index: int, stream: str) -> str:

@@ -11,6 +11,8 @@ stack"); every other module is internal and may change:
   ``load_and_fetch``, ``agree_failures``, ``release_step`` and ``run_step`` composing them
   (then ``finish``, ``close``), ``TrainMicroBatch``, ``StepMetrics``;
 - configs: ``StorageConfig``, ``FieldsConfig``, ``OrchestratorConfig``, ``TrainerConfig``;
+- fields: ``FieldDecl`` and ``ValueChecks`` (declare a field), ``sglang_routed_experts`` and
+  ``engine_routed_experts`` (routing as inference engines return it);
 - storage: ``open_store``, ``Store``, ``PayloadRef``, ``fetch_arrays``;
 - errors: ``RefpipeError`` and its subclasses.
 
@@ -36,6 +38,8 @@ _ERRORS = ("RefpipeError", "ConfigError", "OutsideRunError", "StorageError", "Tr
 _WHERE = {
     "Branch": "refpipe.pipeline.keep", "Keeper": "refpipe.pipeline.keep",
     "Ragged": "refpipe.pipeline.fields", "FieldsConfig": "refpipe.pipeline.fields",
+    "FieldDecl": "refpipe.pipeline.field_decl", "ValueChecks": "refpipe.pipeline.field_decl",
+    "sglang_routed_experts": "refpipe.pipeline.engines", "engine_routed_experts": "refpipe.pipeline.engines",
     "Ledger": "refpipe.storage.ledger", "DeleteResult": "refpipe.storage.ledger",
     "Orchestrator": "refpipe.pipeline.orchestrator", "OrchestratorConfig": "refpipe.pipeline.orchestrator",
     "Episode": "refpipe.pipeline.samples", "BranchResult": "refpipe.pipeline.samples",

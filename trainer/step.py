@@ -17,7 +17,7 @@ from refpipe.storage.errors import ConfigError, FetchError
 from refpipe.storage.layout import trainer_actor
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.store import Store
-from refpipe.trainer.assemble import AssembledMicroBatch, assemble_dropped_micro_batch
+from refpipe.trainer.assemble import AssembledMicroBatch, assemble_dropped_micro_batch, real_token_rows
 from refpipe.trainer.background import BackgroundRelease, Prefetch, Prepared, ReleaseCounts
 from refpipe.trainer.buffers import BufferPool
 from refpipe.trainer.config import TrainerConfig
@@ -239,15 +239,15 @@ class TrainerRank:
                          dropped: np.ndarray) -> list[AssembledMicroBatch]:
         """(e) This DP rank's micro batches in order, each dropped one replaced by its shape-only stand-in.
 
-        A stand-in repeats the routing rows of the first micro batch that was not dropped, so every
+        A stand-in repeats the token-domain (routing) rows of the first micro batch that was not dropped, so every
         model-parallel peer builds the same one (peers agree on ``dropped``, not on what they fetched).
         """
         header, dp_rank = step_file.header, self.topology.dp_rank
         mbs = header.micro_batches_of(dp_rank)
         kept = [fetched.assembled[mb.index] for mb in mbs if not dropped[mb.index]]
-        routing_rows = next((a.fields["routed_experts"].values for a in kept if "routed_experts" in a.fields), None)
+        token_rows = next((real_token_rows(a) for a in kept if a.record.has_routing), None)
         return [assemble_dropped_micro_batch(mb, step_file.streams(dp_rank, mb.index), seq_len=header.seq_len,
-                                             fields=self.fields, routing_rows=routing_rows)
+                                             fields=self.fields, token_rows=token_rows)
                 if dropped[mb.index] else fetched.assembled[mb.index] for mb in mbs]
 
     def release_step(self, header: StepHeader) -> None:
