@@ -7,6 +7,10 @@ stack"); every other module is internal and may change:
   ``Branch``, ``Ragged``, ``Ledger`` (one per actor per process);
 - orchestrator: ``Orchestrator`` (``submit`` episodes, ``build_step`` publishes a step file;
   ``shutdown``), ``Episode``, ``BranchResult``, ``StepHeader``;
+- the layers below it (docs/embedding.md): ``PayloadSlice`` / ``SliceId`` (a sample's slice of a ref and its
+  small wire form), ``publish_step`` with ``StepMicroBatch`` / ``PackedSequence`` (a step from the caller's own
+  packed micro batches), advantage estimators ``group_normalized``, ``rloo``, ``from_episode`` (``GroupRollouts``)
+  and packers ``balanced_packer``, ``first_fit_packer``;
 - trainer rank: ``init_process_group`` / ``new_data_group``, ``TrainerRank`` with its steps
   ``load_and_fetch``, ``agree_failures``, ``release_step`` and ``run_step`` composing them
   (then ``finish``, ``close``), ``TrainMicroBatch``, ``StepMetrics``;
@@ -44,6 +48,13 @@ _WHERE = {
     "Orchestrator": "refpipe.pipeline.orchestrator", "OrchestratorConfig": "refpipe.pipeline.orchestrator",
     "Episode": "refpipe.pipeline.samples", "BranchResult": "refpipe.pipeline.samples",
     "StepHeader": "refpipe.pipeline.step_file",
+    "PayloadSlice": "refpipe.pipeline.slices", "SliceId": "refpipe.pipeline.slices",
+    "publish_step": "refpipe.pipeline.publish", "StepMicroBatch": "refpipe.pipeline.publish",
+    "PackedSequence": "refpipe.pipeline.publish",
+    "balanced_packer": "refpipe.pipeline.packing", "first_fit_packer": "refpipe.pipeline.packing",
+    "GroupRollouts": "refpipe.pipeline.advantages", "group_normalized": "refpipe.pipeline.advantages",
+    "rloo": "refpipe.pipeline.advantages", "from_episode": "refpipe.pipeline.advantages",
+    "SliceError": "refpipe.storage.errors",
     "TrainerRank": "refpipe.trainer.step", "StepMetrics": "refpipe.trainer.step",
     "TrainerConfig": "refpipe.trainer.config", "TrainMicroBatch": "refpipe.trainer.tensors",
     "init_process_group": "refpipe.trainer.dist", "new_data_group": "refpipe.trainer.dist",
@@ -54,20 +65,29 @@ _WHERE = {
 __all__ = [
     "AlignmentError", "Branch", "BranchResult", "CheckpointError", "ChunkCorruptError", "ChunkNotFoundError",
     "ConfigError", "DeleteKeysError", "DeleteRecordError", "DeleteResult", "DoubleDeleteError", "Episode",
-    "EpisodeError", "FetchError", "FieldError", "FieldsConfig", "Keeper", "KeyExistsError", "KeyNotFoundError",
-    "Ledger", "LedgerRecordError", "Orchestrator", "OrchestratorConfig", "OutsideRunError", "PackingError",
-    "PayloadRef", "Ragged", "RefpipeError", "ReplayMismatchError", "RunNotFoundError", "RunPathNotADirectoryError",
-    "RunStillRunningError", "StepFileError", "StepHeader", "StepMetrics", "StorageConfig", "StorageError", "Store",
-    "TrainMicroBatch", "TrainerConfig", "TrainerRank", "TransientStorageError", "UnknownRefError", "fetch_arrays",
-    "init_process_group", "new_data_group", "open_store",
+    "EpisodeError", "FetchError", "FieldDecl", "FieldError", "FieldsConfig", "GroupRollouts", "Keeper",
+    "KeyExistsError", "KeyNotFoundError", "Ledger", "LedgerRecordError", "Orchestrator", "OrchestratorConfig",
+    "OutsideRunError", "PackedSequence", "PackingError", "PayloadRef", "PayloadSlice", "Ragged", "RefpipeError",
+    "ReplayMismatchError", "RunNotFoundError", "RunPathNotADirectoryError", "RunStillRunningError", "SliceError",
+    "SliceId", "StepFileError", "StepHeader", "StepMetrics", "StepMicroBatch", "StorageConfig", "StorageError",
+    "Store", "TrainMicroBatch", "TrainerConfig", "TrainerRank", "TransientStorageError", "UnknownRefError",
+    "ValueChecks", "balanced_packer", "engine_routed_experts", "fetch_arrays", "first_fit_packer", "from_episode",
+    "group_normalized", "init_process_group", "new_data_group", "open_store", "publish_step", "rloo",
+    "sglang_routed_experts"
 ]
 """The public names, spelled out so that type checkers see them (pyright reads only a literal ``__all__``)."""
 
 if TYPE_CHECKING:
+    from refpipe.pipeline.advantages import GroupRollouts, from_episode, group_normalized, rloo
+    from refpipe.pipeline.engines import engine_routed_experts, sglang_routed_experts
+    from refpipe.pipeline.field_decl import FieldDecl, ValueChecks
     from refpipe.pipeline.fields import FieldsConfig, Ragged
     from refpipe.pipeline.keep import Branch, Keeper
     from refpipe.pipeline.orchestrator import Orchestrator, OrchestratorConfig
+    from refpipe.pipeline.packing import balanced_packer, first_fit_packer
+    from refpipe.pipeline.publish import PackedSequence, StepMicroBatch, publish_step
     from refpipe.pipeline.samples import BranchResult, Episode
+    from refpipe.pipeline.slices import PayloadSlice, SliceId
     from refpipe.pipeline.step_file import StepHeader
     from refpipe.storage.backends import open_store
     from refpipe.storage.chunk import PayloadRef
@@ -94,6 +114,7 @@ if TYPE_CHECKING:
         RunNotFoundError,
         RunPathNotADirectoryError,
         RunStillRunningError,
+        SliceError,
         StepFileError,
         StorageError,
         TransientStorageError,
