@@ -13,13 +13,11 @@ group's samples (or a queue's policy versions); Python loops run per sample, nev
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
+from refpipe.pipeline.samples import BranchResult
 from refpipe.storage.errors import EpisodeError
-
-if TYPE_CHECKING:
-    from refpipe.pipeline.samples import BranchResult
 
 ZERO_ADVANTAGE_ATOL = 1e-6
 """|advantage| at or below this counts as zero (pruned when ``prune_zero_advantage``)."""
@@ -85,7 +83,7 @@ class GroupRollouts(NamedTuple):
     group_id: str
     rewards: np.ndarray
     completion_tokens: np.ndarray
-    branches: Sequence["BranchResult"]
+    branches: Sequence[BranchResult]
 
 
 AdvantageEstimator = Callable[[GroupRollouts], Sequence[float | np.ndarray] | np.ndarray]

@@ -206,9 +206,9 @@ class Orchestrator:
             if isinstance(ref, PayloadRef) and _in_run(ref, self.store) and ref.branch_id not in self._queued_refs \
                     and ref.branch_id not in self._refused_refs:
                 own.setdefault(ref.branch_id, ref)
-        what = f"episode {getattr(episode, 'episode_id', '?')!r} refused: {str(error).splitlines()[0][:300]}"
+        reason = (str(error).splitlines() or [type(error).__name__])[0][:300]  # the error names the episode
         try:
-            self._delete("refused", list(own.values()), what)
+            self._delete("refused", list(own.values()), reason)
         except (DoubleDeleteError, UnknownRefError) as e:
             log.warning("orchestrator refused: %s", e)
         self._refused_refs.update(own)

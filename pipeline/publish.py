@@ -122,23 +122,7 @@ def step_contents(micro_batches: Sequence[Sequence[StepMicroBatch]], *, step: in
                   ) -> tuple[StepHeader, Streams]:
     """The validated header and streams ``publish_step`` writes (see there; no I/O)."""
     _check_shape(micro_batches, step, seq_len, extra_streams)
-    refs: list[PayloadRef] = []
-    owners: list[int] = []
-    index_of: dict[str, int] = {}
-    for rank, batches in enumerate(micro_batches):
-        for i, mb in enumerate(batches):
-            for j, seq in enumerate(mb.sequences):
-                what = f"step {step} dp_rank={rank} micro batch {i} sequence {j}"
-                _check_sequence(seq, what)
-                if seq.payload is None or seq.borrowed:
-                    continue
-                ref = seq.payload.ref
-                if ref.branch_id in index_of:
-                    raise PackingError(f"{what}: chunk {ref.uri} is used by two samples (sequences) of the step: "
-                                       f"expected one owning sequence per ref (mark stand-ins borrowed)")
-                index_of[ref.branch_id] = len(refs)
-                refs.append(ref)
-                owners.append(rank)
+    refs, owners, index_of = _ref_table(micro_batches, step)
     records = [_record(rank, i, mb, index_of, step, seq_len)
                for rank, batches in enumerate(micro_batches) for i, mb in enumerate(batches)]
     try:
@@ -151,6 +135,29 @@ def step_contents(micro_batches: Sequence[Sequence[StepMicroBatch]], *, step: in
     streams = {(rank, i): {name: mb.streams[name] for name in names}
                for rank, batches in enumerate(micro_batches) for i, mb in enumerate(batches)}
     return header, streams
+
+
+def _ref_table(micro_batches: Sequence[Sequence[StepMicroBatch]], step: int
+               ) -> tuple[list[PayloadRef], list[int], dict[str, int]]:
+    """``(refs, owners, index_of)``: each ref a sequence owns (not ``borrowed``) once, in sequence order, the DP rank
+    owning it, and branch id -> its index in ``refs``."""
+    refs: list[PayloadRef] = []
+    owners: list[int] = []
+    index_of: dict[str, int] = {}
+    for rank, batches in enumerate(micro_batches):
+        for i, mb in enumerate(batches):
+            for j, seq in enumerate(mb.sequences):
+                if seq.payload is None or seq.borrowed:
+                    continue
+                ref = seq.payload.ref
+                if ref.branch_id in index_of:
+                    raise PackingError(f"step {step} dp_rank={rank} micro batch {i} sequence {j}: chunk {ref.uri} "
+                                       f"is used by two samples (sequences) of the step: expected one owning "
+                                       f"sequence per ref (mark stand-ins borrowed)")
+                index_of[ref.branch_id] = len(refs)
+                refs.append(ref)
+                owners.append(rank)
+    return refs, owners, index_of
 
 
 def _check_shape(micro_batches: Sequence[Sequence[StepMicroBatch]], step: int, seq_len: int,
@@ -173,6 +180,8 @@ def _check_shape(micro_batches: Sequence[Sequence[StepMicroBatch]], step: int, s
             what = f"step {step} dp_rank={rank} micro batch {i}"
             if not isinstance(mb, StepMicroBatch) or not mb.sequences:
                 raise PackingError(f"{what}: expected a StepMicroBatch with at least one sequence")
+            for j, seq in enumerate(mb.sequences):
+                _check_sequence(seq, f"{what} sequence {j}")
             num_tokens = sum(s.num_tokens for s in mb.sequences)
             if num_tokens > seq_len:
                 raise PackingError(f"{what}: {num_tokens} tokens: expected at most seq_len={seq_len}")

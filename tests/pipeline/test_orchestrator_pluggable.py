@@ -14,7 +14,6 @@ from refpipe.pipeline.orchestrator import Orchestrator, OrchestratorConfig
 from refpipe.pipeline.packing import first_fit_packer
 from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.backends import open_store
-from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import EpisodeError, OutsideRunError
 
 LENGTHS = (20, 18, 16, 15, 14, 12, 12, 11)
@@ -128,12 +127,15 @@ def _refused(kind, keeper, rng, sibling_keeper):
     return replace(e, reward=[1.0, 1.0], branches=[b, other]), OutsideRunError, 1, [twin]
 
 
-@pytest.mark.parametrize("kind", ["dtype", "nan reward", "token/ref mismatch", "same ref twice", "foreign ref"])
-def test_after_every_refusal_kind_the_audit_is_clean(local_config, tmp_path, kind):
-    store = open_store(local_config)
-    sibling = StorageConfig(root=str(tmp_path / "root"), run_id="run_10")
+@pytest.mark.parametrize("backend, kind", [("local", k) for k in ("dtype", "nan reward", "token/ref mismatch",
+                                                                   "same ref twice", "foreign ref")]
+                         + [("s3", "nan reward"), ("s3", "foreign ref")])
+def test_after_every_refusal_kind_the_audit_is_clean(request, backend, kind):
+    config = request.getfixturevalue(f"{backend}_config")
+    store = open_store(config)
+    sibling = config.model_copy(update={"run_id": "run_10"})
     sibling_store = open_store(sibling)
-    keeper, sibling_keeper = make_keeper(store, local_config), make_keeper(sibling_store, sibling)
+    keeper, sibling_keeper = make_keeper(store, config), make_keeper(sibling_store, sibling)
     bad, error, deleted, then = _refused(kind, keeper, np.random.default_rng(5), sibling_keeper)
     orch = _orchestrator(store, group_size=2)
     with pytest.raises(error):

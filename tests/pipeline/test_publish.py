@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import io
+import zipfile
 from dataclasses import replace
 
 import numpy as np
 import pytest
 from orchestrator_helpers import FIELDS, branch, make_keeper
+from pydantic import ValidationError
 from refpipe.pipeline.audit import audit
 from refpipe.pipeline.publish import PackedSequence, StepMicroBatch, publish_step
 from refpipe.pipeline.slices import PayloadSlice
-from refpipe.pipeline.step_file import STREAMS, StepFile
+from refpipe.pipeline.step_file import HEADER_MEMBER, STREAMS, StepFile, StepHeader
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
-from refpipe.storage.errors import KeyExistsError, OutsideRunError, PackingError, SliceError
+from refpipe.storage.errors import KeyExistsError, OutsideRunError, PackingError, SliceError, StepFileError
 from refpipe.storage.layout import ORCHESTRATOR_ACTOR, step_key
 from refpipe.storage.ledger import Ledger
 
@@ -144,3 +147,23 @@ def test_bad_slices_extra_streams_and_foreign_refs(run, tmp_path):
     with pytest.raises(OutsideRunError, match=r"^step 1 ref 0: ref f0 was kept in run 'run_9'"):
         publish_step(store, ledger, 1, [[_micro_batch(rng, [foreign], extra=False)]], seq_len=SEQ_LEN, fields=FIELDS)
     assert not store.exists(step_key(1))
+
+
+def test_a_step_file_declaring_an_extra_stream_it_lacks_or_of_a_bad_dtype_is_refused(run):
+    store, ledger, kept, plain, rng = run
+    header = publish_step(store, ledger, 2, [[_micro_batch(rng, kept[:1])]], seq_len=SEQ_LEN, fields=FIELDS,
+                          extra_streams={"values": "<f4"})
+    raw = header.model_dump()
+    with pytest.raises(ValidationError, match=r"extra stream 'values': dtype 'object': expected a numpy dtype.str"):
+        StepHeader.model_validate({**raw, "extra_streams": {"values": "object"}})
+    original = zipfile.ZipFile(io.BytesIO(store.get(step_key(2))))
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as forged:  # the header also declares a stream "more"
+        for info in original.infolist():
+            body = original.read(info)
+            if info.filename == HEADER_MEMBER:
+                body = header.model_copy(update={"extra_streams": {"values": "<f4", "more": "<i4"}}).model_dump_json()
+            forged.writestr(info, body)
+    step = StepFile.from_bytes(buf.getvalue(), "forged")
+    with pytest.raises(StepFileError, match=r"^step file forged: member dp0.mb0.more.npy unreadable"):
+        step.streams(0, 0)
