@@ -7,9 +7,10 @@ stack"); every other module is internal and may change:
   ``Branch``, ``Ragged``, ``Ledger`` (one per actor per process);
 - orchestrator: ``Orchestrator`` (``submit`` episodes, ``build_step`` publishes a step file;
   ``shutdown``), ``Episode``, ``BranchResult``, ``StepHeader``;
-- trainer rank: ``init_process_group`` / ``new_data_group``, ``TrainerRank`` with its steps
-  ``load_and_fetch``, ``agree_failures``, ``release_step`` and ``run_step`` composing them
-  (then ``finish``, ``close``), ``TrainMicroBatch``, ``StepMetrics``;
+- trainer rank: ``init_process_group`` / ``new_data_group``, ``TrainerRank`` with its pull loop
+  ``steps`` (a ``TrainingStep`` per step: train on its ``batches``, then ``release()``; or a
+  ``StepDataset`` for a ``DataLoader``), ``run_step`` (the same with a callback), a restart's
+  ``resume_plan`` (a ``ResumePlan``), then ``finish``, ``close``; ``TrainMicroBatch``, ``StepMetrics``;
 - configs: ``StorageConfig``, ``FieldsConfig``, ``OrchestratorConfig``, ``TrainerConfig``;
 - storage: ``open_store``, ``Store``, ``PayloadRef``, ``fetch_arrays``;
 - errors: ``RefpipeError`` and its subclasses.
@@ -30,7 +31,8 @@ _ERRORS = ("RefpipeError", "ConfigError", "OutsideRunError", "StorageError", "Tr
            "ChunkCorruptError", "KeyExistsError",
            "DoubleDeleteError", "UnknownRefError", "FieldError", "EpisodeError", "StepFileError", "PackingError",
            "FetchError", "AlignmentError", "DeleteKeysError", "CheckpointError", "ReplayMismatchError",
-           "RunStillRunningError", "DeleteRecordError", "LedgerRecordError")
+           "RunStillRunningError", "DeleteRecordError", "LedgerRecordError",
+           "StepOrderError")
 _WHERE = {
     "Branch": "refpipe.pipeline.keep", "Keeper": "refpipe.pipeline.keep",
     "Ragged": "refpipe.pipeline.fields", "FieldsConfig": "refpipe.pipeline.fields",
@@ -38,9 +40,11 @@ _WHERE = {
     "Orchestrator": "refpipe.pipeline.orchestrator", "OrchestratorConfig": "refpipe.pipeline.orchestrator",
     "Episode": "refpipe.pipeline.samples", "BranchResult": "refpipe.pipeline.samples",
     "StepHeader": "refpipe.pipeline.step_file",
-    "TrainerRank": "refpipe.trainer.step", "StepMetrics": "refpipe.trainer.step",
+    "TrainerRank": "refpipe.trainer.step", "StepMetrics": "refpipe.trainer.metrics",
     "TrainerConfig": "refpipe.trainer.config", "TrainMicroBatch": "refpipe.trainer.tensors",
     "init_process_group": "refpipe.trainer.dist", "new_data_group": "refpipe.trainer.dist",
+    "TrainingStep": "refpipe.trainer.loop", "StepDataset": "refpipe.trainer.loop",
+    "ResumePlan": "refpipe.trainer.resume",
     "StorageConfig": "refpipe.storage.config", "open_store": "refpipe.storage.backends",
     "Store": "refpipe.storage.store", "PayloadRef": "refpipe.storage.chunk", "fetch_arrays": "refpipe.storage.fetch",
     **{name: "refpipe.storage.errors" for name in _ERRORS},
