@@ -5,7 +5,10 @@ The spec is ``dist_worker.py``'s plus ``stop`` (steps ``0 .. stop - 1``), ``data
 this rank trains and never releases). Writes ``step<N>_rank<r>.npz``/``.json`` as ``dist_worker.py`` does (its
 ``collectives``: those of the data group since the previous step was released, so opening and releasing the
 step), plus ``release_again`` (what a second ``release()`` raised) and, for the step after an unreleased one
-or a step that failed to open, the error the loop raised.
+or a step that failed to open, the error the loop raised. A restarted life: ``checkpoint_step`` (the loop
+resumes through ``TrainerRank.resume_plan(checkpoint_step)``, the plan written to ``plan_rank<r>.json``); a
+crash: ``pause`` ``[step, dp_rank]`` (that DP rank creates ``paused`` and sleeps before releasing the step,
+until the test kills it).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -38,8 +42,13 @@ def main(spec_path: str, rank: int) -> None:
     init_process_group(config, rank=rank, world_size=spec["world_size"], init_method=spec["init_method"])
     trainer = TrainerRank(open_store(storage), FieldsConfig(**spec["fields"]), storage, config)
     group = trainer.data_group
-    steps = (DataLoader(StepDataset(trainer, spec["stop"]), batch_size=None) if spec["data_loader"]
-             else trainer.steps(spec["stop"]))
+    plan = None
+    if "checkpoint_step" in spec:
+        plan = trainer.resume_plan(checkpoint_step=spec["checkpoint_step"])
+        (out / f"plan_rank{rank}.json").write_text(json.dumps(
+            {"start_step": plan.start_step, "skipped": plan.skipped, "replayed": plan.replayed}))
+    steps = (DataLoader(StepDataset(trainer, spec["stop"], resume=plan), batch_size=None) if spec["data_loader"]
+             else trainer.steps(spec["stop"], resume=plan))
     seen, step = group._get_sequence_number_for_group(), 0
     try:
         for opened in steps:
@@ -48,6 +57,11 @@ def main(spec_path: str, rank: int) -> None:
                       "dropped": [mb.dropped for mb in opened.batches], "replayed": opened.replayed}
             got = {f"mb{mb.record.index}.{k}": v for mb in opened.batches
                    for k, v in flatten(mb.streams, mb.cu_seqlens, mb.fields).items()}
+            if [step, trainer.topology.dp_rank] == spec.get("pause"):
+                np.savez(out / f"step{step}_rank{rank}.npz", **got)
+                (out / f"step{step}_rank{rank}.json").write_text(json.dumps(result))
+                (out / "paused").touch()
+                time.sleep(3600)
             if step != spec.get("unreleased"):
                 result["metrics"] = opened.release().model_dump()
                 try:

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +55,14 @@ def run_world(tmp_path: Path, storage: StorageConfig, world_size: int, model_par
               default_backend: str = "gloo", worker: Path = WORKER, **extra) -> dict:
     """Start ``world_size`` ranks of ``worker`` (``extra``: more of its spec), wait for all; return
     ``{(step, rank): (result, arrays)}``."""
+    return collect_world(*start_world(tmp_path, storage, world_size, model_parallel_size, steps, exit_before,
+                                      fetch_raises, default_backend, worker, **extra))
+
+
+def start_world(tmp_path: Path, storage: StorageConfig, world_size: int, model_parallel_size: int, steps: list[int],
+                exit_before: dict[str, list[int]] | None = None, fetch_raises: dict[str, str] | None = None,
+                default_backend: str = "gloo", worker: Path = WORKER, **extra) -> tuple[Path, list[subprocess.Popen]]:
+    """Start ``world_size`` ranks of ``worker`` writing into ``tmp_path/ranks``; the directory and the processes."""
     out = tmp_path / "ranks"
     out.mkdir()
     spec = {"out_dir": str(out), "world_size": world_size, "init_method": f"tcp://127.0.0.1:{free_port()}",
@@ -63,8 +72,13 @@ def run_world(tmp_path: Path, storage: StorageConfig, world_size: int, model_par
                         "collective_timeout_s": 20}, **extra}
     (out / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(worker), str(out / "spec.json"), str(r)], env=env,
-                              stderr=open(out / f"rank{r}.log", "w")) for r in range(world_size)]
+    return out, [subprocess.Popen([sys.executable, str(worker), str(out / "spec.json"), str(r)], env=env,
+                                  stderr=open(out / f"rank{r}.log", "w")) for r in range(world_size)]
+
+
+def collect_world(out: Path, procs: list[subprocess.Popen]) -> dict:
+    """Wait for every rank of ``start_world``; ``{(step, rank): (result, arrays)}`` of what they wrote."""
+    world_size = len(procs)
     try:
         codes = [p.wait(timeout=120) for p in procs]
     finally:
@@ -316,3 +330,48 @@ def test_the_pull_loop_refuses_the_next_step_before_the_previous_one_is_released
             f"step's optimizer step, on every rank"))
     assert _release_events(store) == []
     assert all(store.exists(k) for r in built[0].header.refs for k in chunk_keys(store, r))
+
+
+def test_a_restart_after_one_dp_rank_released_a_step_trains_none_of_it_again(tmp_path, local_config):
+    """Life 1 pulls steps 0-3 (step 0 retained, the others deleted after training) and is SIGKILLed once DP 0
+    released step 1 and DP 1 had not. Life 2 restarts from the initial weights (``checkpoint_step=-1``) through
+    ``resume_plan``: step 0 (chunks retained) is replayed; step 1 is skipped on both DP ranks, so DP 1's samples of
+    it are not trained a second time and DP 0's missing chunks are never read: no ``ChunkNotFoundError``, and the
+    prefetch after step 0 fetches step 2 (before, a restart re-ran step 1: ``ChunkNotFoundError ... (read 5
+    times)`` for each of DP 0's chunks, DP 0's micro batches dropped, DP 1's trained again)."""
+    store = open_store(local_config)
+    rng = np.random.default_rng(8)
+    built = {}
+    for s in range(4):
+        branches = _branches(s, rng)
+        built[s] = build_step(store, s, SEQ_LEN, _layout(s), branches, keep_all(store, local_config, branches), rng)
+    trainer = {"step_timeout_s": 30, "step_poll_s": 0.1, "collective_timeout_s": 20, "retain_steps": [0]}
+    (tmp_path / "life1").mkdir()
+    out, procs = start_world(tmp_path / "life1", local_config, 2, 1, [], worker=PULL_WORKER, stop=4,
+                             data_loader=False, pause=[1, 1], trainer=trainer)
+    deadline = time.monotonic() + 120
+    while not ((out / "paused").exists() and (1, 0, "trainer_dp0") in _release_events(store)):
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, "life 1 never paused"
+        time.sleep(0.1)
+    for p in procs:
+        p.kill()
+        p.wait()
+    assert _release_events(store) == [(0, 0, "trainer_dp0"), (0, 1, "trainer_dp1"), (1, 0, "trainer_dp0")]
+
+    (tmp_path / "life2").mkdir()
+    out, procs = start_world(tmp_path / "life2", local_config, 2, 1, [], worker=PULL_WORKER, stop=4,
+                             data_loader=False, checkpoint_step=-1, trainer=trainer)
+    results = collect_world(out, procs)
+    for rank in range(2):
+        plan = json.loads((out / f"plan_rank{rank}.json").read_text())
+        assert plan == {"start_step": 0, "skipped": [1], "replayed": [0, 2, 3]}
+        assert "ChunkNotFoundError" not in (out / f"rank{rank}.log").read_text()
+    assert sorted(key for key in results) == [(s, r) for s in (0, 2, 3) for r in range(2)]
+    assert all(results[key][0]["replayed"] for key in results)
+    _check_trained(built[0], results, 0, 2, 1, set(), {})
+    m2 = _check_trained(built[2], results, 2, 2, 1, set(), {})
+    assert (m2["prefetched_ranks"], m2["dropped_micro_batches"], m2["failed_fetches"]) == (2, 0, 0)
+    _check_trained(built[3], results, 3, 2, 1, set(), {})
+    assert _release_events(store) == sorted([(0, 0, "trainer_dp0"), (0, 1, "trainer_dp1")] * 2 + [
+        (s, dp, f"trainer_dp{dp}") for s in (1, 2, 3) for dp in range(2)])
+    assert all(store.exists(tombstone_key(r.branch_id)) == (s > 0) for s in range(4) for r in built[s].header.refs)
