@@ -27,13 +27,13 @@ class StepMetrics(BaseModel):
     fetch_seconds_max: float
     """Wall seconds of a rank's fetch (with the assembly pipelined into it), max over ranks."""
     exposed_data_seconds_mean: float
-    """Wall seconds of ``run_step`` outside ``train`` and before the metrics all-gather, less
-    ``step_wait_seconds`` (waiting for the fetch, the failure all-reduce, stand-ins, tensors, waiting for
-    the previous release), mean over ranks: the data path's time on the critical path."""
+    """Wall seconds of ``run_step`` outside ``train`` (of ``open_step`` and ``TrainingStep.release``) and before
+    the metrics all-gather, less ``step_wait_seconds`` (waiting for the fetch, the failure all-reduce, stand-ins,
+    tensors, waiting for the previous release), mean over ranks: the data path's time on the critical path."""
     exposed_data_seconds_max: float
     """As ``exposed_data_seconds_mean``, max over ranks."""
     step_wait_seconds_max: float
-    """Seconds a rank's ``run_step`` waited for the step file to appear (the orchestrator was behind; not a
+    """Seconds a rank's ``open_step`` waited for the step file to appear (the orchestrator was behind; not a
     data-path cost), max over ranks."""
     prefetched_ranks: int
     """Ranks whose data of this step was fetched in the background while the previous step trained."""

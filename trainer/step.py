@@ -57,9 +57,10 @@ class TrainerRank:
           a tensor the train callback kept keeps its memory); errors become failure flags;
        c. agree failures: all-reduce of the flags over the data group (collective);
           if no micro batch was fetched anywhere, every rank raises ``FetchError`` here;
-       d. prefetch: start fetching step + 1 in the background (``trainer.background.Prefetch``;
-          at most one step ahead, so a rank holds at most two steps of arrays: this one and
-          the next; its failures are agreed in step + 1's (c), like any fetch's);
+       d. prefetch: start fetching step + 1 (the next step a resume plan does not skip) in the
+          background (``trainer.background.Prefetch``; at most one step ahead, so a rank holds at
+          most two steps of arrays: this one and the next; its failures are agreed in step + 1's
+          (c), like any fetch's);
        e. stand in for dropped micro batches (shape-only, no loss), then tensors;
        f. train: the caller's callback (its collectives are its own);
        g. release: the ``mp_rank == 0`` rank hands the step to its ``trainer.release.ReleasePolicy``
