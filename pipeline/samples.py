@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
+from refpipe.pipeline.slices import PayloadSlice, check_in_run
 from refpipe.pipeline.step_file import STREAMS
 from refpipe.storage.chunk import PayloadRef
-from refpipe.storage.errors import EpisodeError, OutsideRunError, PackingError
+from refpipe.storage.errors import EpisodeError, PackingError
 from refpipe.storage.uri import RunPrefix
 
 
@@ -36,6 +36,8 @@ class BranchResult:
         trainable: False for branches that are never trained; their chunks are deleted on arrival.
         completion_mask: [C] bool, True on the completion tokens the policy sampled (trained on);
             multi-turn branches mark tool and user tokens False. None: every completion token.
+        advantages: [C] float32 the caller's own advantage of each completion token (GAE, a value model, ...),
+            used by the ``advantages.from_episode`` estimator; None: the orchestrator's estimator computes them.
     """
 
     prompt_ids: np.ndarray
@@ -46,6 +48,7 @@ class BranchResult:
     ref: PayloadRef | None = None
     trainable: bool = True
     completion_mask: np.ndarray | None = None
+    advantages: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -80,13 +83,6 @@ class Episode:
     def refs(self) -> list[PayloadRef]:
         """Every ref the episode carries, trainable or not, in branch order."""
         return [b.ref for b in self.branches if b.ref is not None]
-
-
-class PayloadSlice(NamedTuple):
-    """A sample's view of a chunk: the ref and how many of its first tokens are kept (1..ref.num_tokens)."""
-
-    ref: PayloadRef
-    num_tokens: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -154,10 +150,12 @@ def kept_completion_tokens(branch: BranchResult, seq_len: int) -> int:
     return max(0, min(len(branch.completion_ids), seq_len - len(branch.prompt_ids)))
 
 
-def build_sample(episode: Episode, branch: BranchResult, *, reward: float, advantage: float, seq_len: int) -> Sample:
+def build_sample(episode: Episode, branch: BranchResult, *, reward: float, advantage: float | np.ndarray,
+                 seq_len: int) -> Sample:
     """Build the sample of one branch, truncated to its first ``seq_len`` tokens.
 
-    Truncation never touches the chunk: the ``PayloadSlice`` just keeps fewer tokens.
+    Truncation never touches the chunk: the ``PayloadSlice`` just keeps fewer tokens. ``advantage``
+    is one float broadcast over the kept completion tokens, or ``[kept_completion_tokens]`` float32.
 
     Raises:
         PackingError: no completion token survives truncation (``kept_completion_tokens == 0``).
@@ -177,7 +175,8 @@ def build_sample(episode: Episode, branch: BranchResult, *, reward: float, advan
     return Sample(
         input_ids=np.concatenate([branch.prompt_ids, branch.completion_ids[:num_completion]]),
         loss_mask=completion,
-        advantages=np.where(completion, np.float32(advantage), np.float32(0)),
+        advantages=np.where(completion, np.pad(np.broadcast_to(np.float32(advantage), num_completion),
+                                               (num_prompt, 0)), np.float32(0)),
         inference_logprobs=logprobs,
         position_ids=np.arange(n, dtype=np.int32),
         temperatures=np.full(n, branch.temperature, np.float32),
@@ -215,22 +214,23 @@ def check_episode(episode: Episode, prefix: RunPrefix) -> None:
 def _check_branch(branch: BranchResult, what: str, prefix: RunPrefix) -> None:
     c = len(branch.completion_ids) if isinstance(branch.completion_ids, np.ndarray) else -1
     for name, dtype, shape in (("prompt_ids", "<i4", None), ("completion_ids", "<i4", None),
-                               ("inference_logprobs", "<f4", (c,)), ("completion_mask", "|b1", (c,))):
+                               ("inference_logprobs", "<f4", (c,)), ("completion_mask", "|b1", (c,)),
+                               ("advantages", "<f4", (c,))):
         a = getattr(branch, name)
-        if name == "completion_mask" and a is None:
+        if name in ("completion_mask", "advantages") and a is None:
             continue
         if not isinstance(a, np.ndarray) or a.dtype.str != dtype or a.ndim != 1 or (shape and a.shape != shape):
             got = f"{a.dtype.str} {list(a.shape)}" if isinstance(a, np.ndarray) else type(a).__name__
             raise EpisodeError(f"{what}: {name} is {got}: expected {np.dtype(dtype)} [{shape[0] if shape else 'n'}]")
+    if branch.advantages is not None and not np.isfinite(branch.advantages).all():
+        raise EpisodeError(f"{what}: advantages hold a non-finite value at completion token "
+                           f"{int(np.argmin(np.isfinite(branch.advantages)))}: expected finite floats")
     if c < 1 or not branch.temperature > 0 or branch.policy_version < 0:
         raise EpisodeError(f"{what}: completion of {c} tokens, temperature {branch.temperature}, policy_version "
                            f"{branch.policy_version}: expected >= 1 token, temperature > 0, policy_version >= 0")
     if branch.ref is None:
         return
-    kept_in = branch.ref.uri.removesuffix("/" + branch.ref.key).rpartition("/")[2]
-    if kept_in != prefix.run_id:
-        raise OutsideRunError(f"{what}: ref {branch.ref.branch_id} was kept in run {kept_in!r} ({branch.ref.uri}): "
-                              f"expected run {prefix.run_id!r} (an env server of another run?)")
+    check_in_run(branch.ref, prefix, what)
     got = (branch.ref.num_prompt_tokens, branch.ref.num_completion_tokens)
     if got != (len(branch.prompt_ids), c):
         raise EpisodeError(f"{what}: ref {branch.ref.uri} holds {got[0]} prompt + {got[1]} completion tokens: "

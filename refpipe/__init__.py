@@ -7,6 +7,10 @@ stack"); every other module is internal and may change:
   ``Branch``, ``Ragged``, ``Ledger`` (one per actor per process);
 - orchestrator: ``Orchestrator`` (``submit`` episodes, ``build_step`` publishes a step file;
   ``shutdown``), ``Episode``, ``BranchResult``, ``StepHeader``;
+- the layers below it (docs/embedding.md): ``PayloadSlice`` / ``SliceId`` (a sample's slice of a ref and its
+  small wire form), ``publish_step`` with ``StepMicroBatch`` / ``PackedSequence`` (a step from the caller's own
+  packed micro batches), advantage estimators ``group_normalized``, ``rloo``, ``from_episode`` (``GroupRollouts``)
+  and packers ``balanced_packer``, ``first_fit_packer``;
 - trainer rank: ``init_process_group`` / ``new_data_group``, ``TrainerRank`` with its pull loop
   ``steps`` (a ``TrainingStep`` per step: train on its ``batches``, then ``release()``; or a
   ``StepDataset`` for a ``DataLoader``), ``run_step`` (the same with a callback), a restart's
@@ -40,6 +44,13 @@ _WHERE = {
     "Orchestrator": "refpipe.pipeline.orchestrator", "OrchestratorConfig": "refpipe.pipeline.orchestrator",
     "Episode": "refpipe.pipeline.samples", "BranchResult": "refpipe.pipeline.samples",
     "StepHeader": "refpipe.pipeline.step_file",
+    "PayloadSlice": "refpipe.pipeline.slices", "SliceId": "refpipe.pipeline.slices",
+    "publish_step": "refpipe.pipeline.publish", "StepMicroBatch": "refpipe.pipeline.publish",
+    "PackedSequence": "refpipe.pipeline.publish",
+    "balanced_packer": "refpipe.pipeline.packing", "first_fit_packer": "refpipe.pipeline.packing",
+    "GroupRollouts": "refpipe.pipeline.advantages", "group_normalized": "refpipe.pipeline.advantages",
+    "rloo": "refpipe.pipeline.advantages", "from_episode": "refpipe.pipeline.advantages",
+    "SliceError": "refpipe.storage.errors",
     "TrainerRank": "refpipe.trainer.step", "StepMetrics": "refpipe.trainer.metrics",
     "TrainerConfig": "refpipe.trainer.config", "TrainMicroBatch": "refpipe.trainer.tensors",
     "init_process_group": "refpipe.trainer.dist", "new_data_group": "refpipe.trainer.dist",

@@ -129,6 +129,10 @@ class PackingError(RefpipeError, ValueError):
     """Samples cannot be packed as asked (e.g. a sample longer than ``seq_len``)."""
 
 
+class SliceError(RefpipeError, ValueError):
+    """A payload slice is malformed, or its wire form names a ref the table lacks or holds with another digest."""
+
+
 class FetchError(RefpipeError):
     """A trainer step could not fetch any of its micro batches."""
 

@@ -8,13 +8,14 @@ import sys
 PUBLIC = [
     "AlignmentError", "Branch", "BranchResult", "CheckpointError", "ChunkCorruptError", "ChunkNotFoundError",
     "ConfigError", "DeleteKeysError", "DeleteRecordError", "DeleteResult", "DoubleDeleteError", "Episode",
-    "EpisodeError", "FetchError", "FieldError", "FieldsConfig", "Keeper", "KeyExistsError", "KeyNotFoundError",
-    "Ledger", "LedgerRecordError", "Orchestrator", "OrchestratorConfig", "OutsideRunError", "PackingError",
-    "PayloadRef", "Ragged", "RefpipeError", "ReplayMismatchError", "ResumePlan", "RunNotFoundError",
-    "RunPathNotADirectoryError", "RunStillRunningError", "StepDataset", "StepFileError", "StepHeader", "StepMetrics",
-    "StepOrderError", "StorageConfig", "StorageError", "Store", "TrainMicroBatch", "TrainerConfig", "TrainerRank",
-    "TrainingStep", "TransientStorageError", "UnknownRefError", "fetch_arrays",
-    "init_process_group", "new_data_group", "open_store",
+    "EpisodeError", "FetchError", "FieldError", "FieldsConfig", "GroupRollouts", "Keeper", "KeyExistsError",
+    "KeyNotFoundError", "Ledger", "LedgerRecordError", "Orchestrator", "OrchestratorConfig", "OutsideRunError",
+    "PackedSequence", "PackingError", "PayloadRef", "PayloadSlice", "Ragged", "RefpipeError", "ReplayMismatchError",
+    "ResumePlan", "RunNotFoundError", "RunPathNotADirectoryError", "RunStillRunningError", "SliceError", "SliceId",
+    "StepDataset", "StepFileError", "StepHeader", "StepMetrics", "StepMicroBatch", "StepOrderError", "StorageConfig",
+    "StorageError", "Store", "TrainMicroBatch", "TrainerConfig", "TrainerRank", "TrainingStep",
+    "TransientStorageError", "UnknownRefError", "balanced_packer", "fetch_arrays", "first_fit_packer", "from_episode",
+    "group_normalized", "init_process_group", "new_data_group", "open_store", "publish_step", "rloo",
 ]
 
 
@@ -44,4 +45,4 @@ def test_every_error_type_is_public():
     import refpipe
 
     types = {n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, errors.RefpipeError)}
-    assert len(types) == 26 and types <= set(refpipe.__all__)
+    assert len(types) == 27 and types <= set(refpipe.__all__)
