@@ -320,3 +320,16 @@ def test_a_step_the_resumed_life_publishes_itself_is_trained_not_replayed(tmp_pa
             "already deleted)")
     assert f"[trainer rank 0] resumed {line}\n" in done.stdout, done.stdout
     assert f"resuming run {store.prefix.uri} (life 1) {line}; steps released 3;" in done.stdout, done.stdout
+
+
+def test_a_plan_for_a_checkpoint_of_the_callers_own_starts_after_it(local_config):
+    from refpipe.storage.errors import ConfigError
+    from refpipe.trainer.resume import read_plan
+
+    store = open_store(local_config)
+    plan = read_plan(store, 2, published=0, checkpoint_step=4)  # no refpipe checkpoint: the caller's own step 4
+    assert (plan.checkpoint_step, plan.start_step, plan.released, plan.skipped) == (4, 5, {0: -1, 1: -1}, [])
+    assert read_plan(store, 2, published=0).checkpoint_step == -1
+    with pytest.raises(ConfigError) as e:
+        read_plan(store, 2, published=0, checkpoint_step=-2)
+    assert str(e.value) == "checkpoint_step=-2: expected the step a checkpoint covers, or -1 for none"
