@@ -82,7 +82,9 @@ def pack(samples: list[dict], dp_world_size: int) -> list[list[list[dict]]]:
         r = tokens.index(min(tokens))
         tokens[r] += len(sample["ids"])
         fit = next((mb for mb in ranks[r] if sum(len(s["ids"]) for s in mb) + len(sample["ids"]) <= SEQ_LEN), None)
-        fit.append(sample) if fit is not None else ranks[r].append([sample])
+        if fit is None:
+            ranks[r].append(fit := [])
+        fit.append(sample)
     most = max(len(mbs) for mbs in ranks)
     return [mbs + [[]] * (most - len(mbs)) for mbs in ranks]
 
@@ -90,7 +92,7 @@ def pack(samples: list[dict], dp_world_size: int) -> list[list[list[dict]]]:
 def micro_batch(samples: list[dict]) -> StepMicroBatch:
     """Your samples as one micro batch: token streams concatenated, the advantage on every completion token."""
     if not samples:  # padding: one zero-loss token without side channels
-        samples, payloads = [{"ids": [0], "prompt": 1, "advantage": 0.0, "logprobs": []}], [None]
+        samples, payloads = [{"ids": [0], "prompt": 1, "advantage": 0.0}], [None]
     else:
         payloads = [PayloadSlice(PayloadRef.model_validate_json(s["ref"]), len(s["ids"])) for s in samples]
     sequences = [PackedSequence(len(s["ids"]), "own_env", payload=p) for s, p in zip(samples, payloads)]
