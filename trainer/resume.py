@@ -108,7 +108,12 @@ def _steps(steps: list[int]) -> str:
 def plan_resume(store: Store, dp_world_size: int, group: dist.ProcessGroup, published: int | None = None,
                 checkpoint_step: int | None = None) -> ResumePlan:
     """Every rank: rank 0 reads the run (``read_plan``) and broadcasts the plan over ``group`` (the data path's
-    gloo group, ``TrainerRank.data_group``)."""
+    gloo group, ``TrainerRank.data_group``).
+
+    Raises:
+        ConfigError: ``checkpoint_step`` is below -1 (on every rank, before the broadcast).
+    """
+    _check_checkpoint_step(checkpoint_step)
     box = [read_plan(store, dp_world_size, published, checkpoint_step) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
@@ -129,17 +134,21 @@ def read_plan(store: Store, dp_world_size: int, published: int | None = None,
     Raises:
         ConfigError: ``checkpoint_step`` is below -1.
     """
+    _check_checkpoint_step(checkpoint_step)
     if checkpoint_step is None:
         checkpoint = newest_checkpoint(store)
         checkpoint_step = checkpoint.step if checkpoint else -1
-    elif checkpoint_step < -1:
-        raise ConfigError(f"checkpoint_step={checkpoint_step}: expected the step a checkpoint covers, or -1 for none")
     if published is None:
         steps = {s for k in store.list_prefix(STEPS_PREFIX) if (s := parse_step_key(k)) is not None}
         published = next(s for s in range(len(steps) + 1) if s not in steps)
     released = {r: _highest_release(store, r) for r in range(dp_world_size)}
     skipped = [s for s in range(checkpoint_step + 1, published) if _some_chunk_deleted(store, s)]
     return ResumePlan(checkpoint_step, published, released, skipped)
+
+
+def _check_checkpoint_step(checkpoint_step: int | None) -> None:
+    if checkpoint_step is not None and checkpoint_step < -1:
+        raise ConfigError(f"checkpoint_step={checkpoint_step}: expected the step a checkpoint covers, or -1 for none")
 
 
 def _highest_release(store: Store, dp_rank: int) -> int:
