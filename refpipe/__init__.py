@@ -11,9 +11,10 @@ stack"); every other module is internal and may change:
   small wire form), ``publish_step`` with ``StepMicroBatch`` / ``PackedSequence`` (a step from the caller's own
   packed micro batches), advantage estimators ``group_normalized``, ``rloo``, ``from_episode`` (``GroupRollouts``)
   and packers ``balanced_packer``, ``first_fit_packer``;
-- trainer rank: ``init_process_group`` / ``new_data_group``, ``TrainerRank`` with its steps
-  ``load_and_fetch``, ``agree_failures``, ``release_step`` and ``run_step`` composing them
-  (then ``finish``, ``close``), ``TrainMicroBatch``, ``StepMetrics``;
+- trainer rank: ``init_process_group`` / ``new_data_group``, ``TrainerRank`` with its pull loop
+  ``steps`` (a ``TrainingStep`` per step: train on its ``batches``, then ``release()``; or a
+  ``StepDataset`` for a ``DataLoader``), ``run_step`` (the same with a callback), a restart's
+  ``resume_plan`` (a ``ResumePlan``), then ``finish``, ``close``; ``TrainMicroBatch``, ``StepMetrics``;
 - configs: ``StorageConfig``, ``FieldsConfig``, ``OrchestratorConfig``, ``TrainerConfig``;
 - fields: ``FieldDecl`` and ``ValueChecks`` (declare a field), ``sglang_routed_experts`` and
   ``engine_routed_experts`` (routing as inference engines return it);
@@ -38,7 +39,8 @@ _ERRORS = ("RefpipeError", "ConfigError", "OutsideRunError", "StorageError", "Tr
            "ChunkCorruptError", "KeyExistsError",
            "DoubleDeleteError", "UnknownRefError", "FieldError", "EpisodeError", "StepFileError", "PackingError",
            "FetchError", "AlignmentError", "DeleteKeysError", "CheckpointError", "ReplayMismatchError",
-           "RunStillRunningError", "DeleteRecordError", "LedgerRecordError")
+           "RunStillRunningError", "DeleteRecordError", "LedgerRecordError",
+           "StepOrderError")
 _WHERE = {
     "Branch": "refpipe.pipeline.keep", "Keeper": "refpipe.pipeline.keep",
     "Ragged": "refpipe.pipeline.fields", "FieldsConfig": "refpipe.pipeline.fields",
@@ -55,9 +57,11 @@ _WHERE = {
     "GroupRollouts": "refpipe.pipeline.advantages", "group_normalized": "refpipe.pipeline.advantages",
     "rloo": "refpipe.pipeline.advantages", "from_episode": "refpipe.pipeline.advantages",
     "SliceError": "refpipe.storage.errors",
-    "TrainerRank": "refpipe.trainer.step", "StepMetrics": "refpipe.trainer.step",
+    "TrainerRank": "refpipe.trainer.step", "StepMetrics": "refpipe.trainer.metrics",
     "TrainerConfig": "refpipe.trainer.config", "TrainMicroBatch": "refpipe.trainer.tensors",
     "init_process_group": "refpipe.trainer.dist", "new_data_group": "refpipe.trainer.dist",
+    "TrainingStep": "refpipe.trainer.loop", "StepDataset": "refpipe.trainer.loop",
+    "ResumePlan": "refpipe.trainer.resume",
     "StorageConfig": "refpipe.storage.config", "open_store": "refpipe.storage.backends",
     "Store": "refpipe.storage.store", "PayloadRef": "refpipe.storage.chunk", "fetch_arrays": "refpipe.storage.fetch",
     **{name: "refpipe.storage.errors" for name in _ERRORS},
@@ -68,12 +72,12 @@ __all__ = [
     "EpisodeError", "FetchError", "FieldDecl", "FieldError", "FieldsConfig", "GroupRollouts", "Keeper",
     "KeyExistsError", "KeyNotFoundError", "Ledger", "LedgerRecordError", "Orchestrator", "OrchestratorConfig",
     "OutsideRunError", "PackedSequence", "PackingError", "PayloadRef", "PayloadSlice", "Ragged", "RefpipeError",
-    "ReplayMismatchError", "RunNotFoundError", "RunPathNotADirectoryError", "RunStillRunningError", "SliceError",
-    "SliceId", "StepFileError", "StepHeader", "StepMetrics", "StepMicroBatch", "StorageConfig", "StorageError",
-    "Store", "TrainMicroBatch", "TrainerConfig", "TrainerRank", "TransientStorageError", "UnknownRefError",
-    "ValueChecks", "balanced_packer", "engine_routed_experts", "fetch_arrays", "first_fit_packer", "from_episode",
-    "group_normalized", "init_process_group", "new_data_group", "open_store", "publish_step", "rloo",
-    "sglang_routed_experts"
+    "ReplayMismatchError", "ResumePlan", "RunNotFoundError", "RunPathNotADirectoryError", "RunStillRunningError",
+    "SliceError", "SliceId", "StepDataset", "StepFileError", "StepHeader", "StepMetrics", "StepMicroBatch",
+    "StepOrderError", "StorageConfig", "StorageError", "Store", "TrainMicroBatch", "TrainerConfig", "TrainerRank",
+    "TrainingStep", "TransientStorageError", "UnknownRefError", "ValueChecks", "balanced_packer",
+    "engine_routed_experts", "fetch_arrays", "first_fit_packer", "from_episode", "group_normalized",
+    "init_process_group", "new_data_group", "open_store", "publish_step", "rloo", "sglang_routed_experts"
 ]
 """The public names, spelled out so that type checkers see them (pyright reads only a literal ``__all__``)."""
 
@@ -116,6 +120,7 @@ if TYPE_CHECKING:
         RunStillRunningError,
         SliceError,
         StepFileError,
+        StepOrderError,
         StorageError,
         TransientStorageError,
         UnknownRefError,
@@ -125,7 +130,10 @@ if TYPE_CHECKING:
     from refpipe.storage.store import Store
     from refpipe.trainer.config import TrainerConfig
     from refpipe.trainer.dist import init_process_group, new_data_group
-    from refpipe.trainer.step import StepMetrics, TrainerRank
+    from refpipe.trainer.loop import StepDataset, TrainingStep
+    from refpipe.trainer.metrics import StepMetrics
+    from refpipe.trainer.resume import ResumePlan
+    from refpipe.trainer.step import TrainerRank
     from refpipe.trainer.tensors import TrainMicroBatch
 
 

@@ -150,6 +150,11 @@ class ReplayMismatchError(RefpipeError, RuntimeError):
     weights than an earlier life published under the same version."""
 
 
+class StepOrderError(RefpipeError, RuntimeError):
+    """A trainer rank's pull loop was driven out of order: a step released twice, or the next step asked for
+    before the previous one was released (``TrainerRank.steps``)."""
+
+
 def validation_problems(error: Exception) -> str:
     """One line naming each problem of a pydantic ``ValidationError``: ``<field path>: <message> (got <value>)``,
     joined by ``; `` (the field path is left out where the model itself is wrong; the value only where it

@@ -21,13 +21,12 @@ _STREAM_PADDING = {"input_ids": 0, "loss_mask": False, "advantages": 0.0, "infer
 
 def pad_streams(streams: Mapping[str, np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
     """Every stream ``[T]`` copied into ``[seq_len]`` of its ``STREAMS`` dtype, padded as ``trainer.assemble``
-    documents."""
+    documents; an extra stream (``StepHeader.extra_streams``) keeps its dtype and is padded with 0."""
     out = {}
-    for name, dtype in STREAMS.items():
-        real = streams[name]
-        a = np.empty(seq_len, dtype)
+    for name, real in streams.items():
+        a = np.empty(seq_len, STREAMS.get(name, real.dtype))
         a[: len(real)] = real
-        a[len(real):] = np.arange(seq_len - len(real)) if name == "position_ids" else _STREAM_PADDING[name]
+        a[len(real):] = np.arange(seq_len - len(real)) if name == "position_ids" else _STREAM_PADDING.get(name, 0)
         out[name] = a
     return out
 
