@@ -17,8 +17,8 @@ DEFAULT_CONFIG = Path("configs/local.toml")
 
 
 def run_job(config: Optional[Path] = typer.Option(
-                None, "--config", "-c", help="Run config (TOML; default configs/local.toml); see configs/ and the "
-                                             "README's config reference. With --resume: only the keys a resumed "
+                None, "--config", "-c", help="Run config (TOML; default configs/local.toml); see configs/ and "
+                                             "docs/configuration.md. With --resume: only the keys a resumed "
                                              "run may change (job.num_steps, job.step_deadline_s, "
                                              "trainer.step_timeout_s)."),
             resume: Optional[str] = typer.Option(
@@ -67,7 +67,7 @@ def _resume_config(run_uri: str, config: Optional[Path], s3_endpoint_url: Option
 
 
 def init_run(config: Path = typer.Option(Path("configs/local.toml"), "--config", "-c",
-                                         help="Run config (TOML); see configs/ and the README's config reference."),
+                                         help="Run config (TOML); see configs/ and docs/configuration.md."),
              ) -> None:
     """Prepare a run for its roles: write <run>/config.json (absolute root), the env servers' auth key and the
     warm-started weights; print the commands that start the orchestrator, the env servers and the trainer."""

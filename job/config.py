@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from refpipe.job.model import ModelConfig
 from refpipe.job.rollout import SamplingConfig
 from refpipe.job.task import TaskConfig
+from refpipe.pipeline.field_decl import FieldDecl
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.orchestrator import OrchestratorConfig
 from refpipe.storage.config import CONFIG, StorageConfig
@@ -60,9 +61,21 @@ class JobConfig(BaseModel):
     """Seeds the env workers' samplers."""
 
 
+class RunFieldsConfig(BaseModel):
+    """The run config's ``[fields]`` table: fields the run declares beyond the ones its model and sampler shape
+    (``[[fields.declare]]``, one table per ``pipeline.field_decl.FieldDecl``; docs/fields.md)."""
+
+    model_config = CONFIG
+
+    declare: tuple[FieldDecl, ...] = Field(default=(), strict=False)
+    """The run's own fields (``FieldsConfig.declare``)."""
+    vocab_size: int | None = Field(default=None, ge=1)
+    """Token ids must be below it (``FieldsConfig.vocab_size``); None checks ids >= 0 only."""
+
+
 RUN_DEFAULTS = {"orchestrator": {"seq_len": 256, "dp_world_size": 2, "groups_per_step": 8, "group_size": 8},
                 "trainer": {"step_timeout_s": 300.0, "collective_timeout_s": 300.0}}
-"""Where the run config's defaults differ from the component's own (README, "Config reference"): a section given
+"""Where the run config's defaults differ from the component's own (docs/configuration.md): a section given
 in part keeps these for the keys it does not set."""
 
 
@@ -75,7 +88,7 @@ class RunConfig(BaseModel):
     (``_derive_sections``).
     """
 
-    model_config = CONFIG
+    model_config = {**CONFIG, "validate_by_name": True, "serialize_by_alias": True}
 
     storage: StorageConfig = StorageConfig()
     model: ModelConfig = ModelConfig()
@@ -84,6 +97,8 @@ class RunConfig(BaseModel):
     orchestrator: OrchestratorConfig = OrchestratorConfig(**RUN_DEFAULTS["orchestrator"])
     trainer: TrainerConfig = TrainerConfig(**RUN_DEFAULTS["trainer"])
     job: JobConfig = JobConfig()
+    declared: RunFieldsConfig = Field(default=RunFieldsConfig(), alias="fields")
+    """``[fields]``: declared fields and the vocabulary size (``fields`` combines them with the model's)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -136,11 +151,11 @@ class RunConfig(BaseModel):
     @property
     def fields(self) -> FieldsConfig:
         """The side-channel fields the job carries, shaped by the model and the sampler; the policy loss needs
-        routing and the top-k head of every trained sample (``required``)."""
+        routing and the top-k head of every trained sample (``required``); ``[fields]`` adds declared fields."""
         return FieldsConfig(num_layers=self.model.num_layers, top_k=self.model.top_k,
                             num_experts=self.model.num_experts, logprobs_k=self.sampling.logprobs_k,
-                            support_width=self.sampling.support_width,
-                            required=("routed_experts", "topk_ids", "topk_logprobs"))
+                            support_width=self.sampling.support_width, vocab_size=self.declared.vocab_size,
+                            declare=self.declared.declare, required=("routed_experts", "topk_ids", "topk_logprobs"))
 
 
 def load_config(path: str | Path) -> RunConfig:

@@ -266,9 +266,9 @@ def resume_life(store: Store, cfg: RunConfig, policy: PolicyTrainer, rank: Train
     workers restart on them (the launcher pointed them at the earlier life's file of that version: the same
     weights, ``check_same_weights``)."""
     plan = plan_resume(store, cfg.orchestrator.dp_world_size, rank.data_group, published)
-    if plan.checkpoint:
+    if plan.checkpoint_step >= 0:
         empty = training_state(policy.model, policy.optimizer, step=-1, policy_version=-1)
-        state = load_checkpoint(store, plan.checkpoint.step, empty)
+        state = load_checkpoint(store, plan.checkpoint_step, empty)
         apply_training_state(policy.model, policy.optimizer, state)
         policy.version = int(state["policy_version"])
         check_same_weights(store, policy.model, policy.version)

@@ -1,13 +1,23 @@
-"""Group-relative advantages, zero-advantage pruning, reward-range filter and staleness.
+"""Advantage estimators, zero-advantage pruning, reward-range filter and staleness.
 
-All vectorised over a group's samples (or a queue's policy versions); no per-token work:
-an advantage is one float per sample, broadcast over its completion tokens when the
-sample is built.
+An advantage estimator is a function the orchestrator calls once per complete group
+(``AdvantageEstimator``): it gets the group's rewards, kept completion tokens and branches
+(``GroupRollouts``) and returns one advantage per sample: a float (broadcast over the
+sample's kept completion tokens) or a ``[completion_tokens[i]]`` float32 array. Built in:
+``group_normalized`` (the default: GRPO-style reward minus the group baseline, optionally
+divided by the group's reward std), ``rloo`` (leave-one-out baseline) and ``from_episode``
+(the advantages the env server put in each branch, e.g. from GAE). All vectorised over a
+group's samples (or a queue's policy versions); Python loops run per sample, never per token.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
 import numpy as np
+from refpipe.pipeline.samples import BranchResult
+from refpipe.storage.errors import EpisodeError
 
 ZERO_ADVANTAGE_ATOL = 1e-6
 """|advantage| at or below this counts as zero (pruned when ``prune_zero_advantage``)."""
@@ -37,9 +47,10 @@ def group_advantages(rewards: np.ndarray, completion_tokens: np.ndarray, *, std_
     return adv.astype(np.float32)
 
 
-def zero_advantage(advantages: np.ndarray) -> np.ndarray:
-    """[G] bool: which samples carry no learning signal (``|a| <= ZERO_ADVANTAGE_ATOL``)."""
-    return np.abs(advantages) <= ZERO_ADVANTAGE_ATOL
+def zero_advantage(advantages: Sequence[float | np.ndarray] | np.ndarray) -> np.ndarray:
+    """[G] bool: which samples carry no learning signal (every ``|a| <= ZERO_ADVANTAGE_ATOL``); ``advantages``
+    holds one float or one per-token array per sample."""
+    return np.array([bool(np.all(np.abs(a) <= ZERO_ADVANTAGE_ATOL)) for a in advantages], np.bool_)
 
 
 def reward_in_range(rewards: np.ndarray, reward_range: tuple[float, float] | None) -> bool:
@@ -56,3 +67,75 @@ def stale(policy_versions: np.ndarray, *, step: int, max_async_level: int) -> np
     With ``max_async_level = k``, step ``s`` trains samples of policy versions ``s - k .. s``.
     """
     return step - np.asarray(policy_versions, np.int64) > max_async_level
+
+
+class GroupRollouts(NamedTuple):
+    """What an advantage estimator sees of one complete group: its trainable branches that keep at least one
+    completion token after truncation, in arrival order.
+
+    Attributes:
+        group_id: the group.
+        rewards: [G] float64 reward of each branch.
+        completion_tokens: [G] int64 completion tokens each sample keeps (>= 1).
+        branches: the G branches (``BranchResult``: tokens, logprobs, the caller's ``advantages`` if any).
+    """
+
+    group_id: str
+    rewards: np.ndarray
+    completion_tokens: np.ndarray
+    branches: Sequence[BranchResult]
+
+
+AdvantageEstimator = Callable[[GroupRollouts], Sequence[float | np.ndarray] | np.ndarray]
+"""``estimator(group) -> G advantages``: each a float or a ``[completion_tokens[i]]`` float32 array."""
+
+
+def group_normalized(*, std_normalize: bool = True, length_weighted_baseline: bool = False) -> AdvantageEstimator:
+    """The group-normalised estimator (``group_advantages`` with these options); ``OrchestratorConfig``'s
+    ``std_normalize`` and ``length_weighted_baseline`` configure the orchestrator's default one."""
+
+    def estimate(group: GroupRollouts) -> np.ndarray:
+        return group_advantages(group.rewards, group.completion_tokens, std_normalize=std_normalize,
+                                length_weighted_baseline=length_weighted_baseline)
+
+    return estimate
+
+
+def rloo(group: GroupRollouts) -> np.ndarray:
+    """REINFORCE leave-one-out: ``r_i`` minus the mean reward of the group's other samples (Ahmadian et al. 2024,
+    "Back to Basics"), i.e. ``G / (G - 1) * (r_i - mean(r))``; [G] float32, all 0 for a group of one."""
+    r = np.asarray(group.rewards, np.float64)
+    if r.size < 2:
+        return np.zeros(r.shape, np.float32)
+    return ((r - r.mean()) * (r.size / (r.size - 1))).astype(np.float32)
+
+
+def from_episode(group: GroupRollouts) -> list[np.ndarray]:
+    """The advantages each branch carries (``BranchResult.advantages``), cut to its kept completion tokens.
+
+    Raises:
+        EpisodeError: a branch of the group carries none (names the group and the branch's position).
+    """
+    missing = [i for i, b in enumerate(group.branches) if b.advantages is None]
+    if missing:
+        raise EpisodeError(f"group {group.group_id}: samples {missing} carry no advantages: expected every branch "
+                           f"to set BranchResult.advantages with the from_episode estimator")
+    return [b.advantages[:n] for b, n in zip(group.branches, group.completion_tokens.tolist())]
+
+
+def per_sample(values: Sequence[float | np.ndarray] | np.ndarray, group: GroupRollouts) -> list[np.ndarray]:
+    """An estimator's output as G float32 arrays of shape ``()`` or ``[completion_tokens[i]]``, all finite.
+
+    Raises:
+        EpisodeError: not G values, a value of another shape, or a non-finite value (names the group and sample).
+    """
+    out = [np.asarray(v, np.float32) for v in values]
+    if len(out) != len(group.rewards):
+        raise EpisodeError(f"group {group.group_id}: the advantage estimator returned {len(out)} values: expected "
+                           f"one per sample ({len(group.rewards)})")
+    for i, (a, n) in enumerate(zip(out, group.completion_tokens.tolist())):
+        if a.shape not in ((), (n,)) or not np.isfinite(a).all():
+            raise EpisodeError(f"group {group.group_id} sample {i}: advantage of shape {list(a.shape)}: expected a "
+                               f"finite float or [{n}] finite float32 (its kept completion tokens)")
+    return out
+

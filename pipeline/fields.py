@@ -1,28 +1,54 @@
-"""The field registry: every side-channel array kind, declared once.
+"""The field registry: every side-channel array kind, declared once, and the checks of a branch at keep.
 
-Each field declares its allowed dtypes, trailing shape (from ``FieldsConfig``),
-token domain (every token, or completion tokens only) and padding rule
-(DESIGN.md, Fields). A new field gets its own entry; nothing is inherited.
+A field is a declaration (``pipeline.field_decl.FieldDecl``: dtypes, trailing shape, token domain, row
+contract, padding rule, value checks, required or not). ``FIELDS`` holds the five built-in declarations,
+switched on by ``FieldsConfig``'s settings (``num_layers``/``top_k``/``num_experts``, ``logprobs_k``,
+``support_width``, ``sampling_mask``); a run adds its own with ``FieldsConfig.declare``. Every consumer
+reads a field's declaration (``FieldsConfig.registry``), never its name (DESIGN.md, Fields; docs/fields.md).
 
-Alignment (DESIGN.md): completion row ``r`` belongs to the model position whose
-logits predict completion token ``r``; prompt-only positions have no row.
+Alignment (DESIGN.md): completion row ``r`` belongs to the model position whose logits predict completion
+token ``r``; prompt row ``r`` to prompt position ``r``; prompt-only positions have no completion row.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+import functools
+from collections.abc import Mapping
 from typing import Literal, NamedTuple
 
 import numpy as np
 from pydantic import BaseModel, Field, model_validator
-from refpipe.storage.chunk import ArraySpec
+from refpipe.pipeline.field_checks import check_values
+from refpipe.pipeline.field_decl import Dims, FieldDecl, ValueChecks, narrow_dtype, padding_rows, strided_rows
+from refpipe.storage.chunk import ArraySpec, domain_rows
 from refpipe.storage.config import CONFIG
 from refpipe.storage.errors import FieldError
 
+FIELDS: dict[str, FieldDecl] = {d.name: d for d in (
+    FieldDecl(name="routed_experts", dtypes=("uint8", "uint16"), shape=("num_layers", "top_k"), domain="tokens",
+              padding="strided_ids", checks=ValueChecks(low=0, below="num_experts", distinct=True)),
+    FieldDecl(name="topk_ids", dtypes=("int32",), shape=("logprobs_k",),
+              checks=ValueChecks(low=0, below="vocab_size")),
+    FieldDecl(name="topk_logprobs", dtypes=("float32",), shape=("logprobs_k",),
+              checks=ValueChecks(finite=True, high=0.0, sentinel="-inf")),
+    FieldDecl(name="sample_support", dtypes=("int32",), shape=("support_width",),
+              checks=ValueChecks(low=-1, below="vocab_size")),
+    FieldDecl(name="sampling_mask", dtypes=("int32",), ragged=True, checks=ValueChecks(low=0, below="vocab_size")),
+)}
+"""The built-in declarations (DESIGN.md, Fields). ``routed_experts`` takes its row contract from
+``FieldsConfig.routing_rows``."""
+
+_SWITCHES: dict[str, tuple[str, ...]] = {"routed_experts": ("num_layers", "top_k", "num_experts"),
+                                         "topk_ids": ("logprobs_k",), "topk_logprobs": ("logprobs_k",),
+                                         "sample_support": ("support_width",), "sampling_mask": ("sampling_mask",)}
+"""The ``FieldsConfig`` settings that switch each built-in field on (all of them set)."""
+DIMS = ("num_layers", "top_k", "num_experts", "logprobs_k", "support_width", "vocab_size")
+"""``FieldsConfig`` settings a declaration's shape or ``checks.below`` may name."""
+
 
 class FieldsConfig(BaseModel):
-    """Trailing shapes of the side-channel fields a run carries; None = field not carried."""
+    """The side-channel fields a run carries: the built-in ones its settings switch on (None = not carried),
+    and the ones it declares."""
 
     model_config = CONFIG
 
@@ -38,26 +64,60 @@ class FieldsConfig(BaseModel):
     """Width of ``sample_support`` [completion_tokens, width], -1 = no id."""
     sampling_mask: bool = False
     """Whether branches carry the ragged ``sampling_mask`` (ids + per-token counts)."""
+    vocab_size: int | None = Field(default=None, ge=1)
+    """Token ids (episodes' ``prompt_ids``/``completion_ids``, ``topk_ids``, ``sample_support``,
+    ``sampling_mask`` ids) must be below it; None checks no upper bound."""
+    declare: tuple[FieldDecl, ...] = Field(default=(), strict=False)
+    """The run's own fields, beyond the built-in ones (``[[fields.declare]]`` in the run's TOML)."""
     required: tuple[str, ...] = Field(default=(), strict=False)
-    """Fields every trainable sample must carry (each one configured above). The orchestrator filters a
-    branch missing one at submit (deleting its chunk); the trainer refuses a micro batch where a sequence
-    with loss tokens lacks one (``trainer.assemble``)."""
+    """Fields every trainable sample must carry (each one configured; every declared field with
+    ``required = true`` is added). The orchestrator filters a branch missing one at submit (deleting its
+    chunk); the trainer refuses a micro batch where a sequence with loss tokens lacks one (``trainer.assemble``)."""
     routing_rows: Literal["all_tokens", "all_but_last"] = "all_tokens"
     """Rows of ``routed_experts`` an env server hands to keep: one per token (P + C), or P + C - 1 as
     vLLM returns them (the last sampled token never went through a forward pass); keep then appends
     the last row by the padding rule (in range, distinct, spread), which feeds no loss position."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _declared_required(cls, data):
+        if not isinstance(data, dict) or not isinstance(data.get("declare", ()), (list, tuple)):
+            return data
+        names = [d.name if isinstance(d, FieldDecl) else d.get("name") for d in data.get("declare", ())
+                 if (d.required if isinstance(d, FieldDecl) else isinstance(d, dict) and d.get("required"))]
+        given = tuple(data.get("required", ()))
+        return {**data, "required": given + tuple(n for n in names if n not in given)}
 
     @model_validator(mode="after")
     def _required_configured(self) -> "FieldsConfig":
         if self.top_k and self.num_experts and self.top_k > self.num_experts:
             raise ValueError(f"top_k={self.top_k}: expected <= num_experts={self.num_experts} (distinct experts "
                              "per token)")
+        for decl in self.declare:
+            if decl.name in FIELDS or [d.name for d in self.declare].count(decl.name) > 1:
+                raise ValueError(f"declare: field {decl.name!r} is declared twice or is a built-in field "
+                                 f"({sorted(FIELDS)})")
+            needed = [d for d in decl.shape if isinstance(d, str)] + (
+                [decl.checks.below] if decl.padding == "strided_ids" else [])
+            bad = [d for d in needed if d not in DIMS or getattr(self, d) is None]
+            if bad or decl.checks.below not in (None, *DIMS):
+                raise ValueError(f"declare: field {decl.name!r} names {bad or [decl.checks.below]}: expected "
+                                 f"settings of this FieldsConfig that are set (of {list(DIMS)})")
+        registry = self.registry()
         for name in self.required:
-            fdef = FIELDS.get(name)
-            if fdef is None or trailing_shape(fdef, self) is None:
+            if name not in registry:
                 raise ValueError(f"required field {name!r}: expected a field configured for this run "
-                                 f"(one of {[f for f, d in FIELDS.items() if trailing_shape(d, self) is not None]})")
+                                 f"(one of {list(registry)})")
         return self
+
+    @property
+    def dims(self) -> Dims:
+        """The named dimensions declarations may use (``DIMS``): name -> size or None."""
+        return {name: getattr(self, name) for name in DIMS}
+
+    def registry(self) -> dict[str, FieldDecl]:
+        """Every field this run carries, built-in (in ``FIELDS`` order) then declared: name -> declaration."""
+        return _registry(self)
 
     @property
     def routing_dtype(self) -> np.dtype:
@@ -66,184 +126,154 @@ class FieldsConfig(BaseModel):
         Sized from ``num_experts``, never from the dtypes the refs happen to carry (a run of 384
         experts whose kept ids all fall below 256 still pads with ids up to 383).
         """
-        return np.dtype(np.uint8 if (self.num_experts or 0) <= 256 else "<u2")
+        return narrow_dtype(FIELDS["routed_experts"], {"num_experts": self.num_experts or 1})
+
+
+@functools.lru_cache(maxsize=64)
+def _registry(cfg: FieldsConfig) -> dict[str, FieldDecl]:
+    out = {}
+    for name, decl in FIELDS.items():
+        if all(getattr(cfg, s) for s in _SWITCHES[name]):
+            out[name] = decl.model_copy(update={"rows": "all_but_last"}) if (
+                decl.domain == "tokens" and cfg.routing_rows == "all_but_last") else decl
+    return out | {d.name: d for d in cfg.declare}
 
 
 class Ragged(NamedTuple):
-    """A ragged per-token field in CSR form: ``ids`` int32 [sum(counts)], ``counts`` int32 [rows]."""
+    """A ragged per-token field in CSR form: ``ids`` [sum(counts)] (int32 for the built-in ``sampling_mask``),
+    ``counts`` int32 [rows]."""
 
     ids: np.ndarray
     counts: np.ndarray
 
 
-@dataclass(frozen=True)
-class FieldDef:
-    """One field's rules. ``trailing`` maps a config to the trailing shape (None: not configured)."""
-
-    name: str
-    dtypes: tuple[str, ...]
-    trailing: Callable[[FieldsConfig], tuple[int, ...] | None]
-    domain: Literal["tokens", "completion"]
-    padding: Literal["spread_experts", "empty_rows", "zero_count"]
-    check_values: Callable[[np.ndarray, FieldsConfig], str | None]
-    ragged: bool = False
-
-
-def _check_experts(a: np.ndarray, cfg: FieldsConfig) -> str | None:
-    if a.size and int(a.max()) >= cfg.num_experts:
-        hint = " (a -1 sentinel wrapped to the dtype's maximum?)" if int(a.max()) == np.iinfo(a.dtype).max else ""
-        return f"expert id {int(a.max())} out of range: expected < num_experts={cfg.num_experts}{hint}"
-    repeated = _repeated_experts(a)
-    if repeated is not None:
-        row, layer = divmod(repeated, a.shape[1])
-        return (f"token row {row} layer {layer} routes to experts {a[row, layer].tolist()}: expected top_k="
-                f"{a.shape[2]} distinct ids (no router picks one expert twice for a token)")
-    return None
-
-
-def _repeated_experts(a: np.ndarray) -> int | None:
-    """Flat ``(row, layer)`` index of the first top-k row of ``a`` [rows, layers, top_k] that repeats an id, or None.
-
-    Compares the top_k columns pairwise on a transposed copy (contiguous columns): ~1.5 ms for
-    [4096, 48, 8] uint8 here, against ~25 ms for a sort along the last axis.
-    """
-    top_k = a.shape[-1]
-    columns = np.ascontiguousarray(a.reshape(-1, top_k).T)
-    equal, repeated = np.empty(columns.shape[1], np.bool_), np.zeros(columns.shape[1], np.bool_)
-    for i in range(top_k):
-        for j in range(i + 1, top_k):
-            repeated |= np.equal(columns[i], columns[j], out=equal)
-    return int(np.argmax(repeated)) if repeated.any() else None
-
-
-def _check_logprobs(a: np.ndarray, cfg: FieldsConfig) -> str | None:
-    top = a.max() if a.size else 0.0  # one pass: max is NaN if any value is NaN, +inf if any is +inf
-    if np.isnan(top):
-        return f"{int(np.isnan(a).sum())} NaN values: expected finite logprobs or -inf"
-    if np.isposinf(top):
-        return "+inf values: expected finite logprobs or -inf"
-    return None
-
-
-def _check_min(low: int) -> Callable[[np.ndarray, FieldsConfig], str | None]:
-    def check(a: np.ndarray, cfg: FieldsConfig) -> str | None:
-        if a.size and int(a.min()) < low:
-            return f"value {int(a.min())} below {low}: expected ids >= {low}"
-        return None
-
-    return check
-
-
-def _shape_if(*names: str) -> Callable[[FieldsConfig], tuple[int, ...] | None]:
-    def trailing(cfg: FieldsConfig) -> tuple[int, ...] | None:
-        dims = tuple(getattr(cfg, n) for n in names)
-        return None if any(d is None for d in dims) else dims
-
-    return trailing
-
-
-FIELDS: dict[str, FieldDef] = {
-    f.name: f
-    for f in (
-        FieldDef("routed_experts", ("|u1", "<u2"), _shape_if("num_layers", "top_k", "num_experts"), "tokens",
-                 "spread_experts", _check_experts),
-        FieldDef("topk_ids", ("<i4",), _shape_if("logprobs_k"), "completion", "empty_rows", _check_min(0)),
-        FieldDef("topk_logprobs", ("<f4",), _shape_if("logprobs_k"), "completion", "empty_rows", _check_logprobs),
-        FieldDef("sample_support", ("<i4",), _shape_if("support_width"), "completion", "empty_rows", _check_min(-1)),
-        FieldDef("sampling_mask", ("<i4",), lambda cfg: () if cfg.sampling_mask else None, "completion",
-                 "zero_count", _check_min(0), ragged=True),
-    )
-}
-"""The registry (DESIGN.md, Fields). For ``routed_experts`` the trailing shape is [num_layers, top_k]."""
-
-
-def trailing_shape(fdef: FieldDef, cfg: FieldsConfig) -> tuple[int, ...] | None:
-    """Trailing shape of a field's rows under ``cfg`` (routed_experts drops num_experts)."""
-    dims = fdef.trailing(cfg)
-    return dims[:2] if dims is not None and fdef.name == "routed_experts" else dims
+def trailing_shape(fdef: FieldDecl, cfg: FieldsConfig) -> tuple[int, ...] | None:
+    """Trailing shape of a field's rows under ``cfg`` (None: the field is not configured for ``cfg``)."""
+    return fdef.trailing(cfg.dims) if fdef.name in cfg.registry() else None
 
 
 def validate_branch(
-    fields: Mapping[str, np.ndarray | Ragged],
+    fields: Mapping[str, object],
     cfg: FieldsConfig,
     *,
     num_prompt_tokens: int,
     num_completion_tokens: int,
     what: str,
 ) -> tuple[dict[str, np.ndarray], dict[str, ArraySpec]]:
-    """Check a branch's arrays against the registry and flatten them into stored arrays.
+    """Check a branch's arrays against their declarations and flatten them into stored arrays.
+
+    Called by ``Keeper.keep`` in the env-server process, once per branch.
 
     Args:
-        fields: field name -> array, or ``Ragged`` for ragged fields. Read-only and
-            non-contiguous arrays are accepted (copied once when written).
-        cfg: the run's trailing shapes.
+        fields: field name -> numpy array or CPU tensor (anything with ``__dlpack__``, e.g. torch: taken
+            without a copy), or ``Ragged`` for ragged fields. Read-only and non-contiguous arrays are accepted
+            (copied once when written). An integer array of a dtype the field does not store is narrowed to
+            one it does (``field_decl.narrow_dtype``) after its values are checked.
+        cfg: the run's fields.
         what: names the branch in error messages.
 
     Returns:
-        ``(arrays, specs)`` keyed by stored array name (``sampling_mask.counts`` and
-        ``sampling_mask.ids`` for the ragged field). With ``cfg.routing_rows == "all_but_last"``,
-        ``routed_experts`` is a new [P + C, num_layers, top_k] array: the given rows, then row
-        ``P + C - 1`` of ``spread_expert_rows``.
+        ``(arrays, specs)`` keyed by stored array name (``<name>.counts`` and ``<name>.ids`` for a ragged
+        field). A field declared ``rows = "all_but_last"`` (``routed_experts`` with
+        ``cfg.routing_rows == "all_but_last"``) gets a new array: the given P + C - 1 rows, then row
+        ``P + C - 1`` by its padding rule.
 
     Raises:
-        FieldError: negative token counts, unknown or unconfigured field, wrong dtype,
-            trailing shape or row count, or a bad value (expert id out of range, an expert
-            repeated within one token's top-k row, NaN logprob, id < -1).
+        FieldError: one line naming the branch, the field and (for values) the row and index: negative
+            token counts, an unknown or unconfigured field, a wrong dtype, trailing shape or row count (with
+            the setting that would accept it), or a value its checks refuse.
     """
     for count_name, count in (("num_prompt_tokens", num_prompt_tokens),
                               ("num_completion_tokens", num_completion_tokens)):
         if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
             raise FieldError(f"{what}: {count_name}={count!r}: expected an integer >= 0")
+    registry, dims = cfg.registry(), cfg.dims
     arrays: dict[str, np.ndarray] = {}
     specs: dict[str, ArraySpec] = {}
     for name, value in fields.items():
-        fdef = FIELDS.get(name)
-        if fdef is None:
-            raise FieldError(f"{what}: unknown field {name!r}: expected one of {sorted(FIELDS)}")
-        trailing = trailing_shape(fdef, cfg)
-        if trailing is None:
-            raise FieldError(f"{what}: field {name!r} is not configured for this run (FieldsConfig)")
-        rows = num_prompt_tokens + num_completion_tokens if fdef.domain == "tokens" else num_completion_tokens
-        if fdef.ragged:
-            _add_ragged(fdef, value, rows, cfg, what, arrays, specs)
-        elif fdef.padding == "spread_experts" and cfg.routing_rows == "all_but_last" and rows:
-            given = _check_array(fdef, name, value, (rows - 1, *trailing), cfg, what,
-                                 rule="routing_rows='all_but_last': P + C - 1 rows")
-            arrays[name] = a = np.concatenate([given, spread_expert_rows(rows, *trailing, cfg.num_experts,
-                                                                         given.dtype)[rows - 1:]])
-            specs[name] = ArraySpec(_stored_dtype(a), a.shape, fdef.domain)
-        else:
-            a = _check_array(fdef, name, value, (rows, *trailing), cfg, what)
-            arrays[name] = a
-            specs[name] = ArraySpec(_stored_dtype(a), a.shape, fdef.domain)
+        decl = registry.get(name)
+        if decl is None:
+            raise FieldError(f"{what}: " + (f"field {name!r} is not configured for this run (FieldsConfig)"
+                             if name in FIELDS else f"unknown field {name!r}: expected one of {sorted(registry)} "
+                             "(declare it: FieldsConfig(declare=[FieldDecl(...)]) or [[fields.declare]] in the "
+                             "run's TOML)"))
+        trailing = decl.trailing(dims)
+        rows = domain_rows(decl.domain, num_prompt_tokens, num_prompt_tokens + num_completion_tokens)
+        if decl.ragged:
+            _add_ragged(decl, value, rows, dims, what, arrays, specs)
+            continue
+        given = rows - 1 if decl.rows == "all_but_last" and rows else rows
+        a = _check_array(decl, name, value, (given, *trailing), dims, what)
+        if given != rows:
+            last = (a[-1:] if decl.padding == "repeat_rows" and given else
+                    padding_rows(decl, 1, trailing, dims, a.dtype, first_row=rows - 1))
+            a = np.concatenate([a, last])
+        arrays[name] = a
+        specs[name] = ArraySpec(_stored_dtype(a), a.shape, decl.domain)
     return arrays, specs
 
 
-def _check_array(fdef: FieldDef, name: str, a, shape: tuple[int, ...], cfg: FieldsConfig, what: str,
-                 rule: str = "") -> np.ndarray:
-    if not isinstance(a, np.ndarray):
-        raise FieldError(f"{what}: field {name!r} is {type(a).__name__}: expected a numpy array")
-    if _stored_dtype(a) not in fdef.dtypes:
-        raise FieldError(f"{what}: field {name!r} has dtype {a.dtype}: "
-                         f"expected one of {[str(np.dtype(d)) for d in fdef.dtypes]}")
+def as_numpy(value: object, what: str) -> np.ndarray:
+    """``value`` as a numpy array: itself, or a CPU tensor's memory without a copy (``np.from_dlpack``; torch
+    tensors are detached first, so ``requires_grad`` is fine).
+
+    Raises:
+        FieldError: neither a numpy array nor a CPU tensor (a GPU tensor: move it with ``.cpu()`` first).
+    """
+    if isinstance(value, np.ndarray):
+        return value
+    if hasattr(value, "__dlpack__"):
+        detach = getattr(value, "detach", None)
+        try:
+            return np.from_dlpack(detach() if callable(detach) else value)
+        except (BufferError, RuntimeError, TypeError, ValueError) as e:
+            raise FieldError(f"{what} is a {type(value).__name__} numpy cannot take ({e}): expected a numpy array "
+                             "or a CPU tensor (.cpu() first)") from None
+    raise FieldError(f"{what} is {type(value).__name__}: expected a numpy array or a CPU tensor")
+
+
+def _check_array(decl: FieldDecl, name: str, value: object, shape: tuple[int, ...], dims: Dims, what: str,
+                 checks: ValueChecks | None = None) -> np.ndarray:
+    a = as_numpy(value, f"{what}: field {name!r}")
+    allowed = [str(np.dtype(d)) for d in decl.dtypes]
+    narrow = _stored_dtype(a) not in decl.dtypes
+    if narrow and not (a.dtype.kind in "iu" and all(np.dtype(d).kind in "iu" for d in decl.dtypes)):
+        raise FieldError(f"{what}: field {name!r} has dtype {a.dtype}: expected one of {allowed} (or any integer "
+                         f"dtype for an integer field; declare dtypes to store another)")
     if a.shape != shape:
         raise FieldError(f"{what}: field {name!r} has shape {list(a.shape)}: expected {list(shape)} "
-                         f"({rule or f'{fdef.domain} domain rows'}, trailing shape from FieldsConfig)")
-    problem = fdef.check_values(a, cfg)
+                         f"({_rows_rule(decl, a.shape, shape)}; trailing shape {list(decl.shape)})")
+    problem = check_values(a, decl.checks if checks is None else checks, dims, decl.shape)
+    if problem is None and narrow:
+        target = narrow_dtype(decl, dims)
+        problem = check_values(a, ValueChecks(low=int(np.iinfo(target).min), high=int(np.iinfo(target).max)),
+                               dims, decl.shape)
+        a = a if problem else a.astype(target)
     if problem:
         raise FieldError(f"{what}: field {name!r}: {problem}")
     return a
 
 
-def _add_ragged(fdef, value, rows, cfg, what, arrays, specs) -> None:
+def _rows_rule(decl: FieldDecl, got: tuple[int, ...], want: tuple[int, ...]) -> str:
+    """Which rows the field takes, and the setting that would accept ``got``'s rows."""
+    if decl.rows == "all_but_last":
+        return 'rows "all_but_last": P + C - 1 rows'
+    if got and want and got[0] == want[0] - 1 and decl.domain == "tokens":
+        return ('tokens domain rows; P + C - 1 rows, as engines return routing, need routing_rows = "all_but_last" '
+                '(a declared field: rows = "all_but_last")')
+    return f"{decl.domain} domain rows"
+
+
+def _add_ragged(decl, value, rows, dims, what, arrays, specs) -> None:
     if not isinstance(value, Ragged):
-        raise FieldError(f"{what}: field {fdef.name!r} is {type(value).__name__}: expected Ragged(ids, counts)")
-    counts = _check_array(fdef, f"{fdef.name}.counts", value.counts, (rows,), cfg, what)
+        raise FieldError(f"{what}: field {decl.name!r} is {type(value).__name__}: expected Ragged(ids, counts)")
+    counts_name, ids_name = decl.names()
+    counts = _check_array(decl.model_copy(update={"dtypes": ("<i4",)}), counts_name, value.counts, (rows,), dims,
+                          what, checks=ValueChecks(low=0))
     total = int(counts.sum(dtype=np.int64))
-    ids = _check_array(fdef, f"{fdef.name}.ids", value.ids, (total,), cfg, what)
-    counts_name, ids_name = f"{fdef.name}.counts", f"{fdef.name}.ids"
+    ids = _check_array(decl, ids_name, value.ids, (total,), dims, what)
     arrays[counts_name], arrays[ids_name] = counts, ids
-    specs[counts_name] = ArraySpec(_stored_dtype(counts), counts.shape, fdef.domain)
+    specs[counts_name] = ArraySpec(_stored_dtype(counts), counts.shape, decl.domain)
     specs[ids_name] = ArraySpec(_stored_dtype(ids), ids.shape, f"values:{counts_name}")
 
 
@@ -253,13 +283,10 @@ def _stored_dtype(a: np.ndarray) -> str:
 
 
 def spread_expert_rows(num_rows: int, num_layers: int, top_k: int, num_experts: int, dtype: np.dtype) -> np.ndarray:
-    """[num_rows, num_layers, top_k] routing rows for padding tokens (the ``spread_experts`` rule).
+    """[num_rows, num_layers, top_k] routing rows for padding tokens: ``routed_experts``' ``strided_ids`` rule.
 
-    Row ``t``, layer ``l``, slot ``k`` routes to ``(t * top_k + l + k) % num_experts``:
-    ids are in range, distinct within each (token, layer) when ``top_k <= num_experts``,
-    and padding tokens cycle through every expert instead of piling onto one.
+    Row ``t``, layer ``l``, slot ``k`` routes to ``(t * top_k + l + k) % num_experts``
+    (``field_decl.strided_rows``): ids are in range, distinct within each (token, layer) when
+    ``top_k <= num_experts``, and padding tokens cycle through every expert instead of piling onto one.
     """
-    t = np.arange(num_rows, dtype=np.int64)[:, None, None] * top_k
-    l = np.arange(num_layers, dtype=np.int64)[None, :, None]
-    k = np.arange(top_k, dtype=np.int64)[None, None, :]
-    return ((t + l + k) % num_experts).astype(dtype)
+    return strided_rows(num_rows, (num_layers, top_k), num_experts, dtype)

@@ -12,8 +12,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-from refpipe.pipeline.fields import FieldsConfig, Ragged, validate_branch
+from refpipe.pipeline.fields import FieldsConfig, validate_branch
 from refpipe.storage.chunk import PayloadRef, encode_chunk
 from refpipe.storage.chunks import put_chunk
 from refpipe.storage.config import StorageConfig
@@ -25,14 +24,16 @@ from refpipe.storage.store import Store
 class Branch:
     """One trainable token sequence's side channels, as the inference engine produced them.
 
-    ``fields`` maps field names (``pipeline.fields.FIELDS``) to arrays: ``routed_experts``
-    [P + C, num_layers, top_k] uint8/uint16, ``topk_ids``/``topk_logprobs`` [C, k]
-    int32/float32, ``sample_support`` [C, width] int32, ``sampling_mask`` ``Ragged``.
+    ``fields`` maps field names (``FieldsConfig.registry``: built-in and declared) to numpy arrays or
+    CPU tensors (torch: taken without a copy): ``routed_experts`` [P + C, num_layers, top_k] of any
+    integer dtype (stored uint8/uint16), ``topk_ids``/``topk_logprobs`` [C, k] int32 (any integer
+    dtype)/float32, ``sample_support`` [C, width] int32, ``sampling_mask`` ``Ragged``; a declared
+    field as its declaration says (docs/fields.md).
     """
 
     num_prompt_tokens: int
     num_completion_tokens: int
-    fields: Mapping[str, np.ndarray | Ragged] = field(default_factory=dict)
+    fields: Mapping[str, object] = field(default_factory=dict)
     branch_id: str | None = None
     """Unique within the run; None draws a random id."""
 

@@ -7,11 +7,18 @@ Deletion paths (each through ``Ledger.delete`` with a reason naming the path, co
 ``Orchestrator.deleted``): ``eval`` (every eval episode: the eval sink), ``untrained`` (branches
 marked not trainable), ``missing_fields`` (a trainable branch lacking a field of
 ``FieldsConfig.required``: filtered at submit, its chunk deleted, the branch no longer trains),
-``late`` (episodes of a group that was already completed or dropped), ``truncated`` (no
+``refused`` (an episode ``submit`` refuses: its chunks in this run that no queued episode holds,
+once; then the error is raised), ``late`` (episodes of a group that was already completed or dropped), ``truncated`` (no
 completion token within ``seq_len``), ``filtered_group`` (mean reward outside ``reward_range``,
 or every advantage zero), ``pruned`` (zero-advantage samples), ``stale`` (queued samples of a
 policy older than ``max_async_level`` steps), ``dropped_group`` (an incomplete group holding a
 stale episode) and ``shutdown`` (everything still queued).
+
+Pluggable: the advantage estimator (``pipeline.advantages``: group-normalised by default, ``rloo``,
+``from_episode`` or the caller's own function) and the packer (``pipeline.packing``: ``balanced_packer``
+by default) are constructor arguments; pruning (``prune_zero_advantage``), the staleness filter
+(``drop_stale``) and the reward-range filter (``reward_range``) are options. Publishing is
+``pipeline.publish.publish_step``.
 """
 
 from __future__ import annotations
@@ -23,14 +30,24 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 from pydantic import BaseModel, Field, field_validator
-from refpipe.pipeline.advantages import group_advantages, reward_in_range, stale, zero_advantage
+from refpipe.pipeline.advantages import (
+    AdvantageEstimator,
+    GroupRollouts,
+    group_normalized,
+    per_sample,
+    reward_in_range,
+    stale,
+    zero_advantage,
+)
 from refpipe.pipeline.fields import FieldsConfig
-from refpipe.pipeline.packing import PackedMicroBatch, pack_step, step_contents
+from refpipe.pipeline.packing import PackedMicroBatch, Packer, balanced_packer, pack_step, step_micro_batches
+from refpipe.pipeline.publish import publish_step
 from refpipe.pipeline.samples import BranchResult, Episode, Sample, build_sample, check_episode, kept_completion_tokens
-from refpipe.pipeline.step_file import MAX_SEQ_LEN, StepHeader, publish_step_file
+from refpipe.pipeline.slices import check_in_run
+from refpipe.pipeline.step_file import MAX_SEQ_LEN, StepHeader
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.config import CONFIG
-from refpipe.storage.errors import EpisodeError
+from refpipe.storage.errors import DoubleDeleteError, EpisodeError, OutsideRunError, UnknownRefError
 from refpipe.storage.layout import ORCHESTRATOR_ACTOR
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.store import Store
@@ -54,12 +71,15 @@ class OrchestratorConfig(BaseModel):
     """Episodes per group (at most 4,096); a group's advantages are computed once all of them arrived."""
     max_async_level: int = Field(default=1, ge=0)
     """Step ``s`` trains samples of policy versions ``s - max_async_level .. s``; older ones are stale."""
+    drop_stale: bool = True
+    """Delete stale samples (and incomplete groups holding a stale episode) before each step; False trains
+    samples of any policy version (the main job still samples at most ``max_async_level`` steps ahead)."""
     reward_range: tuple[float, float] | None = Field(default=None, strict=False)
     """Keep a group only if its mean reward lies in ``[low, high]``; None keeps every group."""
     std_normalize: bool = True
-    """Divide advantages by the group's reward standard deviation."""
+    """Divide advantages by the group's reward standard deviation (the default estimator, ``group_normalized``)."""
     length_weighted_baseline: bool = False
-    """Baseline = completion-token-weighted mean reward of the group (else the plain mean)."""
+    """Baseline = completion-token-weighted mean reward of the group, else the plain mean (the default estimator)."""
     prune_zero_advantage: bool = True
     """Drop samples whose advantage is zero (a group with only such samples is filtered)."""
 
@@ -83,7 +103,9 @@ class Orchestrator:
     One instance per run, driven from one thread. Call order:
 
     1. ``Orchestrator(config, store, fields=run_fields)`` opens the ledger actor ``orchestrator``;
-       ``fields`` (the run's field shapes) goes into every step header.
+       ``fields`` (the run's field shapes) goes into every step header. ``advantages`` (an
+       ``AdvantageEstimator``; default ``group_normalized`` with the config's options) and ``packer``
+       (a ``Packer``; default ``balanced_packer``) replace the built-in policies.
     2. ``submit(episode)`` for every episode as it returns (any order, any group); a group
        whose ``group_size`` episodes arrived becomes ready (or is filtered) at once.
     3. ``build_step(step)`` whenever ``ready_groups >= config.groups_per_step`` (or earlier
@@ -97,8 +119,11 @@ class Orchestrator:
         eval_rewards: ``(env_name, reward)`` of every eval episode received; the caller clears it.
     """
 
-    def __init__(self, config: OrchestratorConfig, store: Store, *, fields: FieldsConfig):
-        self.config, self.store, self.fields = config, store, fields
+    def __init__(self, config: OrchestratorConfig, store: Store, *, fields: FieldsConfig,
+                 advantages: AdvantageEstimator | None = None, packer: Packer = balanced_packer):
+        self.config, self.store, self.fields, self.packer = config, store, fields, packer
+        self.advantages = advantages or group_normalized(std_normalize=config.std_normalize,
+                                                         length_weighted_baseline=config.length_weighted_baseline)
         self.ledger = Ledger(store, ORCHESTRATOR_ACTOR)
         self.deleted: Counter[str] = Counter()
         self.filtered: Counter[str] = Counter()
@@ -109,6 +134,7 @@ class Orchestrator:
         self._ready: deque[_ReadyGroup] = deque()
         self._closed: dict[str, str] = {}
         self._queued_refs: set[str] = set()
+        self._refused_refs: set[str] = set()
 
     @property
     def ready_groups(self) -> int:
@@ -121,15 +147,23 @@ class Orchestrator:
         return len(self._pending)
 
     def submit(self, episode: Episode) -> None:
-        """Take one episode from an env server.
+        """Take one episode from an env server; the episode's chunks are the orchestrator's from here on.
+
+        A refused episode's chunks are deleted here, once (path ``refused``), before the error is raised:
+        each ``PayloadRef`` of it kept in this run that no queued episode holds. A ref of another run
+        (its branch id may name a chunk of this one) or one already queued is left alone.
 
         Raises:
-            OutsideRunError: a ref lies outside the run prefix (nothing deleted).
-            EpisodeError: malformed episode, or its id is already queued in its group (nothing deleted).
+            OutsideRunError: a ref lies outside the run prefix.
+            EpisodeError: malformed episode, or its id or a ref of it is already queued in its group.
         """
-        check_episode(episode, self.store.prefix)
         queued = self._pending.get(episode.group_id, [])
-        self._check_new(episode, queued)
+        try:
+            check_episode(episode, self.store.prefix, vocab_size=self.fields.vocab_size)
+            self._check_new(episode, queued)
+        except (EpisodeError, OutsideRunError) as e:
+            self._refuse(episode, e)
+            raise
         self.ledger.record("receive", episode_id=episode.episode_id, group_id=episode.group_id,
                            branch_ids=[r.branch_id for r in episode.refs()])
         what = f"episode {episode.episode_id} of group {episode.group_id}"
@@ -162,6 +196,23 @@ class Orchestrator:
                 branches[i] = replace(branch, trainable=False, ref=None)
         return replace(episode, branches=branches) if branches != list(episode.branches) else episode
 
+    def _refuse(self, episode: Episode, error: Exception) -> None:
+        """Delete (path ``refused``) the chunks of a refused episode that are the orchestrator's: refs kept in
+        this run, not queued, not refused before, once each. A ref the ledger finds already deleted or never
+        kept is logged, not raised: the refusal's own error follows."""
+        own: dict[str, PayloadRef] = {}
+        for branch in getattr(episode, "branches", None) or ():
+            ref = getattr(branch, "ref", None)
+            if isinstance(ref, PayloadRef) and _in_run(ref, self.store) and ref.branch_id not in self._queued_refs \
+                    and ref.branch_id not in self._refused_refs:
+                own.setdefault(ref.branch_id, ref)
+        reason = (str(error).splitlines() or [type(error).__name__])[0][:300]  # the error names the episode
+        try:
+            self._delete("refused", list(own.values()), reason)
+        except (DoubleDeleteError, UnknownRefError) as e:
+            log.warning("orchestrator refused: %s", e)
+        self._refused_refs.update(own)
+
     def _check_new(self, episode: Episode, queued: list[Episode]) -> None:
         """Refuse an episode already queued in its group, or carrying a ref that is queued."""
         again = [r.branch_id for r in episode.refs() if r.branch_id in self._queued_refs]
@@ -185,16 +236,12 @@ class Orchestrator:
         if not samples:
             return None
         cfg = self.config
-        packed = pack_step(samples, seq_len=cfg.seq_len, dp_world_size=cfg.dp_world_size)
-        header, streams = step_contents(packed, step=step, run_uri=self.store.prefix.uri, seq_len=cfg.seq_len,
-                                        dp_world_size=cfg.dp_world_size, fields=self.fields,
-                                        metrics=_metrics(groups, packed))
-        uri = publish_step_file(self.store, header, streams)
+        packed = pack_step(samples, seq_len=cfg.seq_len, dp_world_size=cfg.dp_world_size, packer=self.packer)
+        header = publish_step(self.store, self.ledger, step, step_micro_batches(packed, cfg.dp_world_size),
+                              seq_len=cfg.seq_len, fields=self.fields, metrics=_metrics(groups, packed))
         for _ in groups:
             self._ready.popleft()
         self._queued_refs.difference_update(r.branch_id for r in header.refs)
-        self.ledger.record("ship", step=step, uri=uri, branch_ids=[r.branch_id for r in header.refs])
-        self.ledger.flush()
         return header
 
     def shutdown(self) -> None:
@@ -208,17 +255,24 @@ class Orchestrator:
         self.ledger.close()
 
     def _complete_group(self, group_id: str) -> None:
-        """Compute a complete group's advantages, filter and prune it, queue its samples."""
-        episodes = self._pending.pop(group_id)
-        self._closed[group_id] = "completed"
+        """Compute a complete group's advantages, filter and prune it, queue its samples.
+
+        Raises:
+            EpisodeError: the advantage estimator failed or returned no valid advantages; the group stays
+                pending (``shutdown`` deletes it), nothing is deleted.
+        """
+        episodes = self._pending[group_id]
         units = [(e, b, float(r)) for e in episodes for b, r in zip(e.branches, e.branch_rewards()) if b.trainable]
         kept = np.array([kept_completion_tokens(b, self.config.seq_len) for _, b, _ in units], np.int64)
-        self._delete("truncated", [b.ref for (_, b, _), k in zip(units, kept) if k == 0 and b.ref],
-                     f"group {group_id}: prompt leaves no completion token within seq_len={self.config.seq_len}")
+        truncated = [b.ref for (_, b, _), k in zip(units, kept) if k == 0 and b.ref]
         units, kept = [u for u, k in zip(units, kept) if k > 0], kept[kept > 0]
         rewards = np.array([r for _, _, r in units], np.float64)
-        adv = group_advantages(rewards, kept, std_normalize=self.config.std_normalize,
-                               length_weighted_baseline=self.config.length_weighted_baseline)
+        group = GroupRollouts(group_id, rewards, kept, [b for _, b, _ in units])
+        adv = per_sample(self.advantages(group), group)
+        del self._pending[group_id]
+        self._closed[group_id] = "completed"
+        self._delete("truncated", truncated,
+                     f"group {group_id}: prompt leaves no completion token within seq_len={self.config.seq_len}")
         zero = zero_advantage(adv) if self.config.prune_zero_advantage else np.zeros(len(units), np.bool_)
         problem = self._group_filter(rewards, zero)
         if problem:
@@ -226,7 +280,7 @@ class Orchestrator:
             self._delete("filtered_group", _unit_refs(units), f"group {group_id}: {problem}")
             return
         self._delete("pruned", _unit_refs(u for u, z in zip(units, zero) if z), f"group {group_id}: zero advantage")
-        samples = [build_sample(e, b, reward=r, advantage=float(a), seq_len=self.config.seq_len)
+        samples = [build_sample(e, b, reward=r, advantage=a, seq_len=self.config.seq_len)
                    for (e, b, r), a, z in zip(units, adv, zero) if not z]
         self._ready.append(_ReadyGroup(group_id, samples))
 
@@ -244,8 +298,10 @@ class Orchestrator:
         """Delete queued samples too old for ``step``; drop incomplete groups holding a stale episode.
 
         ``build_step`` calls it first; a driver may call it before reading ``ready_groups`` so that
-        count only holds groups step ``step`` can still train.
+        count only holds groups step ``step`` can still train. Does nothing unless ``config.drop_stale``.
         """
+        if not self.config.drop_stale:
+            return
         level = self.config.max_async_level
         for group in self._ready:
             old = stale([s.policy_version for s in group.samples], step=step, max_async_level=level)
@@ -273,6 +329,15 @@ class Orchestrator:
             self.deleted[path] += len(refs)
             self.deleted_nbytes += sum(r.nbytes for r in refs)
             self._queued_refs.difference_update(r.branch_id for r in refs)
+
+
+def _in_run(ref: PayloadRef, store: Store) -> bool:
+    """Whether ``ref`` was kept in ``store``'s run and its URI names its branch's chunk."""
+    try:
+        check_in_run(ref, store.prefix, "ref")
+    except OutsideRunError:
+        return False
+    return True
 
 
 def _trainable_refs(episodes: Iterable[Episode]) -> list[PayloadRef]:

@@ -1,34 +1,38 @@
-"""Pack a step's samples into micro batches per DP rank, and lay them out as a step file.
+"""Pack a step's samples into micro batches per DP rank: the orchestrator's packing policies.
 
-Algorithm (``pack_step``):
+A packer is a function ``packer(samples, *, seq_len, dp_world_size) -> per_rank`` (``Packer``):
+``per_rank[r]`` is DP rank ``r``'s micro batches, each a non-empty list of samples of at most
+``seq_len`` tokens that either all carry ``routed_experts`` or none does (samples with other side
+channels and samples without any arrays may share one). Every sample is placed exactly once.
+Ranks may end with different numbers of micro batches; ``pad_ranks`` evens them out.
 
-1. Split the samples by whether they carry ``routed_experts``; the two kinds never share
-   a micro batch (samples with other side channels and samples without any arrays do).
-2. First-fit-decreasing by tokens within each kind, into micro batches of <= ``seq_len``.
-3. Assign micro batches to DP ranks greedily by token load, largest first, each rank
-   taking at most ``ceil(M / dp_world_size)``: every rank ends with that many or one
-   fewer, and the short ranks are filled with zero-loss padding dummies (fewer than
-   ``dp_world_size`` in all).
-4. A dummy is a copy of the step's shortest sample (preferring the rank's own) with
-   ``loss_mask`` all False and zero advantages, ``env_name`` ``PADDING_ENV_NAME``. When the
-   step carries routing, the dummy copies a routing sample and *borrows* its chunk (the
-   step file marks it ``borrowed``); the chunk's owner is the DP rank of the real sample,
-   so it is deleted once.
+- ``balanced_packer`` (the default): samples to DP ranks by token count, largest first, each to the
+  rank with the fewest tokens so far (ties: lowest rank), so DP ranks get comparable work; then
+  first-fit-decreasing within each rank and kind.
+- ``first_fit_packer``: first-fit-decreasing by tokens within each kind over the whole step, then
+  micro batches to DP ranks greedily by token load, largest first, each rank taking at most
+  ``ceil(M / dp_world_size)``: the fewest micro batches, but a small step may leave a rank only padding.
+
+``pad_ranks`` fills each short rank with zero-loss padding dummies: a copy of the step's shortest
+sample (preferring the rank's own) with ``loss_mask`` all False and zero advantages, ``env_name``
+``PADDING_ENV_NAME``. When the step carries routing, the dummy copies a routing sample and
+*borrows* its chunk (the step file marks it ``borrowed``); the chunk's owner is the DP rank of the
+real sample, so it is deleted once.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from pydantic import ValidationError
 from refpipe.pipeline.fields import FieldsConfig
+from refpipe.pipeline.publish import PackedSequence, StepMicroBatch
+from refpipe.pipeline.publish import step_contents as publish_contents
 from refpipe.pipeline.samples import Sample
-from refpipe.pipeline.step_file import SCHEMA_VERSION, STREAMS, MicroBatchRecord, SequenceRecord, StepHeader
-from refpipe.storage.chunk import PayloadRef
-from refpipe.storage.errors import PackingError, validation_problems
+from refpipe.pipeline.step_file import STREAMS, StepHeader
+from refpipe.storage.errors import PackingError
 
 PADDING_ENV_NAME = "padding"
 """``env_name`` of padding dummies in step files."""
@@ -103,37 +107,95 @@ def make_dummy(source: Sample, *, borrow: bool) -> Sample:
     )
 
 
-def pack_step(samples: Sequence[Sample], *, seq_len: int, dp_world_size: int) -> list[PackedMicroBatch]:
-    """Pack one step's samples into an equal number of micro batches per DP rank (see module doc).
+def first_fit_packer(samples: Sequence[Sample], *, seq_len: int, dp_world_size: int) -> list[list[list[Sample]]]:
+    """First-fit-decreasing over the step, then micro batches to DP ranks by load (see module doc)."""
+    batches = [b for routing in (True, False) for b in _first_fit([s for s in samples if s.has_routing == routing],
+                                                                  seq_len)]
+    per_rank = assign_to_ranks(np.array([sum(s.num_tokens for s in b) for b in batches]), dp_world_size)
+    return [[batches[m] for m in indices] for indices in per_rank]
+
+
+def balanced_packer(samples: Sequence[Sample], *, seq_len: int, dp_world_size: int) -> list[list[list[Sample]]]:
+    """Samples to DP ranks balancing tokens, then first-fit-decreasing within each rank (see module doc).
+
+    Returns:
+        ``per_rank[r]``: DP rank ``r``'s micro batches; a rank gets no micro batch only when the step has
+        fewer samples than DP ranks.
+    """
+    lengths = np.array([s.num_tokens for s in samples], np.int64)
+    load = np.zeros(dp_world_size, np.int64)
+    ranks: list[list[Sample]] = [[] for _ in range(dp_world_size)]
+    for i in np.argsort(-lengths, kind="stable"):
+        r = int(np.argmin(load))
+        ranks[r].append(samples[i])
+        load[r] += lengths[i]
+    return [[b for routing in (True, False) for b in _first_fit([s for s in own if s.has_routing == routing], seq_len)]
+            for own in ranks]
+
+
+def _first_fit(samples: Sequence[Sample], seq_len: int) -> list[list[Sample]]:
+    lengths = np.array([s.num_tokens for s in samples], np.int64)
+    return [[samples[i] for i in b] for b in first_fit_decreasing(lengths, seq_len)]
+
+
+Packer = Callable[..., list[list[list[Sample]]]]
+"""``packer(samples, *, seq_len, dp_world_size) -> per_rank`` (module doc); ``balanced_packer`` is the default."""
+
+
+def pack_step(samples: Sequence[Sample], *, seq_len: int, dp_world_size: int,
+              packer: Packer = balanced_packer) -> list[PackedMicroBatch]:
+    """Pack one step's samples with ``packer`` into an equal number of micro batches per DP rank (``pad_ranks``).
 
     Args:
         samples: at least one; each ``num_tokens <= seq_len``.
         seq_len: token budget of a micro batch.
         dp_world_size: data-parallel ranks.
+        packer: the packing policy (module doc).
 
     Returns:
         Micro batches ordered by ``(dp_rank, index)``.
 
     Raises:
-        PackingError: no samples, or a sample longer than ``seq_len``.
+        PackingError: no samples, a sample longer than ``seq_len``, or ``packer`` broke its contract (a sample
+            placed twice or not at all, an empty or overfull micro batch, routing mixed, not one list per rank).
     """
     if not samples:
         raise PackingError("pack_step: no samples to pack: expected at least one")
     too_long = [s.episode_id for s in samples if s.num_tokens > seq_len]
     if too_long:
         raise PackingError(f"samples of episodes {too_long[:5]} are longer than seq_len={seq_len}")
-    batches: list[tuple[tuple[Sample, ...], bool]] = []
-    for routing in (True, False):
-        kind = [s for s in samples if s.has_routing == routing]
-        lengths = np.array([s.num_tokens for s in kind], np.int64)
-        batches += [(tuple(kind[i] for i in b), routing) for b in first_fit_decreasing(lengths, seq_len)]
-    per_rank = assign_to_ranks(np.array([sum(s.num_tokens for s in b) for b, _ in batches]), dp_world_size)
+    per_rank = packer(samples, seq_len=seq_len, dp_world_size=dp_world_size)
+    _check_packer(packer, per_rank, samples, seq_len, dp_world_size)
+    return pad_ranks(per_rank, samples)
+
+
+def _check_packer(packer: Packer, per_rank: list[list[list[Sample]]], samples: Sequence[Sample], seq_len: int,
+                  dp_world_size: int) -> None:
+    placed = sorted(id(s) for batches in per_rank for b in batches for s in b)
+    problem = None
+    if len(per_rank) != dp_world_size:
+        problem = f"{len(per_rank)} lists of micro batches: expected one per DP rank ({dp_world_size})"
+    elif placed != sorted(id(s) for s in samples):
+        problem = f"{len(placed)} samples placed: expected each of the {len(samples)} samples exactly once"
+    for r, batches in enumerate(per_rank):
+        for i, b in enumerate(batches):
+            if problem is None and not (b and sum(s.num_tokens for s in b) <= seq_len
+                                        and len({s.has_routing for s in b}) == 1):
+                problem = (f"dp_rank={r} micro batch {i}: expected 1..{seq_len} tokens of samples that all carry "
+                           f"routed_experts or none does")
+    if problem:
+        raise PackingError(f"packer {getattr(packer, '__name__', packer)!r}: {problem}")
+
+
+def pad_ranks(per_rank: Sequence[Sequence[Sequence[Sample]]], samples: Sequence[Sample]) -> list[PackedMicroBatch]:
+    """The micro batches of ``per_rank`` with each short rank filled by padding dummies (module doc), ordered
+    by ``(dp_rank, index)``; ``samples`` are the step's samples (a rank without its own lends from them)."""
     width = max(len(r) for r in per_rank)
     out: list[PackedMicroBatch] = []
-    for rank, indices in enumerate(per_rank):
-        out += [PackedMicroBatch(rank, i, *batches[m], is_dummy=False) for i, m in enumerate(indices)]
-        own = [s for m in indices for s in batches[m][0]]
-        out += [_dummy_batch(rank, i, own, samples) for i in range(len(indices), width)]
+    for rank, batches in enumerate(per_rank):
+        out += [PackedMicroBatch(rank, i, tuple(b), b[0].has_routing, is_dummy=False) for i, b in enumerate(batches)]
+        own = [s for b in batches for s in b]
+        out += [_dummy_batch(rank, i, own, samples) for i in range(len(batches), width)]
     return out
 
 
@@ -145,14 +207,23 @@ def _dummy_batch(rank: int, index: int, own: Sequence[Sample], samples: Sequence
     return PackedMicroBatch(rank, index, (make_dummy(source, borrow=routing),), routing, is_dummy=True)
 
 
+def step_micro_batches(packed: Sequence[PackedMicroBatch], dp_world_size: int) -> list[list[StepMicroBatch]]:
+    """``packed`` (ordered by ``(dp_rank, index)``) as ``publish_step``'s input: per DP rank, its micro batches
+    with the samples' streams concatenated and one ``PackedSequence`` per sample (a dummy's: ``borrowed`` when it
+    carries a payload)."""
+    out: list[list[StepMicroBatch]] = [[] for _ in range(dp_world_size)]
+    for mb in packed:
+        sequences = [PackedSequence(s.num_tokens, s.env_name, s.payload, s.policy_version,
+                                    borrowed=mb.is_dummy and s.payload is not None) for s in mb.samples]
+        streams = {name: np.concatenate([getattr(s, name) for s in mb.samples]) for name in STREAMS}
+        out[mb.dp_rank].append(StepMicroBatch(sequences, streams))
+    return out
+
+
 def step_contents(packed: Sequence[PackedMicroBatch], *, step: int, run_uri: str, seq_len: int,
                   dp_world_size: int, fields: FieldsConfig, metrics: Mapping[str, float]
                   ) -> tuple[StepHeader, dict[tuple[int, int], dict[str, np.ndarray]]]:
-    """The step file of packed micro batches: header (refs, owners, sequences, ``fields``) and token streams.
-
-    Every real sample's ref appears once in ``header.refs``, owned by the sample's DP rank;
-    dummies point at that entry with ``borrowed=True``. ``fields`` (the run's field shapes)
-    is written into the header as is.
+    """The step file of packed micro batches (``publish.step_contents`` of ``step_micro_batches(packed)``).
 
     Returns:
         ``(header, streams)`` with ``streams[(dp_rank, index)][name]`` the [T] concatenation of
@@ -162,33 +233,5 @@ def step_contents(packed: Sequence[PackedMicroBatch], *, step: int, run_uri: str
         PackingError: two real samples carry the same ref, or a ref's arrays disagree with
             ``fields`` (an array ``fields`` does not configure, or another trailing shape).
     """
-    refs: list[PayloadRef] = []
-    owners: list[int] = []
-    index_of: dict[str, int] = {}
-    for mb in (m for m in packed if not m.is_dummy):
-        for s in (s for s in mb.samples if s.payload is not None):
-            if s.payload.ref.branch_id in index_of:
-                raise PackingError(f"step {step}: chunk {s.payload.ref.uri} is used by two samples "
-                                   f"(episode {s.episode_id}): expected one sample per branch")
-            index_of[s.payload.ref.branch_id] = len(refs)
-            refs.append(s.payload.ref)
-            owners.append(mb.dp_rank)
-    records = [_record(mb, index_of, seq_len) for mb in packed]
-    try:
-        header = StepHeader(schema_version=SCHEMA_VERSION, run_uri=run_uri, step=step, seq_len=seq_len,
-                            dp_world_size=dp_world_size, micro_batches=records, refs=refs, owners=owners,
-                            fields=fields, metrics=dict(metrics))
-    except ValidationError as e:
-        raise PackingError(f"step {step}: {validation_problems(e)}") from e
-    streams = {(mb.dp_rank, mb.index): {name: np.concatenate([getattr(s, name) for s in mb.samples])
-                                        for name in STREAMS} for mb in packed}
-    return header, streams
-
-
-def _record(mb: PackedMicroBatch, index_of: Mapping[str, int], seq_len: int) -> MicroBatchRecord:
-    sequences = [SequenceRecord(num_tokens=s.num_tokens, env_name=s.env_name,
-                                ref=None if s.payload is None else index_of[s.payload.ref.branch_id],
-                                borrowed=mb.is_dummy and s.payload is not None,
-                                policy_version=s.policy_version) for s in mb.samples]
-    return MicroBatchRecord(dp_rank=mb.dp_rank, index=mb.index, sequences=sequences,
-                            num_padding_tokens=seq_len - mb.num_tokens, has_routing=mb.has_routing)
+    return publish_contents(step_micro_batches(packed, dp_world_size), step=step, run_uri=run_uri, seq_len=seq_len,
+                            fields=fields, extra_streams={}, metrics=metrics)

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
-from refpipe.pipeline.step_file import STREAMS
+from refpipe.pipeline.slices import PayloadSlice, check_in_run
+from refpipe.pipeline.step_file import STREAMS, has_token_rows
 from refpipe.storage.chunk import PayloadRef
-from refpipe.storage.errors import EpisodeError, OutsideRunError, PackingError
+from refpipe.storage.errors import EpisodeError, PackingError
 from refpipe.storage.uri import RunPrefix
 
 
@@ -36,6 +36,8 @@ class BranchResult:
         trainable: False for branches that are never trained; their chunks are deleted on arrival.
         completion_mask: [C] bool, True on the completion tokens the policy sampled (trained on);
             multi-turn branches mark tool and user tokens False. None: every completion token.
+        advantages: [C] float32 the caller's own advantage of each completion token (GAE, a value model, ...),
+            used by the ``advantages.from_episode`` estimator; None: the orchestrator's estimator computes them.
     """
 
     prompt_ids: np.ndarray
@@ -46,6 +48,7 @@ class BranchResult:
     ref: PayloadRef | None = None
     trainable: bool = True
     completion_mask: np.ndarray | None = None
+    advantages: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -80,13 +83,6 @@ class Episode:
     def refs(self) -> list[PayloadRef]:
         """Every ref the episode carries, trainable or not, in branch order."""
         return [b.ref for b in self.branches if b.ref is not None]
-
-
-class PayloadSlice(NamedTuple):
-    """A sample's view of a chunk: the ref and how many of its first tokens are kept (1..ref.num_tokens)."""
-
-    ref: PayloadRef
-    num_tokens: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -141,8 +137,8 @@ class Sample:
 
     @property
     def has_routing(self) -> bool:
-        """Whether the sample's chunk carries ``routed_experts``."""
-        return self.payload is not None and "routed_experts" in self.payload.ref.arrays
+        """Whether the sample's chunk carries token-domain rows (``routed_experts``: ``step_file.has_token_rows``)."""
+        return self.payload is not None and has_token_rows(self.payload.ref)
 
     def streams(self) -> dict[str, np.ndarray]:
         """The six streams by name, in ``STREAMS`` order."""
@@ -154,10 +150,12 @@ def kept_completion_tokens(branch: BranchResult, seq_len: int) -> int:
     return max(0, min(len(branch.completion_ids), seq_len - len(branch.prompt_ids)))
 
 
-def build_sample(episode: Episode, branch: BranchResult, *, reward: float, advantage: float, seq_len: int) -> Sample:
+def build_sample(episode: Episode, branch: BranchResult, *, reward: float, advantage: float | np.ndarray,
+                 seq_len: int) -> Sample:
     """Build the sample of one branch, truncated to its first ``seq_len`` tokens.
 
-    Truncation never touches the chunk: the ``PayloadSlice`` just keeps fewer tokens.
+    Truncation never touches the chunk: the ``PayloadSlice`` just keeps fewer tokens. ``advantage``
+    is one float broadcast over the kept completion tokens, or ``[kept_completion_tokens]`` float32.
 
     Raises:
         PackingError: no completion token survives truncation (``kept_completion_tokens == 0``).
@@ -177,7 +175,8 @@ def build_sample(episode: Episode, branch: BranchResult, *, reward: float, advan
     return Sample(
         input_ids=np.concatenate([branch.prompt_ids, branch.completion_ids[:num_completion]]),
         loss_mask=completion,
-        advantages=np.where(completion, np.float32(advantage), np.float32(0)),
+        advantages=np.where(completion, np.pad(np.broadcast_to(np.float32(advantage), num_completion),
+                                               (num_prompt, 0)), np.float32(0)),
         inference_logprobs=logprobs,
         position_ids=np.arange(n, dtype=np.int32),
         temperatures=np.full(n, branch.temperature, np.float32),
@@ -186,8 +185,10 @@ def build_sample(episode: Episode, branch: BranchResult, *, reward: float, advan
     )
 
 
-def check_episode(episode: Episode, prefix: RunPrefix) -> None:
+def check_episode(episode: Episode, prefix: RunPrefix, *, vocab_size: int | None = None) -> None:
     """Validate an episode before the orchestrator acts on it (no I/O, nothing deleted).
+
+    ``vocab_size`` (``FieldsConfig.vocab_size``): token ids must be below it; None checks ``>= 0`` only.
 
     Raises:
         OutsideRunError: a ref was kept in another run (the run id in its URI is not this run's;
@@ -195,8 +196,9 @@ def check_episode(episode: Episode, prefix: RunPrefix) -> None:
             names another chunk than its branch id (names the episode and branch).
         EpisodeError: no branches; a token array of the wrong dtype or shape; a non-positive
             temperature or negative policy version; rewards that are not finite or not one per
-            branch; a ref whose prompt/completion token counts disagree with the branch's tokens;
-            the same ref twice.
+            branch; a token id < 0 or >= ``vocab_size``; an inference logprob that is NaN, infinite
+            or > 0 (one line naming the episode, branch, array and index); a ref whose
+            prompt/completion token counts disagree with the branch's tokens; the same ref twice.
     """
     what = f"episode {episode.episode_id!r} (group {episode.group_id!r}, env {episode.env_name!r})"
     if not episode.branches:
@@ -207,6 +209,7 @@ def check_episode(episode: Episode, prefix: RunPrefix) -> None:
                            f"({len(episode.branches)})")
     for i, branch in enumerate(episode.branches):
         _check_branch(branch, f"{what} branch {i}", prefix)
+        _check_values(branch, f"{what} branch {i}", vocab_size)
     branch_ids = [ref.branch_id for ref in episode.refs()]
     if len(set(branch_ids)) != len(branch_ids):
         raise EpisodeError(f"{what}: the same ref appears in more than one branch: {branch_ids}")
@@ -215,23 +218,40 @@ def check_episode(episode: Episode, prefix: RunPrefix) -> None:
 def _check_branch(branch: BranchResult, what: str, prefix: RunPrefix) -> None:
     c = len(branch.completion_ids) if isinstance(branch.completion_ids, np.ndarray) else -1
     for name, dtype, shape in (("prompt_ids", "<i4", None), ("completion_ids", "<i4", None),
-                               ("inference_logprobs", "<f4", (c,)), ("completion_mask", "|b1", (c,))):
+                               ("inference_logprobs", "<f4", (c,)), ("completion_mask", "|b1", (c,)),
+                               ("advantages", "<f4", (c,))):
         a = getattr(branch, name)
-        if name == "completion_mask" and a is None:
+        if name in ("completion_mask", "advantages") and a is None:
             continue
         if not isinstance(a, np.ndarray) or a.dtype.str != dtype or a.ndim != 1 or (shape and a.shape != shape):
             got = f"{a.dtype.str} {list(a.shape)}" if isinstance(a, np.ndarray) else type(a).__name__
             raise EpisodeError(f"{what}: {name} is {got}: expected {np.dtype(dtype)} [{shape[0] if shape else 'n'}]")
+    if branch.advantages is not None and not np.isfinite(branch.advantages).all():
+        raise EpisodeError(f"{what}: advantages hold a non-finite value at completion token "
+                           f"{int(np.argmin(np.isfinite(branch.advantages)))}: expected finite floats")
     if c < 1 or not branch.temperature > 0 or branch.policy_version < 0:
         raise EpisodeError(f"{what}: completion of {c} tokens, temperature {branch.temperature}, policy_version "
                            f"{branch.policy_version}: expected >= 1 token, temperature > 0, policy_version >= 0")
     if branch.ref is None:
         return
-    kept_in = branch.ref.uri.removesuffix("/" + branch.ref.key).rpartition("/")[2]
-    if kept_in != prefix.run_id:
-        raise OutsideRunError(f"{what}: ref {branch.ref.branch_id} was kept in run {kept_in!r} ({branch.ref.uri}): "
-                              f"expected run {prefix.run_id!r} (an env server of another run?)")
+    check_in_run(branch.ref, prefix, what)
     got = (branch.ref.num_prompt_tokens, branch.ref.num_completion_tokens)
     if got != (len(branch.prompt_ids), c):
         raise EpisodeError(f"{what}: ref {branch.ref.uri} holds {got[0]} prompt + {got[1]} completion tokens: "
                            f"expected {len(branch.prompt_ids)} + {c} (the branch's tokens)")
+
+
+def _check_values(branch: BranchResult, what: str, vocab_size: int | None) -> None:
+    """Token ids in ``[0, vocab_size)``, inference logprobs finite and <= 0: else one line naming the index."""
+    for name in ("prompt_ids", "completion_ids"):
+        ids = getattr(branch, name)
+        if ids.size and (int(ids.min()) < 0 or (vocab_size is not None and int(ids.max()) >= vocab_size)):
+            bad = int(np.argmax((ids < 0) | (ids >= (vocab_size or np.iinfo(np.int32).max))))
+            limit = "" if vocab_size is None else f" and < vocab_size={vocab_size}"
+            raise EpisodeError(f"{what}: {name}[{bad}] = {int(ids[bad])}: expected a token id >= 0{limit}")
+    logprobs = branch.inference_logprobs
+    top = logprobs.max() if logprobs.size else 0.0  # NaN and +inf propagate into the max, -inf into the min
+    if not top <= 0 or (logprobs.size and np.isneginf(logprobs.min())):
+        bad = int(np.argmax(~(np.isfinite(logprobs) & (logprobs <= 0))))
+        raise EpisodeError(f"{what}: inference_logprobs[{bad}] = {float(logprobs[bad])}: expected a finite "
+                           "logprob <= 0")

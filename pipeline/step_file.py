@@ -6,7 +6,7 @@ numpy alone: ``np.load(path)``) under ``<run>/steps/step_<N:08d>.npz`` with:
 - ``header.json``: the ``StepHeader`` (schema version, run, step, ``seq_len``, the run's
   field shapes, every micro batch's sequences and the refs they use);
 - ``dp<r>.mb<i>.<stream>.npy`` for every micro batch ``i`` of DP rank ``r`` and every
-  token stream in ``STREAMS`` (shape ``[T]``, ``T`` = the micro batch's real tokens;
+  token stream in ``STREAMS`` and ``header.extra_streams`` (shape ``[T]``, ``T`` = the micro batch's real tokens;
   padding to ``seq_len`` is the trainer's job).
 
 Reading validates: a truncated or foreign file, an unknown schema version, a
@@ -24,13 +24,14 @@ from __future__ import annotations
 import functools
 import io
 import json
+import re
 import struct
 import zipfile
 from collections.abc import Mapping
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from refpipe.pipeline.fields import FIELDS, FieldsConfig, trailing_shape
+from refpipe.pipeline.fields import FieldsConfig
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.errors import StepFileError, validation_problems
 from refpipe.storage.layout import step_key
@@ -48,6 +49,9 @@ STREAMS: dict[str, str] = {
     "temperatures": "<f4",
 }
 """Token streams of a micro batch: name -> dtype (numpy ``dtype.str``); each is [T]."""
+_STREAM_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
+EXTRA_STREAM_DTYPES = ("|b1", "|i1", "|u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8", "<f2", "<f4", "<f8")
+"""dtypes an extra per-token stream may have (numpy ``dtype.str``, little-endian)."""
 MAX_SEQ_LEN = 2**20
 """The largest ``seq_len`` (tokens per micro batch) a step file may declare, and ``OrchestratorConfig.seq_len``
 may configure. A reader pads every micro batch to ``seq_len`` from the header alone (``trainer.assemble``: 6
@@ -86,7 +90,8 @@ class MicroBatchRecord(BaseModel):
     num_padding_tokens: int = Field(ge=0)
     """``seq_len - num_tokens``: tokens the trainer pads to reach ``seq_len``."""
     has_routing: bool
-    """Every sequence carries ``routed_experts`` (micro batches never mix with and without)."""
+    """Every sequence carries token-domain rows (``routed_experts``, or a declared token-domain field: micro
+    batches never mix with and without; ``has_token_rows``)."""
 
     @property
     def num_tokens(self) -> int:
@@ -123,11 +128,20 @@ class StepHeader(BaseModel):
     was packed; every ref's stored arrays agree with it (checked on construction and on read)."""
     metrics: dict[str, float] = Field(default_factory=dict)
     """Orchestrator metrics of this step (reward mean, samples, ...)."""
+    extra_streams: dict[str, str] = Field(default_factory=dict)
+    """Per-token streams beside ``STREAMS`` that the publisher named: name -> ``EXTRA_STREAM_DTYPES`` entry; each
+    micro batch holds each of them as ``[T]``, like ``STREAMS``."""
+
+    def stream_dtypes(self) -> dict[str, str]:
+        """Every stream of each micro batch: ``STREAMS`` then ``extra_streams``, name -> ``dtype.str``."""
+        return {**STREAMS, **self.extra_streams}
 
     @model_validator(mode="after")
     def _consistent(self) -> "StepHeader":
         if self.schema_version != SCHEMA_VERSION:
             raise ValueError(f"schema_version {self.schema_version}: expected {SCHEMA_VERSION}")
+        for name, dtype in self.extra_streams.items():
+            check_extra_stream(name, dtype)
         if self.seq_len > MAX_SEQ_LEN:
             raise ValueError(f"seq_len {self.seq_len}: expected at most {MAX_SEQ_LEN} tokens (MAX_SEQ_LEN: a reader "
                              f"pads every micro batch to seq_len)")
@@ -147,9 +161,10 @@ class StepHeader(BaseModel):
 
     def _check_ref_fields(self, i: int, ref: PayloadRef) -> None:
         """Every stored array of ``refs[i]`` is a field ``self.fields`` configures, with its trailing shape."""
+        registry = self.fields.registry()
         for name, spec in ref.arrays.items():
-            fdef = FIELDS.get(name.split(".")[0])
-            trailing = None if fdef is None else trailing_shape(fdef, self.fields)
+            fdef = registry.get(name.split(".")[0])
+            trailing = None if fdef is None else fdef.trailing(self.fields.dims)
             if trailing is None:
                 raise ValueError(f"ref {i} ({ref.uri}): array {name!r} is not a field configured in "
                                  f"fields ({self.fields!r})")
@@ -170,7 +185,7 @@ class StepHeader(BaseModel):
             if not 0 <= seq.ref < len(self.refs) or seq.num_tokens > self.refs[seq.ref].num_tokens:
                 raise ValueError(f"micro batch dp_rank={mb.dp_rank} index={mb.index}: ref {seq.ref} missing "
                                  f"or shorter than {seq.num_tokens} tokens")
-            if mb.has_routing != ("routed_experts" in self.refs[seq.ref].arrays):
+            if mb.has_routing != has_token_rows(self.refs[seq.ref]):
                 raise ValueError(f"micro batch dp_rank={mb.dp_rank} index={mb.index}: has_routing={mb.has_routing} "
                                  f"but ref {seq.ref} disagrees")
 
@@ -183,13 +198,27 @@ class StepHeader(BaseModel):
         return [ref for ref, owner in zip(self.refs, self.owners) if owner == dp_rank]
 
 
+def has_token_rows(ref: PayloadRef) -> bool:
+    """Whether a ref stores a token-domain array (routing): its samples pack apart from the others."""
+    return any(spec.domain == "tokens" for spec in ref.arrays.values())
+
+
+def check_extra_stream(name: str, dtype: str) -> None:
+    """Raise ``ValueError`` unless ``name`` is a new stream name (``[a-z][a-z0-9_]{0,63}``, not in ``STREAMS``) and
+    ``dtype`` one of ``EXTRA_STREAM_DTYPES``."""
+    if not _STREAM_NAME.fullmatch(name) or name in STREAMS:
+        raise ValueError(f"extra stream {name!r}: expected a name of [a-z][a-z0-9_]{{0,63}} not in {list(STREAMS)}")
+    if dtype not in EXTRA_STREAM_DTYPES:
+        raise ValueError(f"extra stream {name!r}: dtype {dtype!r}: expected a numpy dtype.str of {EXTRA_STREAM_DTYPES}")
+
+
 def member_name(dp_rank: int, index: int, stream: str) -> str:
     """Zip member of one stream of one micro batch."""
     return f"dp{dp_rank}.mb{index}.{stream}.npy"
 
 
 def encode_step_file(header: StepHeader, streams: Mapping[tuple[int, int], Mapping[str, np.ndarray]]) -> bytes:
-    """Serialise a step: ``streams[(dp_rank, index)][name]`` is a [T] array of ``STREAMS[name]``.
+    """Serialise a step: ``streams[(dp_rank, index)][name]`` is a [T] array of ``header.stream_dtypes()[name]``.
 
     Raises:
         StepFileError: a stream is missing, of the wrong dtype, or not [T] for its micro batch.
@@ -201,7 +230,7 @@ def encode_step_file(header: StepHeader, streams: Mapping[tuple[int, int], Mappi
         zf.writestr(zipfile.ZipInfo(HEADER_MEMBER), header.model_dump_json())
         for mb in header.micro_batches:
             arrays = streams.get((mb.dp_rank, mb.index), {})
-            for name, dtype in STREAMS.items():
+            for name, dtype in header.stream_dtypes().items():
                 a = arrays.get(name)
                 if a is None or a.dtype.str != dtype or a.shape != (mb.num_tokens,):
                     got = None if a is None else f"{a.dtype.str} {list(a.shape)}"
@@ -320,7 +349,7 @@ class StepFile:
         return cls(header, zf, uri)
 
     def streams(self, dp_rank: int, index: int) -> dict[str, np.ndarray]:
-        """The token streams of one micro batch: name -> [T] array of ``STREAMS[name]``.
+        """The token streams of one micro batch: name -> [T] array of ``header.stream_dtypes()[name]``.
 
         Raises:
             StepFileError: a stream is missing or its dtype/shape disagrees with the header.
@@ -329,7 +358,7 @@ class StepFile:
         if mb is None:
             raise StepFileError(f"step file {self.uri}: no micro batch dp_rank={dp_rank} index={index}")
         out = {}
-        for name, dtype in STREAMS.items():
+        for name, dtype in self.header.stream_dtypes().items():
             member = member_name(dp_rank, index, name)
             try:
                 data = self._zf.read(member)  # stored (``from_bytes``): at most the step file's own bytes

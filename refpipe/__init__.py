@@ -7,14 +7,22 @@ stack"); every other module is internal and may change:
   ``Branch``, ``Ragged``, ``Ledger`` (one per actor per process);
 - orchestrator: ``Orchestrator`` (``submit`` episodes, ``build_step`` publishes a step file;
   ``shutdown``), ``Episode``, ``BranchResult``, ``StepHeader``;
-- trainer rank: ``init_process_group`` / ``new_data_group``, ``TrainerRank`` with its steps
-  ``load_and_fetch``, ``agree_failures``, ``release_step`` and ``run_step`` composing them
-  (then ``finish``, ``close``), ``TrainMicroBatch``, ``StepMetrics``;
+- the layers below it (docs/embedding.md): ``PayloadSlice`` / ``SliceId`` (a sample's slice of a ref and its
+  small wire form), ``publish_step`` with ``StepMicroBatch`` / ``PackedSequence`` (a step from the caller's own
+  packed micro batches), advantage estimators ``group_normalized``, ``rloo``, ``from_episode`` (``GroupRollouts``)
+  and packers ``balanced_packer``, ``first_fit_packer``;
+- trainer rank: ``init_process_group`` / ``new_data_group``, ``TrainerRank`` with its pull loop
+  ``steps`` (a ``TrainingStep`` per step: train on its ``batches``, then ``release()``; or a
+  ``StepDataset`` for a ``DataLoader``), ``run_step`` (the same with a callback), a restart's
+  ``resume_plan`` (a ``ResumePlan``), then ``finish``, ``close``; ``TrainMicroBatch``, ``StepMetrics``;
 - configs: ``StorageConfig``, ``FieldsConfig``, ``OrchestratorConfig``, ``TrainerConfig``;
+- fields: ``FieldDecl`` and ``ValueChecks`` (declare a field), ``sglang_routed_experts`` and
+  ``engine_routed_experts`` (routing as inference engines return it);
 - storage: ``open_store``, ``Store``, ``PayloadRef``, ``fetch_arrays``;
 - errors: ``RefpipeError`` and its subclasses.
 
-Names load on first use, so ``import refpipe`` stays light (the trainer's names import torch).
+Names load on first use, so ``import refpipe`` stays light (the trainer's names import torch); type checkers
+and IDEs read them from the ``TYPE_CHECKING`` imports below (a test keeps those, ``__all__`` and ``_WHERE`` equal).
 The subpackages are installed from the top-level folders of the repository (``storage/``,
 ``pipeline/``, ``trainer/``, ``job/``, ``cli/``, ``integrations/``) as ``refpipe.storage`` and
 so on; nothing of refpipe is importable under a bare name.
@@ -22,6 +30,7 @@ so on; nothing of refpipe is importable under a bare name.
 
 from importlib import import_module
 from importlib.metadata import version as _version
+from typing import TYPE_CHECKING
 
 __version__ = _version("refpipe")
 
@@ -30,22 +39,102 @@ _ERRORS = ("RefpipeError", "ConfigError", "OutsideRunError", "StorageError", "Tr
            "ChunkCorruptError", "KeyExistsError",
            "DoubleDeleteError", "UnknownRefError", "FieldError", "EpisodeError", "StepFileError", "PackingError",
            "FetchError", "AlignmentError", "DeleteKeysError", "CheckpointError", "ReplayMismatchError",
-           "RunStillRunningError", "DeleteRecordError", "LedgerRecordError")
+           "RunStillRunningError", "DeleteRecordError", "LedgerRecordError",
+           "StepOrderError")
 _WHERE = {
     "Branch": "refpipe.pipeline.keep", "Keeper": "refpipe.pipeline.keep",
     "Ragged": "refpipe.pipeline.fields", "FieldsConfig": "refpipe.pipeline.fields",
+    "FieldDecl": "refpipe.pipeline.field_decl", "ValueChecks": "refpipe.pipeline.field_decl",
+    "sglang_routed_experts": "refpipe.pipeline.engines", "engine_routed_experts": "refpipe.pipeline.engines",
     "Ledger": "refpipe.storage.ledger", "DeleteResult": "refpipe.storage.ledger",
     "Orchestrator": "refpipe.pipeline.orchestrator", "OrchestratorConfig": "refpipe.pipeline.orchestrator",
     "Episode": "refpipe.pipeline.samples", "BranchResult": "refpipe.pipeline.samples",
     "StepHeader": "refpipe.pipeline.step_file",
-    "TrainerRank": "refpipe.trainer.step", "StepMetrics": "refpipe.trainer.step",
+    "PayloadSlice": "refpipe.pipeline.slices", "SliceId": "refpipe.pipeline.slices",
+    "publish_step": "refpipe.pipeline.publish", "StepMicroBatch": "refpipe.pipeline.publish",
+    "PackedSequence": "refpipe.pipeline.publish",
+    "balanced_packer": "refpipe.pipeline.packing", "first_fit_packer": "refpipe.pipeline.packing",
+    "GroupRollouts": "refpipe.pipeline.advantages", "group_normalized": "refpipe.pipeline.advantages",
+    "rloo": "refpipe.pipeline.advantages", "from_episode": "refpipe.pipeline.advantages",
+    "SliceError": "refpipe.storage.errors",
+    "TrainerRank": "refpipe.trainer.step", "StepMetrics": "refpipe.trainer.metrics",
     "TrainerConfig": "refpipe.trainer.config", "TrainMicroBatch": "refpipe.trainer.tensors",
     "init_process_group": "refpipe.trainer.dist", "new_data_group": "refpipe.trainer.dist",
+    "TrainingStep": "refpipe.trainer.loop", "StepDataset": "refpipe.trainer.loop",
+    "ResumePlan": "refpipe.trainer.resume",
     "StorageConfig": "refpipe.storage.config", "open_store": "refpipe.storage.backends",
     "Store": "refpipe.storage.store", "PayloadRef": "refpipe.storage.chunk", "fetch_arrays": "refpipe.storage.fetch",
     **{name: "refpipe.storage.errors" for name in _ERRORS},
 }
-__all__ = sorted(_WHERE)
+__all__ = [
+    "AlignmentError", "Branch", "BranchResult", "CheckpointError", "ChunkCorruptError", "ChunkNotFoundError",
+    "ConfigError", "DeleteKeysError", "DeleteRecordError", "DeleteResult", "DoubleDeleteError", "Episode",
+    "EpisodeError", "FetchError", "FieldDecl", "FieldError", "FieldsConfig", "GroupRollouts", "Keeper",
+    "KeyExistsError", "KeyNotFoundError", "Ledger", "LedgerRecordError", "Orchestrator", "OrchestratorConfig",
+    "OutsideRunError", "PackedSequence", "PackingError", "PayloadRef", "PayloadSlice", "Ragged", "RefpipeError",
+    "ReplayMismatchError", "ResumePlan", "RunNotFoundError", "RunPathNotADirectoryError", "RunStillRunningError",
+    "SliceError", "SliceId", "StepDataset", "StepFileError", "StepHeader", "StepMetrics", "StepMicroBatch",
+    "StepOrderError", "StorageConfig", "StorageError", "Store", "TrainMicroBatch", "TrainerConfig", "TrainerRank",
+    "TrainingStep", "TransientStorageError", "UnknownRefError", "ValueChecks", "balanced_packer",
+    "engine_routed_experts", "fetch_arrays", "first_fit_packer", "from_episode", "group_normalized",
+    "init_process_group", "new_data_group", "open_store", "publish_step", "rloo", "sglang_routed_experts"
+]
+"""The public names, spelled out so that type checkers see them (pyright reads only a literal ``__all__``)."""
+
+if TYPE_CHECKING:
+    from refpipe.pipeline.advantages import GroupRollouts, from_episode, group_normalized, rloo
+    from refpipe.pipeline.engines import engine_routed_experts, sglang_routed_experts
+    from refpipe.pipeline.field_decl import FieldDecl, ValueChecks
+    from refpipe.pipeline.fields import FieldsConfig, Ragged
+    from refpipe.pipeline.keep import Branch, Keeper
+    from refpipe.pipeline.orchestrator import Orchestrator, OrchestratorConfig
+    from refpipe.pipeline.packing import balanced_packer, first_fit_packer
+    from refpipe.pipeline.publish import PackedSequence, StepMicroBatch, publish_step
+    from refpipe.pipeline.samples import BranchResult, Episode
+    from refpipe.pipeline.slices import PayloadSlice, SliceId
+    from refpipe.pipeline.step_file import StepHeader
+    from refpipe.storage.backends import open_store
+    from refpipe.storage.chunk import PayloadRef
+    from refpipe.storage.config import StorageConfig
+    from refpipe.storage.errors import (
+        AlignmentError,
+        CheckpointError,
+        ChunkCorruptError,
+        ChunkNotFoundError,
+        ConfigError,
+        DeleteKeysError,
+        DeleteRecordError,
+        DoubleDeleteError,
+        EpisodeError,
+        FetchError,
+        FieldError,
+        KeyExistsError,
+        KeyNotFoundError,
+        LedgerRecordError,
+        OutsideRunError,
+        PackingError,
+        RefpipeError,
+        ReplayMismatchError,
+        RunNotFoundError,
+        RunPathNotADirectoryError,
+        RunStillRunningError,
+        SliceError,
+        StepFileError,
+        StepOrderError,
+        StorageError,
+        TransientStorageError,
+        UnknownRefError,
+    )
+    from refpipe.storage.fetch import fetch_arrays
+    from refpipe.storage.ledger import DeleteResult, Ledger
+    from refpipe.storage.store import Store
+    from refpipe.trainer.config import TrainerConfig
+    from refpipe.trainer.dist import init_process_group, new_data_group
+    from refpipe.trainer.loop import StepDataset, TrainingStep
+    from refpipe.trainer.metrics import StepMetrics
+    from refpipe.trainer.resume import ResumePlan
+    from refpipe.trainer.step import TrainerRank
+    from refpipe.trainer.tensors import TrainMicroBatch
 
 
 def __getattr__(name: str):

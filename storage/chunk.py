@@ -54,7 +54,17 @@ _UINT8 = parse_dtype(np.dtype("uint8"), zarr_format=3)
 
 Domain = str
 """Which rows an array has: ``"tokens"`` (one per token), ``"completion"`` (one per
-completion token) or ``"values:<name>"`` (ragged values; counts in array ``<name>``)."""
+completion token), ``"prompt"`` (one per prompt token) or ``"values:<name>"`` (ragged values; counts in
+array ``<name>``)."""
+
+
+def domain_rows(domain: Domain, num_prompt_tokens: int, num_tokens: int) -> int:
+    """Rows of a ``tokens``/``completion``/``prompt`` array for the first ``num_tokens`` tokens of a branch."""
+    if domain == "tokens":
+        return num_tokens
+    if domain == "prompt":
+        return min(num_tokens, num_prompt_tokens)
+    return max(0, num_tokens - num_prompt_tokens)
 
 
 class ArraySpec(NamedTuple):
@@ -175,20 +185,21 @@ def layout_arrays(arrays: Mapping[str, ArraySpec]) -> tuple[list[ArrayLayout], i
     return out, max(offset, ALIGN_BYTES)
 
 
-_DTYPES = {"|u1", "<u2", "<i4", "<f4", "|b1", "<i8", "<u4", "<f8", "<i2", "|i1", "<f2", "<u8"}
+STORED_DTYPES = {"|u1", "<u2", "<i4", "<f4", "|b1", "<i8", "<u4", "<f8", "<i2", "|i1", "<f2", "<u8"}
 """Stored dtypes a ref may declare: little-endian fixed-size numbers (no objects, strings or structs)."""
 
 
 def _check_spec(ref: "PayloadRef", name: str, dtype: str, shape, domain: str, crcs, names: set[str]) -> None:
     """Raise ``ValueError`` (pydantic turns it into a ``ValidationError``) unless one declared array is sane."""
     what = f"array {name!r}"
-    if dtype not in _DTYPES:
-        raise ValueError(f"{what}: dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
+    if dtype not in STORED_DTYPES:
+        raise ValueError(f"{what}: dtype {dtype!r}: expected one of {sorted(STORED_DTYPES)}")
     if not shape or any(d < 0 for d in shape):
         raise ValueError(f"{what}: shape {list(shape)}: expected at least one dimension, none negative")
-    expected_rows = {"tokens": ref.num_tokens, "completion": ref.num_completion_tokens}.get(domain)
+    expected_rows = {"tokens": ref.num_tokens, "completion": ref.num_completion_tokens,
+                     "prompt": ref.num_prompt_tokens}.get(domain)
     if expected_rows is None and not (domain.startswith("values:") and domain[7:] in names):
-        raise ValueError(f"{what}: domain {domain!r}: expected 'tokens', 'completion' or 'values:<array>'")
+        raise ValueError(f"{what}: domain {domain!r}: expected 'tokens', 'completion', 'prompt' or 'values:<array>'")
     if expected_rows is not None and shape[0] != expected_rows:
         raise ValueError(f"{what}: {shape[0]} rows: expected {expected_rows} ({domain} domain)")
     if len(crcs) != -(-shape[0] // ref.block_rows) or any(not 0 <= c < 2**32 for c in crcs):

@@ -9,12 +9,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from refpipe.storage.errors import ConfigError
 from refpipe.storage.uri import RunPrefix
 
-CONFIG = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
+CONFIG = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False, use_attribute_docstrings=True)
 """The ``model_config`` of every config model (this one, the field registry's, the orchestrator's, the trainer's
 and the main job's sections): immutable, unknown keys refused, and values taken only as their own type, finite.
 Lax mode took ``num_steps = true`` as 1, ``step_timeout_s = "300"`` as 300.0, and ``inf`` for a timeout, which
 ``config.json`` then held as ``null``: every role refused that run, and its resume too. A tuple field (given
-as a TOML or JSON array) says ``Field(strict=False)``; its elements stay strict."""
+as a TOML or JSON array) says ``Field(strict=False)``; its elements stay strict. Each field's docstring is its
+``description`` (docs/configuration.md is generated from them: ``refpipe.cli.config_docs``)."""
 
 
 class StorageConfig(BaseModel):

@@ -129,6 +129,10 @@ class PackingError(RefpipeError, ValueError):
     """Samples cannot be packed as asked (e.g. a sample longer than ``seq_len``)."""
 
 
+class SliceError(RefpipeError, ValueError):
+    """A payload slice is malformed, or its wire form names a ref the table lacks or holds with another digest."""
+
+
 class FetchError(RefpipeError):
     """A trainer step could not fetch any of its micro batches."""
 
@@ -144,6 +148,11 @@ class CheckpointError(RefpipeError, RuntimeError):
 class ReplayMismatchError(RefpipeError, RuntimeError):
     """A step replayed after a restart assembled micro batches that differ from the first time, or gave other
     weights than an earlier life published under the same version."""
+
+
+class StepOrderError(RefpipeError, RuntimeError):
+    """A trainer rank's pull loop was driven out of order: a step released twice, or the next step asked for
+    before the previous one was released (``TrainerRank.steps``)."""
 
 
 def validation_problems(error: Exception) -> str:

@@ -28,6 +28,7 @@ from refpipe.storage.chunk import (
     check_checksum,
     check_length,
     decode_payload,
+    domain_rows,
     view_array,
 )
 from refpipe.storage.chunks import chunk_keys
@@ -56,20 +57,20 @@ def rows_for(lay: ArrayLayout, ref: PayloadRef, num_tokens: int, counts: np.ndar
         ChunkCorruptError: a ragged array's counts (read from the chunk) are negative or sum to more rows than
             the ref declares for it: they would slice past the array (into the next one, or past its blocks).
     """
-    if lay.domain == "tokens":
-        return num_tokens
-    num_completion = max(0, num_tokens - ref.num_prompt_tokens)
-    if lay.domain == "completion":
-        return num_completion
+    if not lay.domain.startswith("values:"):
+        return domain_rows(lay.domain, ref.num_prompt_tokens, num_tokens)
     if counts is None:
         raise ChunkCorruptError(f"chunk {ref.uri}: array {lay.name} is ragged but its counts were not read first")
-    kept = counts[:num_completion].astype(np.int64)
+    counts_name = lay.domain.partition(":")[2]
+    num_counted = domain_rows(ref.arrays[counts_name].domain, ref.num_prompt_tokens, num_tokens)
+    kept = counts[:num_counted].astype(np.int64)
     rows = int(kept.sum())
     if (kept < 0).any() or rows > lay.shape[0]:
-        raise ChunkCorruptError(f"chunk {ref.uri}: array {lay.name}: counts of the first {num_completion} completion "
-                                f"tokens (min {kept.min()}) sum to {rows} rows: expected non-negative counts summing "
-                                f"to at most its {lay.shape[0]} rows")
+        raise ChunkCorruptError(f"chunk {ref.uri}: array {lay.name}: counts of the first {num_counted} rows of "
+                                f"{counts_name} (min {kept.min()}) sum to {rows} rows: expected non-negative counts "
+                                f"summing to at most its {lay.shape[0]} rows")
     return rows
+
 
 
 def fetch_arrays(store: Store, ref: PayloadRef, num_tokens: int | None = None) -> dict[str, np.ndarray]:

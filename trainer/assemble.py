@@ -11,21 +11,29 @@ Layout of a micro batch with ``T`` real tokens in ``S`` sequences, padded to ``s
   is its own sequence).
 - ``cu_seqlens`` int32: ``[S + 1]`` cumulative sequence lengths, plus ``seq_len`` as the
   end of one more sequence (the padding) when ``T < seq_len``.
-- ``fields``: one ``FieldBatch`` per field configured in ``FieldsConfig``
-  (``routed_experts`` only when the micro batch has routing):
+- ``fields``: one ``FieldBatch`` per field of ``FieldsConfig.registry`` (token-domain fields, such
+  as ``routed_experts``, only when the micro batch has token-domain rows: ``has_routing``), laid out
+  by its declaration (domain, padding rule), never by its name:
 
   - ``values``: the field's rows of every sequence concatenated in packing order,
     ``[sum of rows, *row_shape]``; ``cu_seqlens`` int32 ``[S + 1]`` counts rows per sequence.
-    For the ragged ``sampling_mask``: ``counts`` int32 ``[rows]`` and ``values`` the ids
-    int32 ``[sum(counts)]``.
-  - token-domain fields (``routed_experts``): ``padded [seq_len, num_layers, top_k]``, the
-    real rows followed by padding rows from the field's padding rule
-    (``pipeline.fields.spread_expert_rows``); ``values`` is the view ``padded[:T]``.
+    For a ragged field (``sampling_mask``): ``counts`` int32 ``[rows]`` and ``values`` the ids
+    ``[sum(counts)]``.
+  - token-domain fields: ``padded [seq_len, *row_shape]``, the real rows followed by padding
+    rows from the field's padding rule (``zeros``, ``repeat_rows``: the real rows cyclically,
+    ``strided_ids``: ``pipeline.field_decl.strided_rows``); ``values`` is the view ``padded[:T]``.
   - completion-domain fields: ``row_ids`` int64 ``[seq_len]``. Completion row ``r`` of a
     sequence (``values[cu_seqlens[s] + r]``) belongs to the position whose logits predict
     completion token ``r``: the position just before that token, ``start_s + P_s + r - 1``
     (``P_s`` = the ref's prompt tokens). Every other position holds -1: prompt-only
     positions, the last position of each sequence, sequences without rows, and padding.
+  - prompt-domain fields: ``row_ids`` int64 ``[seq_len]``: prompt row ``r`` belongs to the prompt
+    token's own position ``start_s + r``; every other position holds -1.
+
+Whatever a ref says is checked before anything trains from it: its stored dtypes and domains against
+the declarations (``plan_micro_batch``) and every row's values against the declared bounds
+(``finish_micro_batch``: ids below ``num_experts``, finite logprobs, ...); a micro batch failing either
+raises ``FieldError``, which a trainer rank counts as a dropped micro batch on every rank.
 
 Which sequences have rows: a sequence without a ref has none (empty rows); a borrowed
 padding dummy has its ref's token-domain (routing) rows only; any other sequence has the
@@ -34,20 +42,18 @@ rows of its ref's first ``num_tokens`` tokens, for each field its ref carries.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
-from refpipe.pipeline.fields import FIELDS, FieldDef, FieldsConfig, spread_expert_rows, trailing_shape
-from refpipe.pipeline.step_file import STREAMS, MicroBatchRecord, SequenceRecord
-from refpipe.storage.chunk import PayloadRef
+from refpipe.pipeline.field_checks import check_bounds
+from refpipe.pipeline.field_decl import FieldDecl, narrow_dtype
+from refpipe.pipeline.fields import FieldsConfig
+from refpipe.pipeline.step_file import MicroBatchRecord, SequenceRecord
+from refpipe.storage.chunk import PayloadRef, domain_rows
 from refpipe.storage.errors import FieldError, PackingError
-
-_STREAM_PADDING = {"input_ids": 0, "loss_mask": False, "advantages": 0.0, "inference_logprobs": 0.0,
-                   "temperatures": 1.0}
-"""Value of each stream at padding tokens (``position_ids`` count 0, 1, ... instead)."""
+from refpipe.trainer.layout import field_row_ids, pad_streams, padded_cu_seqlens, padding_rows_of
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,7 @@ class FieldBatch:
     padded: np.ndarray | None = None
     """Token-domain fields: [seq_len, *row_shape], real rows then padding rows; else None."""
     row_ids: np.ndarray | None = None
-    """Completion-domain fields: [seq_len] int64 row of ``values``/``counts`` per position, -1 = none."""
+    """Completion- and prompt-domain fields: [seq_len] int64 row of ``values``/``counts`` per position, -1 = none."""
 
 
 @dataclass(frozen=True)
@@ -175,23 +181,26 @@ def plan_micro_batch(mb: MicroBatchRecord, refs: Sequence[PayloadRef], *, seq_le
     """Allocate ``mb``'s output arrays (``empty(shape, dtype)``, uninitialised: ``np.empty``, or a trainer
     rank's ``trainer.buffers.BufferPool.empty``) and each sequence's targets.
 
-    Routing rows are ``fields.routing_dtype`` (sized from ``num_experts``, never from the refs);
-    any other field's dtype is the result type of the dtypes its sequences' refs store.
+    A ``strided_ids`` field's rows (routing) are ``field_decl.narrow_dtype`` (routing: ``fields.routing_dtype``,
+    sized from ``num_experts``, never from the refs); any other field's dtype is the result type of the
+    dtypes its sequences' refs store.
 
     Raises:
-        FieldError: a ref stores rows of another trailing shape than ``fields`` says or fewer
-            rows than its sequence keeps; a routing micro batch has a sequence without routing rows.
+        FieldError: a ref stores a field in a dtype or domain its declaration does not allow, rows of
+            another trailing shape than ``fields`` says, or fewer rows than its sequence keeps; a micro batch
+            with token-domain rows has a sequence without them.
         PackingError: ``mb`` has more than ``seq_len`` tokens.
     """
     what = f"micro batch dp_rank={mb.dp_rank} index={mb.index}"
     _check_fits(mb, seq_len, what)
     buffers, cu_rows, targets = {}, {}, [{} for _ in mb.sequences]
     for fdef in _laid_out(mb, fields):
-        trailing = trailing_shape(fdef, fields)
+        trailing = fdef.trailing(fields.dims)
         rows = [_num_rows(fdef, seq, refs, trailing, what) for seq in mb.sequences]
         if fdef.domain == "tokens" and None in rows:
             missing = [i for i, n in enumerate(rows) if n is None]
-            raise FieldError(f"{what}: sequences {missing} have no {fdef.name} rows in a micro batch with routing")
+            raise FieldError(f"{what}: sequences {missing} have no {fdef.name} rows in a micro batch with "
+                             "token-domain rows")
         cu = np.zeros(len(rows) + 1, np.int32)
         np.cumsum([n or 0 for n in rows], out=cu[1:])
         cu_rows[fdef.name] = mb.cu_seqlens() if fdef.domain == "tokens" else cu
@@ -220,30 +229,34 @@ def finish_micro_batch(plan: MicroBatchPlan, streams: Mapping[str, np.ndarray],
 
     Raises:
         FieldError: a sequence with loss tokens lacks a field of ``FieldsConfig.required``; a
-            sequence's ref has no fetched arrays, fewer rows than it keeps, or rows of another
-            trailing shape.
+            sequence's ref has no fetched arrays, fewer rows than it keeps, rows of another
+            trailing shape, or a value outside its declared bounds.
     """
     mb, what = plan.mb, f"micro batch dp_rank={plan.mb.dp_rank} index={plan.mb.index}"
     _check_required(plan, streams["loss_mask"], what)
+    registry = plan.fields.registry()
     for s, (seq, targets) in enumerate(zip(mb.sequences, plan.targets)):
         for name, dest in targets.items():
-            if (s, name) not in plan.filled:
-                got = _fetched(arrays, seq, plan.refs, what)
-                where = f"{what}: ref {seq.ref} ({plan.refs[seq.ref].uri})"
-                dest[...] = _cut(got, name, len(dest), dest.shape[1:], where)
+            where = f"{what}: ref {seq.ref} ({plan.refs[seq.ref].uri})"
+            src = dest if (s, name) in plan.filled else _cut(_fetched(arrays, seq, plan.refs, what), name,
+                                                              len(dest), dest.shape[1:], where)
+            _check_fetched(src, registry[name], plan.fields, f"{where}: field {name!r}")
+            if src is not dest:
+                dest[...] = src
     out: dict[str, FieldBatch] = {}
     for fdef in _laid_out(mb, plan.fields):
         cu = plan.cu_rows[fdef.name]
         if fdef.domain == "tokens":
             padded = plan.buffers[fdef.name]
-            padded[mb.num_tokens:] = _padding_rows(fdef, plan.seq_len - mb.num_tokens, plan.fields, padded.dtype)
+            padded[mb.num_tokens:] = padding_rows_of(fdef, plan.seq_len - mb.num_tokens, plan.fields, padded.dtype,
+                                                   padded[: mb.num_tokens])
             out[fdef.name] = FieldBatch(padded[: mb.num_tokens], cu, padded=padded)
             continue
         values, counts = plan.buffers.get(fdef.name), None
         if fdef.ragged:
             values, counts = _ragged_values(fdef, plan, arrays, what)
         out[fdef.name] = FieldBatch(values, cu, counts=counts,
-                                    row_ids=completion_row_ids(mb, plan.refs, cu, plan.seq_len))
+                                    row_ids=field_row_ids(fdef.domain, mb, plan.refs, cu, plan.seq_len))
     return AssembledMicroBatch(mb, plan.seq_len, pad_streams(streams, plan.seq_len),
                                padded_cu_seqlens(mb, plan.seq_len), out)
 
@@ -254,15 +267,15 @@ def assemble_dropped_micro_batch(
     *,
     seq_len: int,
     fields: FieldsConfig,
-    routing_rows: np.ndarray | None,
+    token_rows: Mapping[str, np.ndarray] | None,
 ) -> AssembledMicroBatch:
     """The stand-in for a micro batch whose chunks could not be fetched: shapes only, no loss.
 
-    Streams are padded as usual with ``loss_mask`` all False; completion-domain fields are
-    empty (``row_ids`` all -1). With routing, ``padded [seq_len, num_layers, top_k]`` repeats
-    ``routing_rows`` (real rows of a micro batch that was fetched, e.g. the first one of the
-    same DP rank, so every model-parallel peer picks the same) cyclically; with no real rows
-    (None or empty) it uses the padding rule for every position.
+    Streams are padded as usual with ``loss_mask`` all False; completion- and prompt-domain fields
+    are empty (``row_ids`` all -1). With token-domain rows, each such field's ``padded [seq_len,
+    *row_shape]`` repeats its ``token_rows`` (real rows of a micro batch that was fetched, e.g. the
+    first one of the same DP rank, so every model-parallel peer picks the same: ``real_token_rows``)
+    cyclically; with no real rows (None, missing or empty) it uses the padding rule for every position.
 
     Raises:
         PackingError: ``mb`` has more than ``seq_len`` tokens.
@@ -271,12 +284,14 @@ def assemble_dropped_micro_batch(
     out: dict[str, FieldBatch] = {}
     num_sequences = len(mb.sequences)
     for fdef in _laid_out(mb, fields):
-        trailing = trailing_shape(fdef, fields)
+        trailing = fdef.trailing(fields.dims)
         if fdef.domain == "tokens":
-            if routing_rows is None or len(routing_rows) == 0:
-                padded = _padding_rows(fdef, seq_len, fields, fields.routing_dtype).copy()
+            real = (token_rows or {}).get(fdef.name)
+            dtype = _buffer_dtype(fdef, fields, [] if real is None else [real.dtype.str])
+            if real is None or len(real) == 0:
+                padded = padding_rows_of(fdef, seq_len, fields, dtype, real).copy()
             else:
-                padded = np.resize(routing_rows, (seq_len, *trailing)).astype(fields.routing_dtype, copy=False)
+                padded = np.resize(real, (seq_len, *trailing)).astype(dtype, copy=False)
             out[fdef.name] = FieldBatch(padded[: mb.num_tokens], mb.cu_seqlens(), padded=padded)
         else:
             empty = np.empty((0, *trailing), np.dtype(fdef.dtypes[0]))
@@ -287,6 +302,12 @@ def assemble_dropped_micro_batch(
     padded_streams["loss_mask"][:] = False
     return AssembledMicroBatch(mb, seq_len, padded_streams,
                                padded_cu_seqlens(mb, seq_len), out, dropped=True)
+
+
+def real_token_rows(mb: AssembledMicroBatch) -> dict[str, np.ndarray]:
+    """Field name -> real rows ``[T, *row_shape]`` of each token-domain field of ``mb`` (a dropped micro
+    batch's ``token_rows``)."""
+    return {name: batch.values for name, batch in mb.fields.items() if batch.padded is not None}
 
 
 def micro_batch_hash(mb: AssembledMicroBatch) -> str:
@@ -311,40 +332,29 @@ def micro_batch_hash(mb: AssembledMicroBatch) -> str:
     return digest.hexdigest()
 
 
-def pad_streams(streams: Mapping[str, np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
-    """Every stream ``[T]`` copied into ``[seq_len]`` of its ``STREAMS`` dtype, padded as documented above."""
-    out = {}
-    for name, dtype in STREAMS.items():
-        real = streams[name]
-        a = np.empty(seq_len, dtype)
-        a[: len(real)] = real
-        a[len(real):] = np.arange(seq_len - len(real)) if name == "position_ids" else _STREAM_PADDING[name]
-        out[name] = a
-    return out
-
-
-def padded_cu_seqlens(mb: MicroBatchRecord, seq_len: int) -> np.ndarray:
-    """int32 ``mb.cu_seqlens()`` with ``seq_len`` appended when the micro batch is padded."""
-    cu = mb.cu_seqlens()
-    return np.append(cu, np.int32(seq_len)).astype(np.int32) if mb.num_tokens < seq_len else cu
-
-
 def _check_fits(mb: MicroBatchRecord, seq_len: int, what: str) -> None:
     if mb.num_tokens > seq_len:
         raise PackingError(f"{what}: {mb.num_tokens} tokens, expected at most seq_len={seq_len}")
 
 
-def _laid_out(mb: MicroBatchRecord, cfg: FieldsConfig) -> list[FieldDef]:
-    """Fields configured for the run, in registry order; routing only when the micro batch has it."""
-    return [f for f in FIELDS.values()
-            if trailing_shape(f, cfg) is not None and (f.domain != "tokens" or mb.has_routing)]
+def _laid_out(mb: MicroBatchRecord, cfg: FieldsConfig) -> list[FieldDecl]:
+    """Fields of the run, in registry order; token-domain ones only when the micro batch has token-domain rows."""
+    return [f for f in cfg.registry().values() if f.domain != "tokens" or mb.has_routing]
 
 
-def _buffer_dtype(fdef: FieldDef, cfg: FieldsConfig, ref_dtypes: list[str]) -> np.dtype:
-    """Routing: ``cfg.routing_dtype`` (from ``num_experts``); other fields: the result type of the refs' dtypes."""
-    if fdef.padding == "spread_experts":
-        return cfg.routing_dtype
+def _buffer_dtype(fdef: FieldDecl, cfg: FieldsConfig, ref_dtypes: list[str]) -> np.dtype:
+    """``strided_ids``: ``narrow_dtype`` (routing: from ``num_experts``); other fields: the result type of the
+    refs' dtypes."""
+    if fdef.padding == "strided_ids":
+        return narrow_dtype(fdef, cfg.dims)
     return np.result_type(*ref_dtypes) if ref_dtypes else np.dtype(fdef.dtypes[0])
+
+
+def _check_fetched(a: np.ndarray, fdef: FieldDecl, cfg: FieldsConfig, what: str) -> None:
+    """Raise ``FieldError`` if fetched rows break their declared bounds (before they are cast or trained)."""
+    problem = check_bounds(a, fdef.checks, cfg.dims, fdef.shape)
+    if problem:
+        raise FieldError(f"{what}: {problem} (a foreign or damaged chunk: the micro batch is not trained)")
 
 
 def _check_required(plan: MicroBatchPlan, loss_mask: np.ndarray, what: str) -> None:
@@ -358,28 +368,34 @@ def _check_required(plan: MicroBatchPlan, loss_mask: np.ndarray, what: str) -> N
         if not loss_tokens:
             continue
         stored = () if seq.ref is None else plan.refs[seq.ref].arrays
-        missing = [name for name in plan.fields.required
-                   if name not in stored and f"{name}.counts" not in stored]
+        registry = plan.fields.registry()
+        missing = [name for name in plan.fields.required if registry[name].names()[0] not in stored]
         if missing:
             raise FieldError(f"{what}: sequence {s} (env {seq.env_name!r}, ref {seq.ref}) trains {loss_tokens} "
                              f"loss tokens without required fields {missing} (FieldsConfig.required)")
 
 
-def _num_rows(fdef: FieldDef, seq: SequenceRecord, refs: Sequence[PayloadRef], trailing: tuple[int, ...],
+def _num_rows(fdef: FieldDecl, seq: SequenceRecord, refs: Sequence[PayloadRef], trailing: tuple[int, ...],
               what: str) -> int | None:
     """Rows ``seq`` contributes to ``fdef`` (ragged: rows of counts), or None when it has none.
 
     Raises:
-        FieldError: its ref stores fewer rows, or rows of another trailing shape.
+        FieldError: its ref stores the field in a dtype or domain the declaration does not allow, fewer
+            rows, or rows of another trailing shape.
     """
     if seq.ref is None or (seq.borrowed and fdef.domain != "tokens"):
         return None
     ref = refs[seq.ref]
-    stored = f"{fdef.name}.counts" if fdef.ragged else fdef.name
+    stored = fdef.names()[0]
     spec = ref.arrays.get(stored)
     if spec is None:
         return None
-    num_rows = seq.num_tokens if fdef.domain == "tokens" else max(0, seq.num_tokens - ref.num_prompt_tokens)
+    values = ref.arrays.get(fdef.names()[-1])
+    if values is None or values.dtype not in fdef.dtypes or spec.domain != fdef.domain:
+        got = None if values is None else f"{np.dtype(values.dtype)} in the {spec.domain} domain"
+        raise FieldError(f"{what}: ref {seq.ref} ({ref.uri}) stores {fdef.name} as {got}: expected one of "
+                         f"{[str(np.dtype(d)) for d in fdef.dtypes]} in the {fdef.domain} domain (its declaration)")
+    num_rows = domain_rows(fdef.domain, ref.num_prompt_tokens, seq.num_tokens)
     if spec.shape[0] < num_rows or tuple(spec.shape[1:]) != (() if fdef.ragged else trailing):
         raise FieldError(f"{what}: ref {seq.ref} ({ref.uri}) stores {stored} as {list(spec.shape)}: expected at "
                          f"least {num_rows} rows of {list(trailing)}")
@@ -394,19 +410,21 @@ def _fetched(arrays: Mapping[int, Mapping[str, np.ndarray]], seq: SequenceRecord
     return got
 
 
-def _ragged_values(fdef: FieldDef, plan: MicroBatchPlan, arrays: Mapping[int, Mapping[str, np.ndarray]],
+def _ragged_values(fdef: FieldDecl, plan: MicroBatchPlan, arrays: Mapping[int, Mapping[str, np.ndarray]],
                    what: str) -> tuple[np.ndarray, np.ndarray]:
     """``(ids, counts)`` of a ragged field: every sequence's kept rows concatenated in packing order."""
     ids, counts = [], []
     cu = plan.cu_rows[fdef.name]
+    counts_name, ids_name = fdef.names()
     for s, seq in enumerate(plan.mb.sequences):
-        if seq.ref is None or seq.borrowed or f"{fdef.name}.counts" not in plan.refs[seq.ref].arrays:
+        if seq.ref is None or seq.borrowed or counts_name not in plan.refs[seq.ref].arrays:
             continue
         num_rows = int(cu[s + 1] - cu[s])
         got = _fetched(arrays, seq, plan.refs, what)
         where = f"{what}: ref {seq.ref} ({plan.refs[seq.ref].uri})"
-        counts.append(_cut(got, f"{fdef.name}.counts", num_rows, (), where))
-        ids.append(_cut(got, f"{fdef.name}.ids", int(counts[-1].sum(dtype=np.int64)), (), where))
+        counts.append(_cut(got, counts_name, num_rows, (), where))
+        ids.append(_cut(got, ids_name, int(counts[-1].sum(dtype=np.int64)), (), where))
+        _check_fetched(ids[-1], fdef, plan.fields, f"{where}: field {ids_name!r}")
     empty = np.empty(0, np.dtype(fdef.dtypes[0]))
     return (np.concatenate(ids) if ids else empty), (np.concatenate(counts) if counts else empty.copy())
 
@@ -417,37 +435,3 @@ def _cut(got: Mapping[str, np.ndarray], name: str, num_rows: int, trailing: tupl
         shape = None if a is None else list(a.shape)
         raise FieldError(f"{where}: array {name} is {shape}: expected at least {num_rows} rows of {list(trailing)}")
     return a[:num_rows]
-
-
-def _padding_rows(fdef: FieldDef, num_rows: int, cfg: FieldsConfig, dtype: np.dtype) -> np.ndarray:
-    """Read-only rows for padding tokens of a token-domain field, by its padding rule (copy before writing)."""
-    if fdef.padding != "spread_experts":
-        raise FieldError(f"field {fdef.name}: token-domain padding rule {fdef.padding!r} is not implemented")
-    return _spread_rows(num_rows, cfg.num_layers, cfg.top_k, cfg.num_experts, np.dtype(dtype).str)
-
-
-@functools.lru_cache(maxsize=16)
-def _spread_rows(num_rows: int, num_layers: int, top_k: int, num_experts: int, dtype: str) -> np.ndarray:
-    """``spread_expert_rows``, computed once per shape: every micro batch of a step pads alike."""
-    rows = spread_expert_rows(num_rows, num_layers, top_k, num_experts, np.dtype(dtype))
-    rows.flags.writeable = False
-    return rows
-
-
-def completion_row_ids(mb: MicroBatchRecord, refs: Sequence[PayloadRef], cu_rows: np.ndarray,
-                       seq_len: int) -> np.ndarray:
-    """[seq_len] int64: the completion row each position predicts, -1 elsewhere (module docstring).
-
-    Args:
-        cu_rows: [S + 1] int32 cumulative completion rows per sequence (0 for sequences without rows).
-    """
-    row_ids = np.full(seq_len, -1, np.int64)
-    starts = mb.cu_seqlens()
-    for s, seq in enumerate(mb.sequences):
-        num_rows = int(cu_rows[s + 1] - cu_rows[s])
-        if num_rows == 0:
-            continue
-        first = int(starts[s]) + refs[seq.ref].num_prompt_tokens - 1  # position predicting completion row 0
-        skip = 1 if first < starts[s] else 0  # no prompt: nothing in this sequence predicts row 0
-        row_ids[first + skip : first + num_rows] = np.arange(cu_rows[s] + skip, cu_rows[s] + num_rows)
-    return row_ids

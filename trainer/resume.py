@@ -1,10 +1,11 @@
-"""Where a restarted trainer picks up: its checkpoint, and which steps to replay, skip, or finish releasing.
+"""Where a restarted trainer picks up: which steps it replays, skips, or only finishes releasing.
 
 A run has lives; each trainer rank's ledger session is one life of its DP rank's actor
 (``trainer_dp<r>``). When a later life starts, the run holds:
 
-- the newest complete checkpoint ``k`` (``storage.checkpoints.newest_checkpoint``), or none
-  (then training restarts from the warm start, step 0);
+- the training state the life restored: the step ``k`` its checkpoint covers (refpipe's newest complete
+  checkpoint, ``storage.checkpoints.newest_checkpoint``, or the caller's own), or none (``k = -1``: the
+  initial weights, step 0);
 - step files ``0 .. published - 1``;
 - per DP rank, the highest step it released in an earlier life (its ``release`` events).
 
@@ -13,6 +14,14 @@ of them releases it now (its own earlier delete records count as already release
 Steps ``k + 1 .. published - 1`` are trained again from their step files (a replay), except a
 step some of whose chunks already have a delete record (``release = "after_step"`` deleted them
 before the crash): it is skipped, never trained on stand-ins, and its remaining chunks released.
+
+A step one DP rank released and another did not is handled per DP rank by the same rules. A release
+comes after the caller's gradient all-reduce and optimizer step (``TrainingStep.release``), so once
+any DP rank released a step, every DP rank's samples of it were trained in that life: covered by
+the checkpoint, the unreleased DP rank releases its chunks; not covered, the step is skipped on
+every DP rank and the unreleased one releases its chunks. Either way no sample is trained twice;
+samples of a skipped step are not in this life's weights (``release = "after_checkpoint"``, or a
+checkpoint before every release, keeps every trained step covered or replayable).
 
 ``plan_resume`` is collective: rank 0 reads the run (``read_plan``) and broadcasts the plan, so every rank
 acts on the same one. ``published`` is fixed when the life starts: the launcher of ``refpipe run --resume``
@@ -28,7 +37,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 from refpipe.pipeline.step_file import StepFile
-from refpipe.storage.checkpoints import CheckpointInfo, newest_checkpoint
+from refpipe.storage.checkpoints import newest_checkpoint
+from refpipe.storage.errors import ConfigError
 from refpipe.storage.layout import EVENTS_PREFIX, STEPS_PREFIX, parse_step_key, tombstone_key, trainer_actor
 from refpipe.storage.ledger import read_segment
 from refpipe.storage.store import Store
@@ -38,10 +48,16 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ResumePlan:
-    """What a restarted trainer does before and while it trains (the same on every rank)."""
+    """What a restarted trainer does before and while it trains, the same on every rank
+    (``TrainerRank.resume_plan``; ``TrainerRank.steps(resume=plan)`` acts on it).
 
-    checkpoint: CheckpointInfo | None
-    """The newest complete checkpoint, or None (start from the warm start)."""
+    A custom loop restores its state from the checkpoint of ``checkpoint_step`` (or its initial weights),
+    then trains ``start_step, start_step + 1, ...`` except the ``skipped`` steps; ``replayed`` are the ones
+    an earlier life published (and maybe trained): the same step files, trained again from the restored state.
+    """
+
+    checkpoint_step: int
+    """The step the restored training state covers (its checkpoint's), or -1 (the initial weights)."""
     published: int
     """Steps ``0 .. published - 1`` have a step file."""
     released: dict[int, int]
@@ -51,8 +67,8 @@ class ResumePlan:
 
     @property
     def start_step(self) -> int:
-        """The first step to train: the checkpoint's step + 1, or 0."""
-        return self.checkpoint.step + 1 if self.checkpoint else 0
+        """The first step to train: ``checkpoint_step + 1``."""
+        return self.checkpoint_step + 1
 
     @property
     def diverged_from(self) -> int | None:
@@ -76,7 +92,8 @@ class ResumePlan:
         """One line: where the life starts and what it does with the steps an earlier life published after it,
         e.g. ``from the checkpoint of step 1: steps 2..3 of an earlier life: 1 replayed (3), 1 skipped (2: a chunk
         already deleted)``."""
-        start = f"from the checkpoint of step {self.checkpoint.step}" if self.checkpoint else "from the warm start"
+        start = (f"from the checkpoint of step {self.checkpoint_step}" if self.checkpoint_step >= 0
+                 else "from the warm start")
         if self.start_step >= self.published:
             return f"{start}: no step of an earlier life after it"
         return (f"{start}: steps {self.start_step}..{self.published - 1} of an earlier life: {len(self.replayed)} "
@@ -88,16 +105,22 @@ def _steps(steps: list[int]) -> str:
     return ", ".join(map(str, steps)) or "none"
 
 
-def plan_resume(store: Store, dp_world_size: int, group: dist.ProcessGroup,
-                published: int | None = None) -> ResumePlan:
+def plan_resume(store: Store, dp_world_size: int, group: dist.ProcessGroup, published: int | None = None,
+                checkpoint_step: int | None = None) -> ResumePlan:
     """Every rank: rank 0 reads the run (``read_plan``) and broadcasts the plan over ``group`` (the data path's
-    gloo group, ``TrainerRank.data_group``)."""
-    box = [read_plan(store, dp_world_size, published) if dist.get_rank() == 0 else None]
+    gloo group, ``TrainerRank.data_group``).
+
+    Raises:
+        ConfigError: ``checkpoint_step`` is below -1 (on every rank, before the broadcast).
+    """
+    _check_checkpoint_step(checkpoint_step)
+    box = [read_plan(store, dp_world_size, published, checkpoint_step) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
-def read_plan(store: Store, dp_world_size: int, published: int | None = None) -> ResumePlan:
+def read_plan(store: Store, dp_world_size: int, published: int | None = None,
+              checkpoint_step: int | None = None) -> ResumePlan:
     """The plan of the run's next life, read-only: one listing each of ``checkpoints/``, ``steps/`` (unless
     ``published`` is given) and each ``ledger/events/trainer_dp<r>/``; every segment of those actors; one HEAD per
     chunk of the steps after the checkpoint.
@@ -105,15 +128,27 @@ def read_plan(store: Store, dp_world_size: int, published: int | None = None) ->
     Args:
         published: steps ``0 .. published - 1`` are the earlier lives' (what the launcher found before this life
             started); None: the step files listed now, up to the first missing one.
+        checkpoint_step: the step the restored training state covers (-1: none); None: the newest complete
+            refpipe checkpoint's (``storage.checkpoints.newest_checkpoint``; none: -1).
+
+    Raises:
+        ConfigError: ``checkpoint_step`` is below -1.
     """
-    checkpoint = newest_checkpoint(store)
+    _check_checkpoint_step(checkpoint_step)
+    if checkpoint_step is None:
+        checkpoint = newest_checkpoint(store)
+        checkpoint_step = checkpoint.step if checkpoint else -1
     if published is None:
         steps = {s for k in store.list_prefix(STEPS_PREFIX) if (s := parse_step_key(k)) is not None}
         published = next(s for s in range(len(steps) + 1) if s not in steps)
     released = {r: _highest_release(store, r) for r in range(dp_world_size)}
-    start = checkpoint.step + 1 if checkpoint else 0
-    skipped = [s for s in range(start, published) if _some_chunk_deleted(store, s)]
-    return ResumePlan(checkpoint, published, released, skipped)
+    skipped = [s for s in range(checkpoint_step + 1, published) if _some_chunk_deleted(store, s)]
+    return ResumePlan(checkpoint_step, published, released, skipped)
+
+
+def _check_checkpoint_step(checkpoint_step: int | None) -> None:
+    if checkpoint_step is not None and checkpoint_step < -1:
+        raise ConfigError(f"checkpoint_step={checkpoint_step}: expected the step a checkpoint covers, or -1 for none")
 
 
 def _highest_release(store: Store, dp_rank: int) -> int:

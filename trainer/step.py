@@ -3,13 +3,13 @@ metrics."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.step_file import StepFile, StepHeader
 from refpipe.storage.config import StorageConfig
@@ -17,15 +17,17 @@ from refpipe.storage.errors import ConfigError, FetchError
 from refpipe.storage.layout import trainer_actor
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.store import Store
-from refpipe.trainer.assemble import AssembledMicroBatch, assemble_dropped_micro_batch
+from refpipe.trainer.assemble import AssembledMicroBatch, assemble_dropped_micro_batch, real_token_rows
 from refpipe.trainer.background import BackgroundRelease, Prefetch, Prepared, ReleaseCounts
 from refpipe.trainer.buffers import BufferPool
 from refpipe.trainer.config import TrainerConfig
 from refpipe.trainer.dist import Topology, agree_failures, gather_rank_rows, gather_rank_values, new_data_group
 from refpipe.trainer.fetch import FetchedStep, fetch_own, wait_for_step
+from refpipe.trainer.loop import TrainingStep, pull_steps
+from refpipe.trainer.metrics import ReleaseMetrics, StepMetrics, pack_row, release_metrics, unpack_rows
 from refpipe.trainer.pause import pause_point
 from refpipe.trainer.release import ReleasePolicy
-from refpipe.trainer.resume import ResumePlan
+from refpipe.trainer.resume import ResumePlan, plan_resume
 from refpipe.trainer.tensors import TrainMicroBatch, to_torch
 
 log = logging.getLogger(__name__)
@@ -33,59 +35,6 @@ log = logging.getLogger(__name__)
 Train = Callable[[list[TrainMicroBatch]], None]
 """The caller's training of one step: gets this rank's micro batches in order (dropped ones included,
 flagged ``dropped``, so model-parallel collectives keep their shape); the main job supplies the model."""
-
-
-class StepMetrics(BaseModel):
-    """One step's trainer metrics, identical on every rank (gathered over the world)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    step: int
-    micro_batches: int
-    """Micro batches of the step, all DP ranks."""
-    dropped_micro_batches: int
-    """Micro batches dropped from the loss because some rank could not fetch them, summed over DP ranks."""
-    fetched_chunks: int
-    """Chunks fetched, summed over every rank (model-parallel peers each fetch their DP rank's chunks)."""
-    fetched_bytes: int
-    """Bytes of kept rows fetched, summed over every rank."""
-    fetch_seconds_mean: float
-    """Wall seconds of a rank's fetch (with the assembly pipelined into it), mean over ranks; a prefetched
-    step's fetch ran while the previous step trained."""
-    fetch_seconds_max: float
-    """Wall seconds of a rank's fetch (with the assembly pipelined into it), max over ranks."""
-    exposed_data_seconds_mean: float
-    """Wall seconds of ``run_step`` outside ``train`` and before the metrics all-gather, less
-    ``step_wait_seconds`` (waiting for the fetch, the failure all-reduce, stand-ins, tensors, waiting for
-    the previous release), mean over ranks: the data path's time on the critical path."""
-    exposed_data_seconds_max: float
-    """As ``exposed_data_seconds_mean``, max over ranks."""
-    step_wait_seconds_max: float
-    """Seconds a rank's ``run_step`` waited for the step file to appear (the orchestrator was behind; not a
-    data-path cost), max over ranks."""
-    prefetched_ranks: int
-    """Ranks whose data of this step was fetched in the background while the previous step trained."""
-    failed_fetches: int
-    """Fetches that ended in an error after retries (and micro batches whose rows disagreed with the step
-    file), summed over ranks."""
-    retries: int
-    """Store retries of transient errors since the previous step's metrics (fetch, prefetch, release), summed
-    over ranks."""
-    deletes: int
-    """Chunks deleted by background releases collected since the previous step's metrics (with ``after_step``,
-    step N's metrics count step N-2's release: a step's release runs while the next one trains and may queue
-    behind the one before it; ``TrainerRank.finish`` counts the last two), by the ``mp_rank == 0`` rank of
-    their owner DP rank."""
-    delete_problems: int
-    """Double deletes and deletes of never-kept chunks the ledger reported (recorded there too), same window."""
-    delete_failures: int
-    """Chunks whose physical delete failed in the same window (recorded as ``delete_failed``; retried)."""
-    skipped: bool = False
-    """Not trained: a step after the checkpoint a restarted trainer resumed from, whose chunks were already
-    (partly) deleted (``TrainerRank.skip_step``)."""
-    micro_batch_hashes: list[list[str]]
-    """[dp_world_size][micro batches per DP rank] ``trainer.assemble.micro_batch_hash`` of each micro batch as
-    trained ("" for a dropped one): a replay of the step after a crash must reproduce them."""
 
 
 class TrainerRank:
@@ -108,9 +57,10 @@ class TrainerRank:
           a tensor the train callback kept keeps its memory); errors become failure flags;
        c. agree failures: all-reduce of the flags over the data group (collective);
           if no micro batch was fetched anywhere, every rank raises ``FetchError`` here;
-       d. prefetch: start fetching step + 1 in the background (``trainer.background.Prefetch``;
-          at most one step ahead, so a rank holds at most two steps of arrays: this one and
-          the next; its failures are agreed in step + 1's (c), like any fetch's);
+       d. prefetch: start fetching step + 1 (the next step a resume plan does not skip) in the
+          background (``trainer.background.Prefetch``; at most one step ahead, so a rank holds at
+          most two steps of arrays: this one and the next; its failures are agreed in step + 1's
+          (c), like any fetch's);
        e. stand in for dropped micro batches (shape-only, no loss), then tensors;
        f. train: the caller's callback (its collectives are its own);
        g. release: the ``mp_rank == 0`` rank hands the step to its ``trainer.release.ReleasePolicy``
@@ -124,13 +74,16 @@ class TrainerRank:
     So every rank joins exactly two collectives of the data group per step, in this order: the failure
     all-reduce (c) and the metrics all-gather (h).
 
-    (a)+(b), (c) and (g) are also callable one by one (``load_and_fetch``, ``agree_failures``,
-    ``release_step``) by a trainer that drives its own loop; ``run_step`` is their composition.
+    A trainer that drives its own loop pulls the steps instead (``trainer.loop``): ``for step in
+    rank.steps(stop): ...; step.release()`` runs (a)-(e) as the step is yielded and (g)+(h) at its
+    ``release()``, called after the caller's optimizer step; ``run_step`` is ``open_step``, ``train``,
+    ``release``.
 
     3. every rank, after a checkpoint covering step ``s`` is durable on every rank:
        ``checkpointed(s)`` (``after_checkpoint`` releases the held steps ``<= s``).
-    4. a restarted trainer (``trainer.resume``): every rank calls ``resume(plan)`` before its first step,
-       and ``skip_step`` instead of ``run_step`` for a step of ``plan.skipped``.
+    4. a restarted trainer (``trainer.resume``): every rank gets the plan (``resume_plan``, collective) and
+       passes it to ``steps(resume=plan)``; or calls ``resume(plan)`` before its first step, and
+       ``skip_step`` instead of ``run_step`` for a step of ``plan.skipped``.
     5. every rank after its last step: ``finish()`` (collective: waits for the last release and
        returns its counts), then ``close()``; after an error only ``close()``.
 
@@ -155,10 +108,12 @@ class TrainerRank:
         self.policy = ReleasePolicy(self.release, config) if self.release is not None else None
         self.buffers = BufferPool()
         self.prefetch = Prefetch(self._read_step, self.fetch, config.step_poll_s)
+        self._skipped: set[int] = set()
+        """Steps of the resume plan (``resume``) that are skipped: never prefetched."""
         self._retries_seen = store.retries
 
     def run_step(self, step: int, train: Train) -> StepMetrics:
-        """Run steps (a)-(h) of the class docstring for ``step``.
+        """Run steps (a)-(h) of the class docstring for ``step``: ``open_step``, ``train``, ``release``.
 
         Raises:
             StepFileError: the step file did not appear within ``step_timeout_s`` or is invalid.
@@ -166,24 +121,50 @@ class TrainerRank:
             FetchError: no micro batch of the step could be fetched on any rank (nothing deleted).
             torch.distributed.DistBackendError: a peer died or exceeded ``collective_timeout_s``.
         """
+        opened = self.open_step(step)
+        train(opened.batches)
+        return opened.release()
+
+    def steps(self, stop: int | None = None, *, resume: ResumePlan | None = None) -> Iterator[TrainingStep]:
+        """Every rank: the pull loop (``trainer.loop``). Yields steps ``0 .. stop - 1`` (None: without end), each
+        a ``TrainingStep`` to train on and then ``release()`` (once, after the optimizer step, on every rank).
+
+        Args:
+            resume: a restarted trainer's plan (``resume_plan``): first release what its checkpoint covers
+                (``resume``), then yield from ``resume.start_step`` on, the ``resume.skipped`` steps left out
+                (never fetched or trained; their chunks released, ``skip_step``), replays flagged ``replayed``.
+
+        Raises:
+            StepOrderError: the next step was asked for before the previous one was released.
+            The errors of ``run_step``, when a step is opened.
+        """
+        return pull_steps(self, stop, resume)
+
+    def open_step(self, step: int, *, replayed: bool = False) -> TrainingStep:
+        """Every rank, in step order: (a)-(e) of the class docstring for ``step``; the caller trains on its
+        ``batches`` and calls its ``release()`` ((g)+(h)). ``steps`` and ``run_step`` call it.
+
+        Raises:
+            The errors of ``run_step``.
+        """
         started = time.monotonic()
         prepared = self.prefetch.take(step) or self.load_and_fetch(step)
         header, dp_rank = prepared.step_file.header, self.topology.dp_rank
         dropped = self.agree_failures(header, prepared.fetched)
         if self.config.prefetch_next_step:
-            self.prefetch.start(step + 1)
+            self.prefetch.start(next(s for s in itertools.count(step + 1) if s not in self._skipped))
         assembled = self.stand_in_dropped(prepared.step_file, prepared.fetched, dropped[dp_rank])
         hashes = ["" if mb.dropped else prepared.fetched.hashes[mb.index] for mb in assembled]
         batches = [to_torch(mb) for mb in assembled]
         del assembled
         wait_s = max(0.0, prepared.found_at - started)
         exposed_s = time.monotonic() - started - wait_s
-        train(batches)
-        del batches
-        resumed = time.monotonic()
-        self.release_step(header)
-        exposed_s += time.monotonic() - resumed
-        return self.metrics(header, prepared, dropped, exposed_s, wait_s, hashes)
+
+        def finish() -> StepMetrics:
+            resumed = time.monotonic()
+            self.release_step(header)
+            return self.metrics(header, prepared, dropped, exposed_s + time.monotonic() - resumed, wait_s, hashes)
+        return TrainingStep(header, batches, replayed, finish, self.topology.rank)
 
     def load_and_fetch(self, step: int) -> Prepared:
         """(a)+(b) on the main thread: wait for step ``step``'s file, then fetch this rank's micro batches."""
@@ -239,15 +220,15 @@ class TrainerRank:
                          dropped: np.ndarray) -> list[AssembledMicroBatch]:
         """(e) This DP rank's micro batches in order, each dropped one replaced by its shape-only stand-in.
 
-        A stand-in repeats the routing rows of the first micro batch that was not dropped, so every
+        A stand-in repeats the token-domain (routing) rows of the first micro batch that was not dropped, so every
         model-parallel peer builds the same one (peers agree on ``dropped``, not on what they fetched).
         """
         header, dp_rank = step_file.header, self.topology.dp_rank
         mbs = header.micro_batches_of(dp_rank)
         kept = [fetched.assembled[mb.index] for mb in mbs if not dropped[mb.index]]
-        routing_rows = next((a.fields["routed_experts"].values for a in kept if "routed_experts" in a.fields), None)
+        token_rows = next((real_token_rows(a) for a in kept if a.record.has_routing), None)
         return [assemble_dropped_micro_batch(mb, step_file.streams(dp_rank, mb.index), seq_len=header.seq_len,
-                                             fields=self.fields, routing_rows=routing_rows)
+                                             fields=self.fields, token_rows=token_rows)
                 if dropped[mb.index] else fetched.assembled[mb.index] for mb in mbs]
 
     def release_step(self, header: StepHeader) -> None:
@@ -266,12 +247,12 @@ class TrainerRank:
     def metrics(self, header: StepHeader, prepared: Prepared, dropped: np.ndarray, exposed_s: float,
                 wait_s: float, hashes: list[str]) -> StepMetrics:
         """(h) Gather every rank's counters and micro batch hashes into the step's metrics: one all-gather over the
-        data group of a fixed-size byte row per rank (``_pack_row``)."""
+        data group of a fixed-size byte row per rank (``pack_row``)."""
         fetched = prepared.fetched
         local = np.array([fetched.seconds, exposed_s, wait_s, prepared.prefetched, fetched.chunks, fetched.nbytes,
                           len(fetched.errors), *self._local_release_counts()], np.float64)
-        rows = gather_rank_rows(_pack_row(local, hashes), self.data_group)
-        gathered, digests = _unpack_rows(rows, len(local), len(hashes))
+        rows = gather_rank_rows(pack_row(local, hashes), self.data_group)
+        gathered, digests = unpack_rows(rows, len(local), len(hashes))
         seconds, exposed, wait, prefetched, chunks, nbytes, errors, *release = gathered.T
         mp = self.config.model_parallel_size
         metrics = StepMetrics(
@@ -283,7 +264,7 @@ class TrainerRank:
             failed_fetches=int(errors.sum()),
             micro_batch_hashes=[["" if dropped[dp, i] else digests[dp * mp, i].tobytes().hex()
                                  for i in range(len(hashes))] for dp in range(self.topology.dp_world_size)],
-            **_release_metrics(release))
+            **release_metrics(release))
         log.info("step %d trainer metrics: %s", header.step, metrics.model_dump())
         return metrics
 
@@ -293,10 +274,27 @@ class TrainerRank:
         if self.policy is not None:
             self.policy.checkpointed(step)
 
+    def resume_plan(self, checkpoint_step: int | None = None, *, published: int | None = None) -> ResumePlan:
+        """Every rank (collective), before its first step after a restart: which steps this life replays,
+        skips, or only finishes releasing (``trainer.resume``); rank 0 reads the run, every rank gets its plan.
+        Pass the plan to ``steps(resume=plan)``, or act on it with ``resume`` and ``skip_step``.
+
+        Args:
+            checkpoint_step: the step the training state this life restored covers (its checkpoint's), -1 for
+                the initial weights; None: the run's newest complete refpipe checkpoint (``trainer.checkpoint``).
+            published: steps ``0 .. published - 1`` are the earlier lives'; None: the step files there now (pass
+                the count taken before this life's orchestrator publishes anything, if it already runs).
+
+        Raises:
+            ConfigError: ``checkpoint_step`` is below -1.
+        """
+        return plan_resume(self.store, self.topology.dp_world_size, self.data_group, published, checkpoint_step)
+
     def resume(self, plan: ResumePlan) -> None:
         """Every rank, before its first step after a restart: the ``mp_rank == 0`` rank releases the steps
         the checkpoint covers that its DP rank had not released in an earlier life (its own earlier delete
         records count as already released)."""
+        self._skipped = set(plan.skipped)
         if self.policy is not None:
             for step in range(plan.released[self.topology.dp_rank] + 1, min(plan.start_step, plan.published)):
                 self.policy.release(StepFile.read(self.store, step).header)
@@ -316,7 +314,7 @@ class TrainerRank:
                            fetch_seconds_mean=0.0, fetch_seconds_max=0.0, exposed_data_seconds_mean=0.0,
                            exposed_data_seconds_max=0.0, step_wait_seconds_max=0.0, prefetched_ranks=0,
                            failed_fetches=0, skipped=True,
-                           micro_batch_hashes=[], **_release_metrics(counts))
+                           micro_batch_hashes=[], **release_metrics(counts))
 
     def finish(self) -> ReleaseMetrics:
         """Every rank, after its last step (collective): wait for the pending releases (retrying failed deletes
@@ -325,7 +323,7 @@ class TrainerRank:
         if self.release is not None:
             self.release.wait(retry=True)
         counts = gather_rank_values(np.array(self._local_release_counts()), self.data_group)
-        metrics = ReleaseMetrics(**_release_metrics(counts.T))
+        metrics = ReleaseMetrics(**release_metrics(counts.T))
         log.info("trainer release after the last step: %s", metrics.model_dump())
         return metrics
 
@@ -337,42 +335,3 @@ class TrainerRank:
         if self.release is not None:
             self.release.shutdown()
             self.ledger.close()
-
-
-class ReleaseMetrics(BaseModel):
-    """Counts of ``StepMetrics`` for the releases that finished after the last step's metrics (``finish``)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    retries: int
-    deletes: int
-    delete_problems: int
-    delete_failures: int
-
-
-def _release_metrics(columns) -> dict[str, int]:
-    """[retries, deletes, problems, failures] per rank (columns) -> their world sums by field name."""
-    return dict(zip(("retries", "deletes", "delete_problems", "delete_failures"), (int(c.sum()) for c in columns)))
-
-
-DIGEST_NBYTES = 16
-"""Bytes of one replay hash (``trainer.assemble.micro_batch_hash``: XXH3-128, 32 hex digits)."""
-
-
-def _pack_row(counters: np.ndarray, hashes: list[str]) -> np.ndarray:
-    """uint8 [8 * len(counters) + 16 * len(hashes)]: float64 ``counters`` as bytes, then each hash's 16 bytes
-    (zeros for "", a dropped micro batch); the same length on every rank (DP ranks have equally many micro
-    batches, ``StepHeader`` checks)."""
-    digests = np.zeros((len(hashes), DIGEST_NBYTES), np.uint8)
-    for i, h in enumerate(hashes):
-        if h:
-            digests[i] = np.frombuffer(bytes.fromhex(h), np.uint8)
-    return np.concatenate([np.ascontiguousarray(counters, np.float64).view(np.uint8), digests.reshape(-1)])
-
-
-def _unpack_rows(rows: np.ndarray, num_counters: int, num_hashes: int) -> tuple[np.ndarray, np.ndarray]:
-    """``_pack_row``'s rows of every rank -> (float64 [world_size, num_counters], uint8 [world_size, num_hashes,
-    16])."""
-    split = 8 * num_counters
-    counters = np.ascontiguousarray(rows[:, :split]).view(np.float64)
-    return counters, rows[:, split:].reshape(len(rows), num_hashes, DIGEST_NBYTES)

@@ -24,7 +24,8 @@ STREAM_TORCH_DTYPES: dict[str, np.dtype] = {
     "position_ids": np.dtype(np.int64),
     "temperatures": np.dtype(np.float32),
 }
-"""dtype each stream has as a tensor (the one copy widens int32 ids and positions to int64)."""
+"""dtype each stream has as a tensor (the one copy widens int32 ids and positions to int64); an extra stream
+(``StepHeader.extra_streams``) keeps its step-file dtype."""
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,8 @@ class TrainMicroBatch:
     record: MicroBatchRecord
     """The step file's record of this micro batch (DP rank, index, sequences, policy versions)."""
     streams: dict[str, torch.Tensor]
-    """name -> [seq_len] tensor of ``STREAM_TORCH_DTYPES[name]``."""
+    """name -> [seq_len] tensor of ``STREAM_TORCH_DTYPES[name]`` (an extra stream: of its step-file dtype, 0 at
+    padding tokens)."""
     cu_seqlens: torch.Tensor
     """int32 [S + 1] (or [S + 2] with padding)."""
     fields: dict[str, FieldTensors]
@@ -59,7 +61,8 @@ def _wrap(a: np.ndarray | None) -> torch.Tensor | None:
 
 def to_torch(mb: AssembledMicroBatch) -> TrainMicroBatch:
     """Tensors of ``mb``: one widening copy per stream, field arrays shared with ``mb``."""
-    streams = {name: torch.from_numpy(a.astype(STREAM_TORCH_DTYPES[name])) for name, a in mb.streams.items()}
+    streams = {name: torch.from_numpy(a.astype(STREAM_TORCH_DTYPES.get(name, a.dtype)))
+               for name, a in mb.streams.items()}
     fields = {name: FieldTensors(_wrap(f.values), _wrap(f.cu_seqlens), _wrap(f.counts), _wrap(f.padded),
                                  _wrap(f.row_ids))
               for name, f in mb.fields.items()}

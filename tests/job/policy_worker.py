@@ -20,14 +20,9 @@ from refpipe.job.model import MoELM
 from refpipe.job.train_rank import PolicyTrainer
 from refpipe.pipeline.fields import spread_expert_rows
 from refpipe.pipeline.step_file import MicroBatchRecord, SequenceRecord
-from refpipe.trainer.assemble import (
-    AssembledMicroBatch,
-    FieldBatch,
-    assemble_dropped_micro_batch,
-    pad_streams,
-    padded_cu_seqlens,
-)
+from refpipe.trainer.assemble import AssembledMicroBatch, FieldBatch, assemble_dropped_micro_batch
 from refpipe.trainer.dist import init_process_group
+from refpipe.trainer.layout import pad_streams, padded_cu_seqlens
 from refpipe.trainer.tensors import to_torch
 
 SEQ_LEN, P, C = 32, 4, 6
@@ -44,7 +39,7 @@ def micro_batch(cfg: RunConfig, dp_rank: int, kind: str) -> AssembledMicroBatch:
                .astype(np.float32), "inference_logprobs": np.full(P + C, -1.0, np.float32),
                "position_ids": np.arange(P + C, dtype=np.int32), "temperatures": np.ones(P + C, np.float32)}
     if kind == "dropped":
-        return assemble_dropped_micro_batch(record, streams, seq_len=SEQ_LEN, fields=cfg.fields, routing_rows=None)
+        return assemble_dropped_micro_batch(record, streams, seq_len=SEQ_LEN, fields=cfg.fields, token_rows=None)
     k, m = cfg.sampling.logprobs_k, cfg.model
     padded = spread_expert_rows(SEQ_LEN, m.num_layers, m.top_k, m.num_experts, np.dtype(np.uint8))
     row_ids = np.full(SEQ_LEN, -1, np.int64)

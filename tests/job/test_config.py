@@ -52,3 +52,31 @@ def test_sizes_that_disagree_are_still_refused(tmp_path):
 def test_a_resolved_config_reads_back_unchanged(tmp_path):
     cfg = _load(tmp_path, "[job]\ntrainer_world_size = 4\n[trainer]\nmodel_parallel_size = 2\n")
     assert RunConfig.model_validate_json(cfg.model_dump_json()) == cfg
+
+
+def test_fields_declared_in_toml_join_the_runs_fields_and_read_back(tmp_path):
+    cfg = _load(tmp_path, """
+[fields]
+vocab_size = 64
+
+[[fields.declare]]
+name = "teacher_logprobs"
+dtypes = ["float32"]
+checks = {finite = true, high = 0.0}
+
+[[fields.declare]]
+name = "image_features"
+dtypes = ["float16"]
+shape = [16]
+domain = "prompt"
+""")
+    fields = cfg.fields
+    assert list(fields.registry())[-2:] == ["teacher_logprobs", "image_features"]
+    assert fields.vocab_size == 64 and fields.registry()["image_features"].dtypes == ("<f2",)
+    assert fields.registry()["teacher_logprobs"].checks.high == 0.0
+    assert RunConfig.model_validate_json(cfg.model_dump_json()) == cfg  # config.json of the run
+
+
+def test_a_bad_declaration_in_toml_names_it(tmp_path):
+    with pytest.raises(ConfigError, match="padding 'zeros' in the completion domain"):
+        _load(tmp_path, '[[fields.declare]]\nname = "x"\ndtypes = ["float32"]\npadding = "zeros"\n')

@@ -261,8 +261,8 @@ def test_a_version_published_again_must_be_the_earlier_lifes_weights(local_confi
 
 def test_samples_of_a_version_whose_weights_a_skip_changed_are_off_policy():
     # After step 2 was skipped (its chunks gone), this life's weights 3, 4, ... are not the earlier life's.
-    plan = ResumePlan(None, published=6, released={0: 1, 1: 1}, skipped=[2, 4])
-    assert plan.diverged_from == 3 and ResumePlan(None, 6, {0: 1}, []).diverged_from is None
+    plan = ResumePlan(-1, published=6, released={0: 1, 1: 1}, skipped=[2, 4])
+    assert plan.diverged_from == 3 and ResumePlan(-1, 6, {0: 1}, []).diverged_from is None
     versions = torch.tensor([2, 3, 3, 4, 4, -1])
     mask = torch.tensor([True, True, True, True, False, False])
     on, off = policy_masks(versions, mask, 3, None)
@@ -286,13 +286,11 @@ def test_a_resume_config_may_change_num_steps_only(tmp_path, local_config):
 
 
 def test_a_plan_says_in_one_line_which_steps_of_an_earlier_life_it_replays_and_skips():
-    from refpipe.storage.checkpoints import CheckpointInfo
-
-    checkpoint = CheckpointInfo(step=1, policy_version=2, uri="file:///r/checkpoints/step_00000001")
+    checkpoint = 1
     assert ResumePlan(checkpoint, 4, {0: 2, 1: 2}, [2]).describe() == (
         "from the checkpoint of step 1: steps 2..3 of an earlier life: 1 replayed (3), 1 skipped (2: a chunk already "
         "deleted)")
-    assert ResumePlan(None, 2, {0: -1}, []).describe() == (
+    assert ResumePlan(-1, 2, {0: -1}, []).describe() == (
         "from the warm start: steps 0..1 of an earlier life: 2 replayed (0, 1), 0 skipped (none)")
     assert ResumePlan(checkpoint, 2, {0: 1}, []).describe() == (
         "from the checkpoint of step 1: no step of an earlier life after it")
@@ -322,3 +320,16 @@ def test_a_step_the_resumed_life_publishes_itself_is_trained_not_replayed(tmp_pa
             "already deleted)")
     assert f"[trainer rank 0] resumed {line}\n" in done.stdout, done.stdout
     assert f"resuming run {store.prefix.uri} (life 1) {line}; steps released 3;" in done.stdout, done.stdout
+
+
+def test_a_plan_for_a_checkpoint_of_the_callers_own_starts_after_it(local_config):
+    from refpipe.storage.errors import ConfigError
+    from refpipe.trainer.resume import read_plan
+
+    store = open_store(local_config)
+    plan = read_plan(store, 2, published=0, checkpoint_step=4)  # no refpipe checkpoint: the caller's own step 4
+    assert (plan.checkpoint_step, plan.start_step, plan.released, plan.skipped) == (4, 5, {0: -1, 1: -1}, [])
+    assert read_plan(store, 2, published=0).checkpoint_step == -1
+    with pytest.raises(ConfigError) as e:
+        read_plan(store, 2, published=0, checkpoint_step=-2)
+    assert str(e.value) == "checkpoint_step=-2: expected the step a checkpoint covers, or -1 for none"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 import zipfile
@@ -51,6 +52,40 @@ def test_only_the_refpipe_namespace_is_importable_outside_the_checkout(tmp_path)
     assert version == "0.1.0"
 
 
+def test_a_bare_folder_import_from_the_repository_root_is_refused():
+    """With the repository root on sys.path (``python -c`` there), ``import storage.errors`` would be a second copy
+    whose ``KeyNotFoundError`` no ``except refpipe.storage.errors.KeyNotFoundError`` catches: each folder refuses."""
+    probe = (
+        "import importlib, refpipe.storage.errors\n"
+        f"for name in {['storage.errors', *SUBPACKAGES[1:]]!r}:\n"
+        "    try:\n        importlib.import_module(name)\n    except ImportError as e:\n        print(e)\n"
+        "print(refpipe.storage.errors.__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines() == [
+        *(f"{p}: refpipe's {p}/ folder imported under a bare name (the repository root is on sys.path); "
+          f"import refpipe.{p} instead" for p in SUBPACKAGES),
+        "refpipe.storage.errors",
+    ]
+
+
+def test_the_package_resolves_through_plain_sys_path_entries(tmp_path):
+    """What type checkers and IDEs do: find ``refpipe.<sub>`` from sys.path's directories alone, no import hook
+    (``tools/link_tree.py`` on an editable install); ``py.typed`` sits beside ``refpipe/__init__.py``."""
+    probe = (
+        "import json, sys\nfrom importlib.machinery import PathFinder\nfrom pathlib import Path\n"
+        "top = PathFinder.find_spec('refpipe', sys.path)\n"
+        "subs = {n: PathFinder.find_spec(f'refpipe.{n}', top.submodule_search_locations) for n in sys.argv[1:]}\n"
+        "print(json.dumps({n: str(Path(s.origin).resolve()) for n, s in subs.items()}))\n"
+        "print((Path(top.origin).parent / 'py.typed').is_file())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe, *SUBPACKAGES], cwd=tmp_path, capture_output=True, text=True,
+                         check=True)
+    found, typed = out.stdout.splitlines()
+    assert json.loads(found) == {p: str(REPO / p / "__init__.py") for p in SUBPACKAGES}
+    assert typed == "True"
+
+
 @pytest.mark.timeout(300)
 def test_wheel_holds_only_the_refpipe_package(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(REPO)],
@@ -59,13 +94,13 @@ def test_wheel_holds_only_the_refpipe_package(tmp_path):
     tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
     assert tops == {"refpipe", "refpipe-0.1.0.dist-info"}
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {f"refpipe/{p}/__init__.py" for p in SUBPACKAGES} <= names
+    assert {"refpipe/py.typed", *(f"refpipe/{p}/__init__.py" for p in SUBPACKAGES)} <= names
 
 
 LAYERS = {"storage": set(), "pipeline": {"storage"}, "trainer": {"storage", "pipeline"},
           "job": {"storage", "pipeline", "trainer"}, "integrations": {"storage", "pipeline"},
           "cli": {"storage", "pipeline", "trainer", "job"}}
-"""Which of our packages each package may import (README "Data flow": imports flow one way)."""
+"""Which of our packages each package may import (README "Dive into the code": imports flow one way)."""
 
 
 def _layer_violations(path: Path) -> list[str]:

@@ -8,12 +8,15 @@ import sys
 PUBLIC = [
     "AlignmentError", "Branch", "BranchResult", "CheckpointError", "ChunkCorruptError", "ChunkNotFoundError",
     "ConfigError", "DeleteKeysError", "DeleteRecordError", "DeleteResult", "DoubleDeleteError", "Episode",
-    "EpisodeError", "FetchError", "FieldError", "FieldsConfig", "Keeper", "KeyExistsError", "KeyNotFoundError",
-    "Ledger", "LedgerRecordError", "Orchestrator", "OrchestratorConfig", "OutsideRunError", "PackingError",
-    "PayloadRef", "Ragged", "RefpipeError", "ReplayMismatchError", "RunNotFoundError", "RunPathNotADirectoryError",
-    "RunStillRunningError", "StepFileError", "StepHeader", "StepMetrics", "StorageConfig", "StorageError", "Store",
-    "TrainMicroBatch", "TrainerConfig", "TrainerRank", "TransientStorageError", "UnknownRefError", "fetch_arrays",
-    "init_process_group", "new_data_group", "open_store",
+    "EpisodeError", "FetchError", "FieldDecl", "FieldError", "FieldsConfig", "GroupRollouts", "Keeper",
+    "KeyExistsError", "KeyNotFoundError", "Ledger", "LedgerRecordError", "Orchestrator", "OrchestratorConfig",
+    "OutsideRunError", "PackedSequence", "PackingError", "PayloadRef", "PayloadSlice", "Ragged", "RefpipeError",
+    "ReplayMismatchError", "ResumePlan", "RunNotFoundError", "RunPathNotADirectoryError", "RunStillRunningError",
+    "SliceError", "SliceId", "StepDataset", "StepFileError", "StepHeader", "StepMetrics", "StepMicroBatch",
+    "StepOrderError", "StorageConfig", "StorageError", "Store", "TrainMicroBatch", "TrainerConfig", "TrainerRank",
+    "TrainingStep", "TransientStorageError", "UnknownRefError", "ValueChecks", "balanced_packer",
+    "engine_routed_experts", "fetch_arrays", "first_fit_packer", "from_episode", "group_normalized",
+    "init_process_group", "new_data_group", "open_store", "publish_step", "rloo", "sglang_routed_experts",
 ]
 
 
@@ -43,4 +46,22 @@ def test_every_error_type_is_public():
     import refpipe
 
     types = {n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, errors.RefpipeError)}
-    assert len(types) == 25 and types <= set(refpipe.__all__)
+    assert len(types) == 27 and types <= set(refpipe.__all__)
+
+
+def test_type_checkers_see_every_public_name_where_it_loads_from():
+    """The ``TYPE_CHECKING`` imports (what mypy, pyright and IDEs read) name exactly ``_WHERE``'s modules, and
+    ``__all__`` is its names, sorted; ``py.typed`` marks the package as typed."""
+    import ast
+    from pathlib import Path
+
+    import refpipe
+
+    source = Path(refpipe.__file__).resolve()
+    (block,) = [node for node in ast.parse(source.read_text()).body if isinstance(node, ast.If)
+                and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"]
+    seen = {alias.name: node.module for node in block.body if isinstance(node, ast.ImportFrom)
+            for alias in node.names}
+    assert seen == refpipe._WHERE
+    assert refpipe.__all__ == sorted(refpipe._WHERE) == PUBLIC
+    assert (source.parent / "py.typed").is_file()

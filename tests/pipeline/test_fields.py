@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from refpipe.pipeline.fields import FIELDS, FieldsConfig, Ragged, spread_expert_rows, trailing_shape, validate_branch
@@ -13,11 +15,11 @@ CFG = FieldsConfig(num_layers=3, top_k=2, num_experts=8, logprobs_k=4, support_w
 def test_registry_declares_every_field_once_with_its_rules():
     table = {name: (f.dtypes, trailing_shape(f, CFG), f.domain, f.padding, f.ragged) for name, f in FIELDS.items()}
     assert table == {
-        "routed_experts": (("|u1", "<u2"), (3, 2), "tokens", "spread_experts", False),
+        "routed_experts": (("|u1", "<u2"), (3, 2), "tokens", "strided_ids", False),
         "topk_ids": (("<i4",), (4,), "completion", "empty_rows", False),
         "topk_logprobs": (("<f4",), (4,), "completion", "empty_rows", False),
         "sample_support": (("<i4",), (5,), "completion", "empty_rows", False),
-        "sampling_mask": (("<i4",), (), "completion", "zero_count", True),
+        "sampling_mask": (("<i4",), (), "completion", "empty_rows", True),
     }
     assert all(name == f.name for name, f in FIELDS.items())
 
@@ -47,25 +49,30 @@ def test_validate_branch_flattens_ragged_fields_and_stores_little_endian():
 
 
 @pytest.mark.parametrize("fields,message", [
-    ({"topk_ids": np.zeros((3, 4), np.int64)}, r"field 'topk_ids' has dtype int64: expected one of \['int32'\]"),
-    ({"routed_experts": np.zeros((5, 3, 2), np.int8)}, r"has dtype int8: expected one of \['uint8', 'uint16'\]"),
+    ({"topk_ids": np.zeros((3, 4), np.float64)}, r"field 'topk_ids' has dtype float64: expected one of \['int32'\] "
+                                                r"\(or any integer dtype"),
+    ({"routed_experts": np.zeros((5, 3, 2), np.float32)}, r"has dtype float32: expected one of \['uint8', 'uint16'\]"),
     ({"topk_logprobs": np.zeros((3, 5), np.float32)}, r"'topk_logprobs' has shape \[3, 5\]: expected \[3, 4\]"),
     ({"topk_ids": np.zeros((5, 4), np.int32)}, r"'topk_ids' has shape \[5, 4\]: expected \[3, 4\] \(completion domain"),
     ({"routed_experts": np.zeros((3, 3, 2), np.uint8)}, r"shape \[3, 3, 2\]: expected \[5, 3, 2\] \(tokens domain"),
-    ({"routed_experts": np.full((5, 3, 2), 8, np.uint8)}, r"expert id 8 out of range: expected < num_experts=8$"),
-    ({"routed_experts": np.full((5, 3, 2), 255, np.uint8)}, r"expert id 255 out of range.*-1 sentinel"),
-    ({"topk_logprobs": np.array([[0, np.nan, -1, np.nan]] * 3, np.float32)}, r"6 NaN values: expected finite"),
-    ({"topk_logprobs": np.full((3, 4), np.inf, np.float32)}, r"\+inf values"),
-    ({"sample_support": np.full((3, 5), -2, np.int32)}, r"value -2 below -1: expected ids >= -1"),
-    ({"topk_ids": np.full((3, 4), -1, np.int32)}, r"value -1 below 0"),
+    ({"routed_experts": np.full((5, 3, 2), 8, np.uint8)},
+     r"'routed_experts': row 0 \[num_layers 0, top_k 0\] value 8: expected >= 0, < num_experts=8$"),
+    ({"routed_experts": np.full((5, 3, 2), 255, np.uint8)}, r"value 255: expected .*\(a -1 sentinel wrapped"),
+    ({"topk_logprobs": np.array([[0, np.nan, -1, np.nan]] * 3, np.float32)},
+     r"'topk_logprobs': row 0 \[logprobs_k 1\] value nan: expected finite, <= 0.0, or the sentinel -inf$"),
+    ({"topk_logprobs": np.full((3, 4), np.inf, np.float32)}, r"row 0 \[logprobs_k 0\] value inf: expected finite"),
+    ({"topk_logprobs": np.full((3, 4), 3.0, np.float32)}, r"row 0 \[logprobs_k 0\] value 3.0: expected finite, <= 0.0"),
+    ({"sample_support": np.full((3, 5), -2, np.int32)}, r"'sample_support': row 0 \[support_width 0\] value -2: "
+                                                        r"expected >= -1$"),
+    ({"topk_ids": np.full((3, 4), -1, np.int32)}, r"row 0 \[logprobs_k 0\] value -1: expected >= 0$"),
     ({"routing": np.zeros((5, 3, 2), np.uint8)}, r"unknown field 'routing': expected one of \['routed_experts', "),
-    ({"topk_ids": [[0] * 4] * 3}, r"field 'topk_ids' is list: expected a numpy array"),
+    ({"topk_ids": [[0] * 4] * 3}, r"field 'topk_ids' is list: expected a numpy array or a CPU tensor"),
     ({"sampling_mask": np.zeros(3, np.int32)}, r"'sampling_mask' is ndarray: expected Ragged\(ids, counts\)"),
     ({"sampling_mask": Ragged(np.zeros(2, np.int32), np.ones(4, np.int32))}, r"'sampling_mask.counts' has shape \[4\]"),
     ({"sampling_mask": Ragged(np.zeros(2, np.int32), np.ones(3, np.int32))},
      r"'sampling_mask.ids' has shape \[2\]: expected \[3\]"),
     ({"sampling_mask": Ragged(np.zeros(0, np.int32), np.array([1, -1, 0], np.int32))},
-     r"'sampling_mask.counts': value -1"),
+     r"'sampling_mask.counts': row 1 value -1: expected >= 0$"),
 ])
 def test_bad_fields_name_the_branch_the_field_and_the_expectation(fields, message):
     with pytest.raises(FieldError, match=message) as info:
@@ -103,8 +110,8 @@ def test_repeated_expert_within_a_token_is_refused_naming_the_row():
     routing[3, 2] = [3, 3]
     with pytest.raises(FieldError) as info:
         validate_branch({"routed_experts": routing}, CFG, num_prompt_tokens=2, num_completion_tokens=3, what="branch b")
-    assert str(info.value) == ("branch b: field 'routed_experts': token row 3 layer 2 routes to experts [3, 3]: "
-                               "expected top_k=2 distinct ids (no router picks one expert twice for a token)")
+    assert str(info.value) == ("branch b: field 'routed_experts': row 3 [num_layers 2] holds [3, 3]: "
+                               "expected 2 distinct ids (no router picks one id twice for a token)")
 
 
 def test_repeats_are_found_in_any_pair_of_slots():
@@ -112,7 +119,7 @@ def test_repeats_are_found_in_any_pair_of_slots():
     for i, j in [(0, 1), (0, 3), (1, 2), (2, 3)]:
         routing = np.tile(np.arange(4, dtype="<u2"), (2, 1, 1))
         routing[1, 0, j] = routing[1, 0, i]
-        with pytest.raises(FieldError, match=r"token row 1 layer 0 routes to experts"):
+        with pytest.raises(FieldError, match=r"row 1 \[num_layers 0\] holds "):
             validate_branch({"routed_experts": routing}, cfg, num_prompt_tokens=1, num_completion_tokens=1, what="b")
 
 
@@ -130,9 +137,11 @@ def test_all_but_last_routing_rows_get_a_spread_last_row():
 
 
 @pytest.mark.parametrize("cfg,rows,expected", [
-    (ALL_BUT_LAST, 5, "has shape [5, 3, 2]: expected [4, 3, 2] (routing_rows='all_but_last': P + C - 1 rows"),
-    (ALL_BUT_LAST, 3, "has shape [3, 3, 2]: expected [4, 3, 2] (routing_rows='all_but_last': P + C - 1 rows"),
-    (CFG, 4, "has shape [4, 3, 2]: expected [5, 3, 2] (tokens domain rows"),
+    (ALL_BUT_LAST, 5, "has shape [5, 3, 2]: expected [4, 3, 2] (rows \"all_but_last\": P + C - 1 rows;"),
+    (ALL_BUT_LAST, 3, "has shape [3, 3, 2]: expected [4, 3, 2] (rows \"all_but_last\": P + C - 1 rows;"),
+    (CFG, 4, "has shape [4, 3, 2]: expected [5, 3, 2] (tokens domain rows; P + C - 1 rows, as engines return "
+             "routing, need routing_rows = \"all_but_last\" (a declared field: rows = \"all_but_last\"); "
+             "trailing shape ['num_layers', 'top_k'])"),
     (CFG, 6, "has shape [6, 3, 2]: expected [5, 3, 2] (tokens domain rows"),
 ])
 def test_routing_rows_off_by_one_in_either_direction_is_refused(cfg, rows, expected):
@@ -154,3 +163,67 @@ def test_required_fields_must_be_configured():
 
 def test_routing_dtype_is_sized_from_num_experts():
     assert [FieldsConfig(num_experts=n).routing_dtype.str for n in (8, 256, 257, 384)] == ["|u1", "|u1", "<u2", "<u2"]
+
+
+@pytest.mark.parametrize("decl,message", [
+    ({"dtypes": ["object"]}, "dtype 'object': expected a numpy name of one of"),
+    ({"domain": "tokens"}, "padding 'empty_rows' in the tokens domain: expected zeros, repeat_rows or strided_ids"),
+    ({"padding": "zeros"}, "padding 'zeros' in the completion domain"),
+    ({"domain": "prompt", "rows": "all_but_last", "padding": "empty_rows"}, "rows 'all_but_last' in the prompt domain"),
+    ({"domain": "tokens", "padding": "strided_ids", "shape": [2]}, "padding 'strided_ids': expected integer dtypes"),
+    ({"ragged": True, "shape": [2]}, "ragged with shape [2] in the completion domain"),
+    ({"checks": {"distinct": True}}, "checks.distinct: expected a trailing dimension"),
+    ({"name": "Bad.Name"}, "String should match pattern"),
+])
+def test_a_declaration_with_inconsistent_rules_is_refused(decl, message):
+    from refpipe.pipeline.field_decl import FieldDecl
+    with pytest.raises(ValueError, match=re.escape(message)):
+        FieldDecl.model_validate({"name": "x", "dtypes": ["float32"]} | decl)
+
+
+@pytest.mark.parametrize("declare,message", [
+    ([{"name": "topk_ids", "dtypes": ["int32"]}], "field 'topk_ids' is declared twice or is a built-in field"),
+    ([{"name": "x", "dtypes": ["int32"], "shape": ["hidden"]}], "field 'x' names ['hidden']: expected settings"),
+    ([{"name": "x", "dtypes": ["int32"], "shape": ["logprobs_k"]}], "field 'x' names ['logprobs_k']"),
+])
+def test_fields_config_refuses_a_declaration_it_cannot_shape(declare, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        FieldsConfig(declare=declare)
+
+
+def test_declared_fields_join_the_registry_and_required():
+    cfg = FieldsConfig(num_layers=3, top_k=2, num_experts=8, declare=[
+        {"name": "teacher_logprobs", "dtypes": ["float32"], "required": True, "checks": {"finite": True}}])
+    assert list(cfg.registry()) == ["routed_experts", "teacher_logprobs"]
+    assert cfg.required == ("teacher_logprobs",)
+    assert FieldsConfig.model_validate_json(cfg.model_dump_json()) == cfg  # as a step header carries it
+
+
+def test_a_sentinel_passes_the_bounds_and_nothing_else_does():
+    from refpipe.pipeline.field_checks import check_bounds
+    from refpipe.pipeline.field_decl import ValueChecks
+    ids = ValueChecks(low=0, high=9, sentinel=-1)
+    assert check_bounds(np.array([[-1, 3], [9, -1]], np.int32), ids, {}) is None
+    assert check_bounds(np.array([[-1, 3], [-2, 10]], np.int32), ids, {}) == (
+        "row 1 [index 0] value -2: expected >= 0, <= 9, or the sentinel -1")
+    logprobs = FIELDS["topk_logprobs"].checks
+    assert check_bounds(np.array([[-np.inf, -1.0]], np.float32), logprobs, {}) is None
+    assert check_bounds(np.full((1, 2), -np.inf, np.float32), logprobs, {}) is None
+    assert check_bounds(np.array([[-np.inf, np.nan]], np.float32), logprobs, {}) == (
+        "row 0 [index 1] value nan: expected finite, <= 0.0, or the sentinel -inf")
+    assert check_bounds(np.array([[np.nan]], np.float32), ValueChecks(), {}) == (
+        "row 0 [index 0] value nan: expected not NaN")
+
+
+def test_the_declarations_in_docs_fields_md_are_valid():
+    import tomllib
+    from pathlib import Path
+
+    from refpipe.job.config import RunFieldsConfig
+    text = (Path(__file__).resolve().parents[2] / "docs" / "fields.md").read_text()
+    python, toml = (text.split(f"```{lang}\n")[1].split("```")[0] for lang in ("python", "toml"))
+    scope: dict = {}
+    exec(python, scope)  # noqa: S102 -- the doc's own example
+    assert [d.name for d in scope["fields"].declare] == ["teacher_logprobs", "token_rewards", "image_features"]
+    table = RunFieldsConfig.model_validate(tomllib.loads(toml)["fields"])
+    assert [d.name for d in table.declare] == ["teacher_logprobs", "image_features"] and table.vocab_size == 151936

@@ -88,11 +88,14 @@ BAD = {
     "routing_rows_not_matching_domain": ("routed_experts", lambda: np.zeros((C, 3, 2), np.uint8),
                                          r"shape \[6, 3, 2\]: expected \[10, 3, 2\] \(tokens domain rows"),
     "expert_id_out_of_range": ("routed_experts", lambda: np.full((P + C, 3, 2), 8, np.uint8),
-                               r"field 'routed_experts': expert id 8 out of range: expected < num_experts=8"),
+                               r"field 'routed_experts': row 0 \[num_layers 0, top_k 0\] value 8: "
+                               r"expected >= 0, < num_experts=8$"),
     "nan_logprob": ("topk_logprobs", lambda: np.where(np.eye(C, 4, dtype=bool), np.nan, -1.0).astype(np.float32),
-                    r"field 'topk_logprobs': 4 NaN values: expected finite logprobs or -inf"),
+                    r"field 'topk_logprobs': row 0 \[logprobs_k 0\] value nan: "
+                    r"expected finite, <= 0.0, or the sentinel -inf$"),
     "minus_one_in_unsigned_routing": ("routed_experts", _u8_minus_one,
-                                      r"expert id 255 out of range: expected < num_experts=8 \(a -1 sentinel"),
+                                      r"row 2 \[num_layers 1, top_k 0\] value 255: "
+                                      r"expected >= 0, < num_experts=8 \(a -1 sentinel"),
     "unknown_field": ("logits", lambda: np.zeros((C, 4), np.float32),
                       r"unknown field 'logits': expected one of \['routed_experts', 'sample_support', "),
 }

@@ -1,17 +1,18 @@
-"""Bad input to the orchestrator: a typed error naming the episode, and no chunk deleted."""
+"""Bad input to the orchestrator: a typed error naming the episode; a refused episode's own chunks deleted once."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import numpy as np
 import pytest
-from orchestrator_helpers import FIELDS, chunks, counting_store, episode, make_keeper, tombstones
+from orchestrator_helpers import FIELDS, branch, chunks, counting_store, episode, make_keeper, tombstones
 from refpipe.pipeline.orchestrator import Orchestrator, OrchestratorConfig
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import EpisodeError, KeyExistsError, OutsideRunError, PackingError
-from refpipe.storage.layout import step_key
+from refpipe.storage.layout import step_key, tombstone_key
 
 CFG = OrchestratorConfig(seq_len=32, dp_world_size=2, groups_per_step=1, group_size=2)
 
@@ -39,6 +40,12 @@ def test_ref_of_a_sibling_run_is_refused_before_any_delete(env, tmp_path):
     _assert_nothing_deleted(orch, store, set())
 
 
+def _assert_refused(orch, store, kept: set[str], deleted: set[str]):
+    """The refusal deleted exactly ``deleted`` (path ``refused``); the rest of ``kept`` is untouched."""
+    assert tombstones(store) == deleted and chunks(store) == kept - deleted
+    assert orch.deleted == ({"refused": len(deleted)} if deleted else {}) and orch.pending_groups == 0
+
+
 def test_ref_token_counts_that_disagree_with_the_episode(env):
     orch, keeper, store = env
     rng = np.random.default_rng(1)
@@ -48,7 +55,11 @@ def test_ref_token_counts_that_disagree_with_the_episode(env):
     with pytest.raises(EpisodeError, match=r"episode 'e0' .* branch 1: ref .*/e0-b1 holds 4 prompt \+ 6 "
                                            r"completion tokens: expected 4 \+ 5"):
         orch.submit(replace(good, branches=[good.branches[0], shorter]))
-    _assert_nothing_deleted(orch, store, {"e0-b0", "e0-b1"})
+    _assert_refused(orch, store, {"e0-b0", "e0-b1"}, {"e0-b0", "e0-b1"})
+    record = json.loads(store.get(tombstone_key("e0-b0")))
+    assert record["holder"] == "orchestrator" and record["reason"] == (
+        f"orchestrator refused: episode 'e0' (group 'g0', env 'reverse') branch 1: ref {shorter.ref.uri} holds 4 "
+        f"prompt + 6 completion tokens: expected 4 + 5 (the branch's tokens)")
 
 
 @pytest.mark.parametrize("change, message", [
@@ -56,13 +67,14 @@ def test_ref_token_counts_that_disagree_with_the_episode(env):
     ({"inference_logprobs": np.zeros(5, np.float32)}, r"inference_logprobs is <f4 \[5\]: expected float32 \[6\]"),
     ({"temperature": 0.0}, r"temperature 0.0"),
     ({"policy_version": -1}, r"policy_version -1"),
+    ({"advantages": np.full(6, np.nan, np.float32)}, r"advantages hold a non-finite value at completion token 0"),
 ])
 def test_malformed_branches(env, change, message):
     orch, keeper, store = env
     good = episode(keeper, np.random.default_rng(2), "e0", "g0", 1.0)
     with pytest.raises(EpisodeError, match=r"episode 'e0' .*" + message):
         orch.submit(replace(good, branches=[replace(good.branches[0], **change)]))
-    _assert_nothing_deleted(orch, store, {"e0-b0"})
+    _assert_refused(orch, store, {"e0-b0"}, {"e0-b0"})
 
 
 @pytest.mark.parametrize("reward, branches", [([1.0], 2), (float("nan"), 1), ([], 0)])
@@ -71,20 +83,30 @@ def test_malformed_rewards_and_empty_episodes(env, reward, branches):
     e = episode(keeper, np.random.default_rng(3), "e0", "g0", 0.0, branches=branches)
     with pytest.raises(EpisodeError, match=r"episode 'e0'"):
         orch.submit(replace(e, reward=reward))
-    _assert_nothing_deleted(orch, store, {f"e0-b{i}" for i in range(branches)})
+    ids = {f"e0-b{i}" for i in range(branches)}
+    _assert_refused(orch, store, ids, ids)
 
 
 def test_same_ref_twice_and_resubmitted_episode(env):
     orch, keeper, store = env
-    e = episode(keeper, np.random.default_rng(4), "e0", "g0", 1.0)
+    rng = np.random.default_rng(4)
+    e = episode(keeper, rng, "e0", "g0", 1.0)
     with pytest.raises(EpisodeError, match=r"episode 'e0' .*the same ref appears in more than one branch"):
         orch.submit(replace(e, reward=[1.0, 0.0], branches=[e.branches[0], e.branches[0]]))
-    orch.submit(e)
-    with pytest.raises(EpisodeError, match=r"episode 'e0' of group 'g0' was already submitted"):
-        orch.submit(e)
-    with pytest.raises(EpisodeError, match=r"episode 'e9' of group 'g1' was already submitted \(refs \['e0-b0'\] "):
-        orch.submit(replace(e, episode_id="e9", group_id="g1"))
-    assert chunks(store) == {"e0-b0"} and tombstones(store) == set() and orch.pending_groups == 1
+    _assert_refused(orch, store, {"e0-b0"}, {"e0-b0"})  # deleted once, though named twice
+    with pytest.raises(EpisodeError, match=r"episode 'e0' .*the same ref appears"):  # again: nothing more to delete
+        orch.submit(replace(e, reward=[1.0, 0.0], branches=[e.branches[0], e.branches[0]]))
+    assert orch.deleted == {"refused": 1}
+    e1 = episode(keeper, rng, "e1", "g0", 1.0)
+    orch.submit(e1)
+    with pytest.raises(EpisodeError, match=r"episode 'e1' of group 'g0' was already submitted"):
+        orch.submit(e1)
+    with pytest.raises(EpisodeError, match=r"episode 'e9' of group 'g1' was already submitted \(refs \['e1-b0'\] "):
+        orch.submit(replace(e1, episode_id="e9", group_id="g1"))
+    fresh = replace(e1, branches=[branch(keeper, rng, branch_id="e1-again")])  # the same id, a chunk of its own
+    with pytest.raises(EpisodeError, match=r"episode 'e1' of group 'g0' was already submitted$"):
+        orch.submit(fresh)
+    assert chunks(store) == {"e1-b0"} and orch.deleted == {"refused": 2} and orch.pending_groups == 1
 
 
 def test_republishing_a_step_keeps_its_groups_queued(env):

@@ -11,7 +11,9 @@ from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.packing import (
     PADDING_ENV_NAME,
     assign_to_ranks,
+    balanced_packer,
     first_fit_decreasing,
+    first_fit_packer,
     make_dummy,
     pack_step,
     step_contents,
@@ -56,10 +58,11 @@ def _random_step(seed: int):
     return samples, seq_len, dp
 
 
-@pytest.mark.parametrize("seed", range(320))
-def test_packing_invariants(seed):
+@pytest.mark.parametrize("packer, seed", [(first_fit_packer, s) for s in range(320)]
+                         + [(balanced_packer, s) for s in range(160)])
+def test_packing_invariants(packer, seed):
     samples, seq_len, dp = _random_step(seed)
-    packed = pack_step(samples, seq_len=seq_len, dp_world_size=dp)
+    packed = pack_step(samples, seq_len=seq_len, dp_world_size=dp, packer=packer)
     header, streams = step_contents(packed, step=seed, run_uri=RUN_URI, seq_len=seq_len, dp_world_size=dp,
                                     fields=FIELDS, metrics={})  # StepHeader validation: counts, padding, routing
     real = [mb for mb in packed if not mb.is_dummy]
@@ -69,14 +72,17 @@ def test_packing_invariants(seed):
     # equal micro batches per DP rank; fewer than dp_world_size dummies; ordered by (rank, index)
     per_rank = Counter(mb.dp_rank for mb in packed)
     assert set(per_rank) == set(range(dp)) and len(set(per_rank.values())) == 1
-    assert per_rank[0] == math.ceil(len(real) / dp) and len(packed) - len(real) < dp
     assert [(mb.dp_rank, mb.index) for mb in packed] == sorted((r, i) for r in range(dp) for i in range(per_rank[0]))
     # routing and non-routing never share a micro batch
     for mb in real:
         assert {s.has_routing for s in mb.samples} == {mb.has_routing}
-    # first fit: at most one micro batch per kind is half full or less
-    for routing in (True, False):
-        assert sum(mb.num_tokens * 2 <= seq_len for mb in real if mb.has_routing == routing) <= 1
+    if packer is first_fit_packer:  # the fewest micro batches: at most one per kind is half full or less
+        assert per_rank[0] == math.ceil(len(real) / dp) and len(packed) - len(real) < dp
+        for routing in (True, False):
+            assert sum(mb.num_tokens * 2 <= seq_len for mb in real if mb.has_routing == routing) <= 1
+    else:  # largest first to the least-loaded rank: ranks' real tokens differ by at most the longest sample
+        load = [sum(mb.num_tokens for mb in real if mb.dp_rank == r) for r in range(dp)]
+        assert max(load) - min(load) <= max(s.num_tokens for s in samples)
     # streams and cu_seqlens: the concatenation of the samples, in order
     assert len(header.micro_batches) == len(packed) and set(streams) == {(mb.dp_rank, mb.index) for mb in packed}
     for mb, record in zip(packed, header.micro_batches):
@@ -123,7 +129,7 @@ def test_assign_to_ranks_balances_tokens_within_equal_counts():
 def test_dummies_of_a_step_without_routing_carry_no_ref():
     rng = np.random.default_rng(0)
     samples = [_sample(rng, 0, 3, 5, "side", 16), _sample(rng, 1, 2, 2, "none", 16)]
-    packed = pack_step(samples, seq_len=16, dp_world_size=3)
+    packed = pack_step(samples, seq_len=16, dp_world_size=3, packer=first_fit_packer)
     header, streams = step_contents(packed, step=0, run_uri=RUN_URI, seq_len=16, dp_world_size=3, fields=FIELDS,
                                     metrics={})
     assert [(mb.dp_rank, mb.is_dummy, mb.num_tokens) for mb in packed] == [(0, False, 12), (1, True, 4), (2, True, 4)]
@@ -169,3 +175,37 @@ def test_refs_disagreeing_with_the_run_fields_are_packing_errors(kind, fields, m
     assert str(e.value).startswith(f"step 5: ref 0 ({RUN_URI}/{node_key('b4')}): {message}")
     header, _ = step_contents(packed, step=5, run_uri=RUN_URI, seq_len=16, dp_world_size=1, fields=FIELDS, metrics={})
     assert header.fields == FIELDS
+
+
+def test_balanced_packer_gives_each_dp_rank_comparable_work():
+    """8 samples of 118 tokens in all: first fit packs them into one micro batch, so DP rank 1 trains only a padding
+    copy of the shortest sample; the balanced default splits them 59 / 59."""
+    rng = np.random.default_rng(4)
+    samples = [_sample(rng, i, 4, n - 4, "routing", 128) for i, n in enumerate((20, 18, 16, 15, 14, 12, 12, 11))]
+
+    def per_rank(packed):
+        return [[(mb.num_tokens, mb.is_dummy) for mb in packed if mb.dp_rank == r] for r in (0, 1)]
+
+    assert per_rank(pack_step(samples, seq_len=128, dp_world_size=2, packer=first_fit_packer)) == [
+        [(118, False)], [(11, True)]]
+    balanced = pack_step(samples, seq_len=128, dp_world_size=2)
+    assert per_rank(balanced) == [[(59, False)], [(59, False)]]
+    assert [[s.num_tokens for s in mb.samples] for mb in balanced] == [[20, 15, 12, 12], [18, 16, 14, 11]]
+    # a rank without a sample of its own (fewer samples than ranks) trains a borrowing dummy
+    three = pack_step(samples[:3], seq_len=128, dp_world_size=4)
+    assert [(mb.dp_rank, mb.num_tokens, mb.is_dummy) for mb in three] == [
+        (0, 20, False), (1, 18, False), (2, 16, False), (3, 16, True)]
+    assert three[3].samples[0].payload == samples[2].payload
+
+
+def test_a_packer_breaking_its_contract_is_a_packing_error():
+    rng = np.random.default_rng(5)
+    samples = [_sample(rng, i, 2, 3, kind, 16) for i, kind in enumerate(("routing", "none", "none"))]
+    cases = [(lambda s, **_: [[list(s)]], r"1 lists of micro batches: expected one per DP rank \(2\)"),
+             (lambda s, **_: [[[s[0]]], [[s[1]]]], r"2 samples placed: expected each of the 3 samples exactly once"),
+             (lambda s, **_: [[[s[0], s[1]]], [[s[2]]]], r"dp_rank=0 micro batch 0: expected 1..16 tokens of samples "
+                                                         r"that all carry routed_experts or none does"),
+             (lambda s, **_: [[[s[0]], []], [[s[1], s[2]]]], r"dp_rank=0 micro batch 1: expected 1..16 tokens")]
+    for packer, message in cases:
+        with pytest.raises(PackingError, match=r"^packer '<lambda>': " + message):
+            pack_step(samples, seq_len=16, dp_world_size=2, packer=packer)

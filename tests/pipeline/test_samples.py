@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
-from refpipe.pipeline.samples import BranchResult, Episode, PayloadSlice, Sample, build_sample, kept_completion_tokens
+from refpipe.pipeline.samples import (
+    BranchResult,
+    Episode,
+    PayloadSlice,
+    Sample,
+    build_sample,
+    check_episode,
+    kept_completion_tokens,
+)
 from refpipe.storage.chunk import ArraySpec, PayloadRef
-from refpipe.storage.errors import PackingError
+from refpipe.storage.errors import EpisodeError, PackingError
 from refpipe.storage.layout import node_key
+from refpipe.storage.uri import RunPrefix
 
 REF = PayloadRef(uri=f"file:///runs/run_1/{node_key('b0')}", branch_id="b0", num_prompt_tokens=2,
                  num_completion_tokens=3, arrays={"routed_experts": ArraySpec("|u1", (5, 2, 2), "tokens", (0,))},
@@ -70,3 +81,22 @@ def test_completion_mask_keeps_unsampled_turns_out_of_the_loss():
     sample = build_sample(episode, branch, reward=1.0, advantage=2.0, seq_len=7)
     assert sample.loss_mask.tolist() == [False, False, False, True, True, False, False]
     assert sample.advantages.tolist() == [0, 0, 0, 2.0, 2.0, 0, 0]
+
+
+@pytest.mark.parametrize("change,vocab_size,message", [
+    ({"inference_logprobs": np.array([-0.5, np.nan, -2.0], np.float32)}, None,
+     "inference_logprobs[1] = nan: expected a finite logprob <= 0"),
+    ({"inference_logprobs": np.array([-0.5, -0.25, 3.0], np.float32)}, None,
+     "inference_logprobs[2] = 3.0: expected a finite logprob <= 0"),
+    ({"inference_logprobs": np.array([-np.inf, -0.25, -1.0], np.float32)}, None,
+     "inference_logprobs[0] = -inf: expected a finite logprob <= 0"),
+    ({"completion_ids": np.array([1, -1, 3], np.int32)}, None, "completion_ids[1] = -1: expected a token id >= 0"),
+    ({"prompt_ids": np.array([7, 80], np.int32)}, 64, "prompt_ids[1] = 80: expected a token id >= 0 and < "
+                                                      "vocab_size=64"),
+])
+def test_a_bad_value_is_refused_naming_episode_branch_array_and_index(change, vocab_size, message):
+    bad = dataclasses.replace(BRANCH, **change)
+    with pytest.raises(EpisodeError) as info:
+        check_episode(Episode("e9", "g0", "reverse", [1.0, 0.0], [BRANCH, bad]), RunPrefix.from_root("/runs", "run_1"),
+                      vocab_size=vocab_size)
+    assert str(info.value) == f"episode 'e9' (group 'g0', env 'reverse') branch 1: {message}"

@@ -197,5 +197,5 @@ def test_ragged_counts_slicing_past_their_values_are_corrupt(backend, counts, nu
     with pytest.raises(ChunkCorruptError) as info:
         fetch_arrays(backend.store, ref, num_tokens)
     assert str(info.value) == (
-        f"chunk {ref.uri}: array sampling_mask.ids: counts of the first {completion} completion tokens (min "
-        f"{min(kept)}) sum to {sum(kept)} rows: expected non-negative counts summing to at most its {values} rows")
+        f"chunk {ref.uri}: array sampling_mask.ids: counts of the first {completion} rows of sampling_mask.counts "
+        f"(min {min(kept)}) sum to {sum(kept)} rows: expected non-negative counts summing to at most its {values} rows")

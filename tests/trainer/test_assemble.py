@@ -94,7 +94,8 @@ def test_dropped_micro_batch_repeats_real_routing_rows_and_has_no_loss(local):
     _, step = local
     mb = step.header.micro_batches_of(0)[0]
     real = step.branches["a"].fields["routed_experts"][:5]
-    got = assemble_dropped_micro_batch(mb, step.streams[(0, 0)], seq_len=SEQ_LEN, fields=FIELDS, routing_rows=real)
+    got = assemble_dropped_micro_batch(mb, step.streams[(0, 0)], seq_len=SEQ_LEN, fields=FIELDS,
+                                       token_rows={"routed_experts": real})
     assert got.dropped and not got.streams["loss_mask"].any()
     padded = got.fields["routed_experts"].padded
     assert padded.shape == (SEQ_LEN, 2, 2) and padded.dtype == np.uint8
@@ -103,7 +104,7 @@ def test_dropped_micro_batch_repeats_real_routing_rows_and_has_no_loss(local):
     for name in ("topk_ids", "sampling_mask"):
         f = got.fields[name]
         assert len(f.values) == 0 and (f.row_ids == -1).all() and f.cu_seqlens.tolist() == [0, 0, 0, 0]
-    spread = assemble_dropped_micro_batch(mb, step.streams[(0, 0)], seq_len=SEQ_LEN, fields=FIELDS, routing_rows=None)
+    spread = assemble_dropped_micro_batch(mb, step.streams[(0, 0)], seq_len=SEQ_LEN, fields=FIELDS, token_rows=None)
     assert spread.fields["routed_experts"].padded.tobytes() == spread_expert_rows(SEQ_LEN, 2, 2, 8, np.uint8).tobytes()
 
 
@@ -212,7 +213,7 @@ def test_padding_ids_are_sized_from_num_experts_never_from_the_refs_dtype(local_
     load = np.bincount(padded[20:].ravel(), minlength=384)
     assert (int(load.min()), int(load.max()), int(padded.max())) == (80, 84, 383)
     stand_in = assemble_dropped_micro_batch(step_file.header.micro_batches[0], step_file.streams(0, 0),
-                                            seq_len=1024, fields=cfg, routing_rows=None)
+                                            seq_len=1024, fields=cfg, token_rows=None)
     spread = stand_in.fields["routed_experts"].padded
     assert spread.dtype == np.dtype("<u2") and int(spread.max()) == 383
     assert spread.tobytes() == spread_expert_rows(1024, 4, 8, 384, np.dtype("<u2")).tobytes()

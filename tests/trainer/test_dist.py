@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,7 @@ from trainer_helpers import FIELDS, Seq, assert_same, build_step, expected_micro
 
 SEQ_LEN = 24
 WORKER = Path(__file__).with_name("dist_worker.py")
+PULL_WORKER = Path(__file__).with_name("pull_worker.py")
 
 
 def _layout(s: int) -> list[list[list[Seq]]]:
@@ -50,19 +52,33 @@ def _branches(s: int, rng) -> dict:
 
 def run_world(tmp_path: Path, storage: StorageConfig, world_size: int, model_parallel_size: int, steps: list[int],
               exit_before: dict[str, list[int]] | None = None, fetch_raises: dict[str, str] | None = None,
-              default_backend: str = "gloo") -> dict:
-    """Start ``world_size`` ranks, wait for all; return ``{(step, rank): (result, arrays)}``."""
+              default_backend: str = "gloo", worker: Path = WORKER, **extra) -> dict:
+    """Start ``world_size`` ranks of ``worker`` (``extra``: more of its spec), wait for all; return
+    ``{(step, rank): (result, arrays)}``."""
+    return collect_world(*start_world(tmp_path, storage, world_size, model_parallel_size, steps, exit_before,
+                                      fetch_raises, default_backend, worker, **extra))
+
+
+def start_world(tmp_path: Path, storage: StorageConfig, world_size: int, model_parallel_size: int, steps: list[int],
+                exit_before: dict[str, list[int]] | None = None, fetch_raises: dict[str, str] | None = None,
+                default_backend: str = "gloo", worker: Path = WORKER, **extra) -> tuple[Path, list[subprocess.Popen]]:
+    """Start ``world_size`` ranks of ``worker`` writing into ``tmp_path/ranks``; the directory and the processes."""
     out = tmp_path / "ranks"
     out.mkdir()
     spec = {"out_dir": str(out), "world_size": world_size, "init_method": f"tcp://127.0.0.1:{free_port()}",
             "storage": storage.model_dump(), "fields": FIELDS.model_dump(), "steps": steps,
             "exit_before": exit_before or {}, "fetch_raises": fetch_raises or {}, "default_backend": default_backend,
             "trainer": {"model_parallel_size": model_parallel_size, "step_timeout_s": 30, "step_poll_s": 0.1,
-                        "collective_timeout_s": 20}}
+                        "collective_timeout_s": 20}, **extra}
     (out / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(out / "spec.json"), str(r)], env=env,
-                              stderr=open(out / f"rank{r}.log", "w")) for r in range(world_size)]
+    return out, [subprocess.Popen([sys.executable, str(worker), str(out / "spec.json"), str(r)], env=env,
+                                  stderr=open(out / f"rank{r}.log", "w")) for r in range(world_size)]
+
+
+def collect_world(out: Path, procs: list[subprocess.Popen]) -> dict:
+    """Wait for every rank of ``start_world``; ``{(step, rank): (result, arrays)}`` of what they wrote."""
+    world_size = len(procs)
     try:
         codes = [p.wait(timeout=120) for p in procs]
     finally:
@@ -261,3 +277,101 @@ def test_the_data_path_runs_on_its_own_gloo_group_beside_the_default_group(tmp_p
     m0 = _check_trained(built, results, 0, 2, 1, {(0, 1)}, {(0, 1): np.concatenate(
         [_routing(built, f"s0_{x}", n) for x, n in (("a", 11), ("b", 9), ("f", 4))])})
     assert (m0["dropped_micro_batches"], m0["failed_fetches"], m0["fetched_chunks"]) == (1, 1, 7 + 4)
+
+
+def _three_steps(store, config: StorageConfig, rng) -> dict:
+    """Steps 0-2 of ``_layout``: step 1 without g's chunk (DP 0's micro batch 1), step 2 without any chunk's data."""
+    built = {}
+    for s in range(3):
+        branches = _branches(s, rng)
+        built[s] = build_step(store, s, SEQ_LEN, _layout(s), branches, keep_all(store, config, branches), rng)
+    store.delete_keys(list(chunk_keys(store, built[1].refs["s1_g"])))
+    store.delete_keys([chunk_keys(store, ref)[0] for ref in built[2].header.refs])
+    return built
+
+
+def test_the_pull_loop_through_a_data_loader_trains_and_fails_as_run_step_does(tmp_path, local_config):
+    """2 ranks pull steps 0-2 from ``DataLoader(StepDataset(rank, 3), batch_size=None)`` and release each after
+    "training": the same bytes, drops, collectives (two per step), metrics and releases as ``run_step``'s; a second
+    release is refused; step 2 (nothing fetchable) stops the loop with ``FetchError`` on both ranks."""
+    store = open_store(local_config)
+    built = _three_steps(store, local_config, np.random.default_rng(3))
+    results = run_world(tmp_path, local_config.model_copy(update={"max_retries": 0}), 2, 1, [], worker=PULL_WORKER,
+                        stop=3, data_loader=True)
+    assert [[results[(s, r)][0]["collectives"] for r in range(2)] for s in range(3)] == [[2, 2], [2, 2], [1, 1]]
+    m0 = _check_trained(built[0], results, 0, 2, 1, set(), {})
+    assert (m0["dropped_micro_batches"], m0["fetched_chunks"], m0["prefetched_ranks"]) == (0, 8 + 4, 0)
+    mb0_rows = np.concatenate([_routing(built[1], f"s1_{x}", n) for x, n in (("a", 11), ("b", 9), ("f", 4))])
+    m1 = _check_trained(built[1], results, 1, 2, 1, {(0, 1)}, {(0, 1): mb0_rows})
+    assert (m1["dropped_micro_batches"], m1["failed_fetches"], m1["prefetched_ranks"]) == (1, 1, 2)
+    for rank in range(2):
+        assert [results[(s, rank)][0]["replayed"] for s in (0, 1)] == [False, False]
+        assert results[(1, rank)][0]["release_again"] == (
+            f"StepOrderError: step 1 was already released on rank {rank}: release() is called once per step, after "
+            f"the optimizer step")
+        assert results[(2, rank)][0]["error"] == "FetchError"
+        assert results[(2, rank)][0]["message"].startswith("step 2: none of its 6 micro batches could be fetched")
+    assert _release_events(store) == [(s, dp, f"trainer_dp{dp}") for s in range(2) for dp in range(2)]
+    assert all(store.exists(tombstone_key(r.branch_id)) == (s < 2 and r.branch_id != "s1_g")
+               for s in range(3) for r in built[s].header.refs)
+
+
+def test_the_pull_loop_refuses_the_next_step_before_the_previous_one_is_released(tmp_path, local_config):
+    store = open_store(local_config)
+    built = _three_steps(store, local_config, np.random.default_rng(4))
+    results = run_world(tmp_path, local_config, 2, 1, [], worker=PULL_WORKER, stop=3, data_loader=False,
+                        unreleased=0)
+    step0 = [results[(0, r)][0] for r in range(2)]
+    assert [(r["dropped"], "metrics" in r, r["collectives"]) for r in step0] == [
+        ([False] * 3, False, 1)] * 2  # the failure all-reduce only
+    for rank in range(2):
+        assert (results[(1, rank)][0]["error"], results[(1, rank)][0]["message"]) == ("StepOrderError", (
+            f"step 0 was not released on rank {rank} before the next step was asked for: call release() after the "
+            f"step's optimizer step, on every rank"))
+    assert _release_events(store) == []
+    assert all(store.exists(k) for r in built[0].header.refs for k in chunk_keys(store, r))
+
+
+def test_a_restart_after_one_dp_rank_released_a_step_trains_none_of_it_again(tmp_path, local_config):
+    """Life 1 pulls steps 0-3 (step 0 retained, the others deleted after training) and is SIGKILLed once DP 0
+    released step 1 and DP 1 had not. Life 2 restarts from the initial weights (``checkpoint_step=-1``) through
+    ``resume_plan``: step 0 (chunks retained) is replayed; step 1 is skipped on both DP ranks, so DP 1's samples of
+    it are not trained a second time and DP 0's missing chunks are never read: no ``ChunkNotFoundError``, and the
+    prefetch after step 0 fetches step 2 (before, a restart re-ran step 1: ``ChunkNotFoundError ... (read 5
+    times)`` for each of DP 0's chunks, DP 0's micro batches dropped, DP 1's trained again)."""
+    store = open_store(local_config)
+    rng = np.random.default_rng(8)
+    built = {}
+    for s in range(4):
+        branches = _branches(s, rng)
+        built[s] = build_step(store, s, SEQ_LEN, _layout(s), branches, keep_all(store, local_config, branches), rng)
+    trainer = {"step_timeout_s": 30, "step_poll_s": 0.1, "collective_timeout_s": 20, "retain_steps": [0]}
+    (tmp_path / "life1").mkdir()
+    out, procs = start_world(tmp_path / "life1", local_config, 2, 1, [], worker=PULL_WORKER, stop=4,
+                             data_loader=False, pause=[1, 1], trainer=trainer)
+    deadline = time.monotonic() + 120
+    while not ((out / "paused").exists() and (1, 0, "trainer_dp0") in _release_events(store)):
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, "life 1 never paused"
+        time.sleep(0.1)
+    for p in procs:
+        p.kill()
+        p.wait()
+    assert _release_events(store) == [(0, 0, "trainer_dp0"), (0, 1, "trainer_dp1"), (1, 0, "trainer_dp0")]
+
+    (tmp_path / "life2").mkdir()
+    out, procs = start_world(tmp_path / "life2", local_config, 2, 1, [], worker=PULL_WORKER, stop=4,
+                             data_loader=False, checkpoint_step=-1, trainer=trainer)
+    results = collect_world(out, procs)
+    for rank in range(2):
+        plan = json.loads((out / f"plan_rank{rank}.json").read_text())
+        assert plan == {"start_step": 0, "skipped": [1], "replayed": [0, 2, 3]}
+        assert "ChunkNotFoundError" not in (out / f"rank{rank}.log").read_text()
+    assert sorted(key for key in results) == [(s, r) for s in (0, 2, 3) for r in range(2)]
+    assert all(results[key][0]["replayed"] for key in results)
+    _check_trained(built[0], results, 0, 2, 1, set(), {})
+    m2 = _check_trained(built[2], results, 2, 2, 1, set(), {})
+    assert (m2["prefetched_ranks"], m2["dropped_micro_batches"], m2["failed_fetches"]) == (2, 0, 0)
+    _check_trained(built[3], results, 3, 2, 1, set(), {})
+    assert _release_events(store) == sorted([(0, 0, "trainer_dp0"), (0, 1, "trainer_dp1")] * 2 + [
+        (s, dp, f"trainer_dp{dp}") for s in (1, 2, 3) for dp in range(2)])
+    assert all(store.exists(tombstone_key(r.branch_id)) == (s > 0) for s in range(4) for r in built[s].header.refs)

@@ -1,0 +1,88 @@
+"""Where each position of a padded micro batch gets its rows: padded streams, ``cu_seqlens``, padding rows by a
+field's padding rule, and the row ids of completion- and prompt-domain fields (``trainer.assemble``'s layout,
+module docstring there).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+from refpipe.pipeline.field_decl import FieldDecl, padding_rows
+from refpipe.pipeline.fields import FieldsConfig
+from refpipe.pipeline.step_file import STREAMS, MicroBatchRecord
+from refpipe.storage.chunk import PayloadRef
+
+_STREAM_PADDING = {"input_ids": 0, "loss_mask": False, "advantages": 0.0, "inference_logprobs": 0.0,
+                   "temperatures": 1.0}
+"""Value of each stream at padding tokens (``position_ids`` count 0, 1, ... instead)."""
+
+
+def pad_streams(streams: Mapping[str, np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
+    """Every stream ``[T]`` copied into ``[seq_len]`` of its ``STREAMS`` dtype, padded as ``trainer.assemble``
+    documents; an extra stream (``StepHeader.extra_streams``) keeps its dtype and is padded with 0."""
+    out = {}
+    for name, real in streams.items():
+        a = np.empty(seq_len, STREAMS.get(name, real.dtype))
+        a[: len(real)] = real
+        a[len(real):] = np.arange(seq_len - len(real)) if name == "position_ids" else _STREAM_PADDING.get(name, 0)
+        out[name] = a
+    return out
+
+
+def padded_cu_seqlens(mb: MicroBatchRecord, seq_len: int) -> np.ndarray:
+    """int32 ``mb.cu_seqlens()`` with ``seq_len`` appended when the micro batch is padded."""
+    cu = mb.cu_seqlens()
+    return np.append(cu, np.int32(seq_len)).astype(np.int32) if mb.num_tokens < seq_len else cu
+
+
+
+def padding_rows_of(fdef: FieldDecl, num_rows: int, cfg: FieldsConfig, dtype: np.dtype,
+                  real: np.ndarray | None) -> np.ndarray:
+    """Rows for padding tokens of a token-domain field by its padding rule (read-only: copy before writing);
+    ``repeat_rows`` repeats ``real`` [T, *row_shape] cyclically (zeros when there are none)."""
+    trailing = fdef.trailing(cfg.dims)
+    if fdef.padding == "repeat_rows" and real is not None and len(real):
+        return np.resize(real, (num_rows, *trailing))
+    return _cached_padding(fdef, num_rows, trailing, tuple(cfg.dims.items()), np.dtype(dtype).str)
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_padding(fdef: FieldDecl, num_rows: int, trailing: tuple[int, ...], dims: tuple, dtype: str) -> np.ndarray:
+    """``field_decl.padding_rows``, computed once per shape: every micro batch of a step pads alike."""
+    rows = padding_rows(fdef, num_rows, trailing, dict(dims), np.dtype(dtype))
+    rows.flags.writeable = False
+    return rows
+
+
+def field_row_ids(domain: str, mb: MicroBatchRecord, refs: Sequence[PayloadRef], cu_rows: np.ndarray,
+                  seq_len: int) -> np.ndarray:
+    """[seq_len] int64 row of a ``completion`` or ``prompt`` field per position, -1 elsewhere (module docstring)."""
+    if domain == "completion":
+        return completion_row_ids(mb, refs, cu_rows, seq_len)
+    row_ids = np.full(seq_len, -1, np.int64)
+    starts = mb.cu_seqlens()
+    for s in range(len(mb.sequences)):
+        num_rows = int(cu_rows[s + 1] - cu_rows[s])
+        row_ids[starts[s] : starts[s] + num_rows] = np.arange(cu_rows[s], cu_rows[s] + num_rows)
+    return row_ids
+
+
+def completion_row_ids(mb: MicroBatchRecord, refs: Sequence[PayloadRef], cu_rows: np.ndarray,
+                       seq_len: int) -> np.ndarray:
+    """[seq_len] int64: the completion row each position predicts, -1 elsewhere (module docstring).
+
+    Args:
+        cu_rows: [S + 1] int32 cumulative completion rows per sequence (0 for sequences without rows).
+    """
+    row_ids = np.full(seq_len, -1, np.int64)
+    starts = mb.cu_seqlens()
+    for s, seq in enumerate(mb.sequences):
+        num_rows = int(cu_rows[s + 1] - cu_rows[s])
+        if num_rows == 0:
+            continue
+        first = int(starts[s]) + refs[seq.ref].num_prompt_tokens - 1  # position predicting completion row 0
+        skip = 1 if first < starts[s] else 0  # no prompt: nothing in this sequence predicts row 0
+        row_ids[first + skip : first + num_rows] = np.arange(cu_rows[s] + skip, cu_rows[s] + num_rows)
+    return row_ids

@@ -1,0 +1,117 @@
+"""A trainer rank's pull loop: the caller asks for each step's micro batches and says when it may be released.
+
+``TrainerRank.steps`` yields one ``TrainingStep`` per step; the caller trains on its ``batches`` (its
+forward/backward, its gradient all-reduce, its optimizer step, a checkpoint if it writes one) and then calls
+``release()``. The data path and its collectives are ``TrainerRank.run_step``'s, which is this loop with a
+callback: (a)-(e) when the step is yielded, (g)+(h) at ``release()``, in the same order on every rank.
+
+``StepDataset`` is the same loop as a ``torch.utils.data.IterableDataset``, for a training loop that reads
+its batches from a ``DataLoader(dataset, batch_size=None)`` (in the rank's own process: ``num_workers=0``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from refpipe.pipeline.step_file import StepHeader
+from refpipe.storage.errors import ConfigError, StepOrderError
+from refpipe.trainer.resume import ResumePlan
+from refpipe.trainer.tensors import TrainMicroBatch
+from torch.utils.data import IterableDataset, get_worker_info
+
+if TYPE_CHECKING:
+    from refpipe.trainer.metrics import StepMetrics
+    from refpipe.trainer.step import TrainerRank
+
+
+class TrainingStep:
+    """One step of a trainer rank's pull loop, fetched, agreed on and assembled (steps (a)-(e) of
+    ``TrainerRank``); every rank gets one per step, in the same order.
+
+    Which ranks call what: every rank trains on ``batches``, then calls ``release()`` exactly once, after its
+    optimizer step (after the gradient all-reduce, so every DP rank has trained the step; and after the
+    step's checkpoint, if the caller writes one before releasing). ``release()`` is collective (the metrics
+    all-gather over the data group); the ``mp_rank == 0`` rank of each DP rank hands the step to its release
+    policy (``TrainerConfig.release``), which deletes the chunks its DP rank owns now or once
+    ``TrainerRank.checkpointed`` covers the step.
+    """
+
+    def __init__(self, header: StepHeader, batches: list[TrainMicroBatch], replayed: bool,
+                 finish: Callable[[], StepMetrics], rank: int):
+        self.header = header
+        """The step file's header: its micro batches' sequences and the refs (``refs[seq.ref]``) they use."""
+        self.batches = batches
+        """This rank's micro batches of the step, in order (``micro_batches_of(dp_rank)``). A dropped one
+        (some rank could not fetch it) keeps its shapes, has an all-False ``loss_mask`` and ``dropped`` set:
+        run it through the model so model-parallel collectives stay in step, and keep it out of the loss."""
+        self.replayed = replayed
+        """A step an earlier life published (and maybe trained), trained again after a restart
+        (``ResumePlan.replays``)."""
+        self.metrics: StepMetrics | None = None
+        """The step's metrics, identical on every rank, once ``release()`` returned."""
+        self._finish, self._rank = finish, rank
+
+    @property
+    def step(self) -> int:
+        """The step number."""
+        return self.header.step
+
+    def release(self) -> StepMetrics:
+        """Every rank, once, after its optimizer step: (g) release and (h) metrics (collective). Drops this
+        object's references to ``batches`` (their arrays are reused by a later step's fetch once nothing else
+        refers to them).
+
+        Raises:
+            StepOrderError: the step was released already.
+            torch.distributed.DistBackendError: a peer died or exceeded ``collective_timeout_s``.
+        """
+        if self.metrics is not None:
+            raise StepOrderError(f"step {self.step} was already released on rank {self._rank}: release() is called "
+                                 f"once per step, after the optimizer step")
+        self.batches = []
+        self.metrics = self._finish()
+        return self.metrics
+
+
+def pull_steps(rank: TrainerRank, stop: int | None, resume: ResumePlan | None) -> Iterator[TrainingStep]:
+    """``TrainerRank.steps``: see there."""
+    if resume is not None:
+        rank.resume(resume)
+    step = resume.start_step if resume is not None else 0
+    opened: TrainingStep | None = None
+    while stop is None or step < stop:
+        if resume is not None and step in resume.skipped:
+            rank.skip_step(step, resume)
+        else:
+            opened = rank.open_step(step, replayed=resume is not None and resume.replays(step))
+            yield opened
+            _check_released(opened, rank.topology.rank)
+        step += 1
+
+
+def _check_released(opened: TrainingStep, rank: int) -> None:
+    if opened.metrics is None:
+        raise StepOrderError(f"step {opened.step} was not released on rank {rank} before the next step was asked "
+                             f"for: call release() after the step's optimizer step, on every rank")
+
+
+class StepDataset(IterableDataset):
+    """``TrainerRank.steps(stop, resume=resume)`` as an ``IterableDataset``: each item is a ``TrainingStep``.
+
+    Use it with ``DataLoader(dataset, batch_size=None)`` (items pass through as they are) in the trainer
+    rank's own process (``num_workers=0``: the loop joins the data group's collectives); call each item's
+    ``release()`` after its optimizer step. Iterate it once.
+
+    Raises (when iterated):
+        ConfigError: iterated in a ``DataLoader`` worker process (``num_workers > 0``).
+    """
+
+    def __init__(self, rank: TrainerRank, stop: int | None = None, *, resume: ResumePlan | None = None):
+        self.rank, self.stop, self.resume = rank, stop, resume
+
+    def __iter__(self) -> Iterator[TrainingStep]:
+        if get_worker_info() is not None:
+            raise ConfigError("StepDataset: iterated in a DataLoader worker process; expected num_workers=0 (the "
+                              "steps' fetch and collectives belong to the trainer rank's own process)")
+        return self.rank.steps(self.stop, resume=self.resume)
