@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from refpipe.pipeline.fields import FIELDS, FieldsConfig, spread_expert_rows
+from refpipe.pipeline.fields import FIELDS, FieldsConfig, as_numpy, spread_expert_rows
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.pipeline.samples import PayloadSlice
 from refpipe.storage.concurrency import bounded_map
@@ -81,15 +81,15 @@ def keep_output(keeper: Keeper, output: Any, *, fields: Mapping[str, np.ndarray]
         branch_id: the chunk's id, unique in the run (None: drawn at random).
 
     Raises:
-        FieldError: routing rows not [R, num_layers, top_k] integers, more than P + C of them, an expert id
-            outside ``[0, num_experts)``, or any array breaking its field's rules (nothing is kept,
-            ``output`` is unchanged).
+        FieldError: routing rows not [R, num_layers, top_k], more than P + C of them, or any array breaking
+            its field's rules, e.g. an expert id outside ``[0, num_experts)`` (nothing is kept, ``output`` is
+            unchanged).
     """
     num_prompt, num_response = len(output.prompt_ids), len(output.response_ids)
     arrays = dict(fields or {})
     num_rows = 0
     if output.routed_experts is not None:
-        rows = _routing_rows(output.routed_experts, num_prompt + num_response, keeper.fields)
+        rows = _routing_rows(output.routed_experts, num_prompt + num_response)
         num_rows = len(rows)
         arrays[ROUTING] = _pad_routing(rows, num_prompt + num_response, keeper.fields)
     ref = keeper.keep(Branch(num_prompt, num_response, arrays, branch_id))
@@ -99,23 +99,14 @@ def keep_output(keeper: Keeper, output: Any, *, fields: Mapping[str, np.ndarray]
     return payload
 
 
-def _routing_rows(rows: Any, num_tokens: int, cfg: FieldsConfig) -> np.ndarray:
-    """The engine's [R, num_layers, top_k] rows in a dtype keep stores (uint8, uint16 past 256 experts).
-
-    The one cast of this integration: keep stores expert ids as unsigned 8/16-bit; verl's engines
-    return int32/int64 and verl itself casts to int16 (so any id it can hold survives both ways).
-    """
-    a = rows.cpu().numpy() if isinstance(rows, torch.Tensor) else np.asarray(rows)
-    if a.ndim != 3 or not np.issubdtype(a.dtype, np.integer) or not 1 <= len(a) <= num_tokens:
-        raise FieldError(f"{ROUTING}: {a.dtype} {list(a.shape)}: expected integer rows [R, num_layers, top_k] "
+def _routing_rows(rows: Any, num_tokens: int) -> np.ndarray:
+    """The engine's [R, num_layers, top_k] rows as numpy (a CPU tensor without a copy); keep checks their
+    dtype and expert ids and stores them as uint8/uint16."""
+    a = as_numpy(rows, f"field {ROUTING!r}")
+    if a.ndim != 3 or not 1 <= len(a) <= num_tokens:
+        raise FieldError(f"{ROUTING}: {a.dtype} {list(a.shape)}: expected rows [R, num_layers, top_k] "
                          f"with 1 <= R <= {num_tokens} (prompt + response tokens)")
-    if cfg.num_experts is None:  # not configured: keep refuses the field
-        return a
-    low, high = (int(a.min()), int(a.max())) if a.size else (0, 0)
-    if low < 0 or high >= cfg.num_experts:  # checked before the cast, which would wrap them
-        raise FieldError(f"{ROUTING}: expert ids in [{low}, {high}]: expected 0 <= id < num_experts="
-                         f"{cfg.num_experts}")
-    return a.astype(np.uint8 if cfg.num_experts <= 256 else np.uint16)
+    return a
 
 
 def _pad_routing(rows: np.ndarray, num_tokens: int, cfg: FieldsConfig) -> np.ndarray:
