@@ -12,9 +12,8 @@ PUBLIC = [
     "Ledger", "LedgerRecordError", "Orchestrator", "OrchestratorConfig", "OutsideRunError", "PackingError",
     "PayloadRef", "Ragged", "RefpipeError", "ReplayMismatchError", "RunNotFoundError", "RunPathNotADirectoryError",
     "RunStillRunningError", "StepFileError", "StepHeader", "StepMetrics", "StorageConfig", "StorageError", "Store",
-    "TrainMicroBatch", "TrainerConfig", "TrainerRank", "TransientStorageError", "TruncatedChunkError", "UnknownRefError",
-    "fetch_arrays",
-    "init_process_group", "new_data_group", "open_store",
+    "TrainMicroBatch", "TrainerConfig", "TrainerRank", "TransientStorageError", "TruncatedChunkError",
+    "UnknownRefError", "fetch_arrays", "init_process_group", "new_data_group", "open_store",
 ]
 
 
