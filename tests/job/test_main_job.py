@@ -297,6 +297,24 @@ def test_a_group_whose_send_fails_goes_to_one_other_replica_once(tmp_path, local
     assert (fleet.dead, fleet.in_flight) == ({0}, [{}, {0: GroupRequest(0, "g000000", 0)}])
 
 
+def test_a_dead_trainer_rank_is_named_with_how_it_ended_and_where_to_look():
+    """A SIGKILLed rank printed nothing, so "see its log above" pointed at nothing: the line says it was killed and
+    where the kernel names an OOM kill; a rank that exited with a code printed its error to this terminal."""
+    import subprocess
+    import sys
+
+    from refpipe.job.fleet import Fleet
+
+    ranks = [subprocess.Popen([sys.executable, "-c", code]) for code in
+             ("pass", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "raise SystemExit(3)")]
+    for proc in ranks:
+        proc.wait(timeout=60)
+    assert Fleet(conns=[], trainers=ranks).dead_trainers() == [
+        "trainer rank 1 (killed by SIGKILL, so it printed nothing; if nobody killed it, look for the kernel's OOM "
+        "killer in `journalctl -k` or `dmesg` on this host)",
+        "trainer rank 2 (exited with code 3; its error is in its output above)"]
+
+
 def test_delete_paths_get_the_rest_of_the_audits_total_as_one_labelled_path():
     """The summary's per-path deletes sum to the audit's ``deleted``: what no path reported is one labelled path, a
     surplus (a delete two paths counted) another; paths that agree with the total are left as they are."""

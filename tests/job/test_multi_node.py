@@ -252,7 +252,7 @@ def test_an_env_server_started_on_its_own_says_where_it_listens_and_how_far_it_g
                                "127.0.0.1"], stderr=subprocess.PIPE, text=True, env={**os.environ,
                                                                                     "OMP_NUM_THREADS": "1"})
     try:
-        conn = connect_replica(store, 1, authkey(store), time.monotonic() + 120, alive=lambda: server.poll() is None)
+        conn = connect_replica(store, 1, authkey(store), time.monotonic() + 120, exit_code=server.poll)
         results = []
         for i in range(2):  # groups_per_step = 2: one progress line
             conn.send(GroupRequest(i, f"g{i:06d}", i))
