@@ -58,7 +58,7 @@ def run_world(tmp_path: Path, storage: StorageConfig, world_size: int, model_par
             "storage": storage.model_dump(), "fields": FIELDS.model_dump(), "steps": steps,
             "exit_before": exit_before or {}, "fetch_raises": fetch_raises or {}, "default_backend": default_backend,
             "trainer": {"model_parallel_size": model_parallel_size, "step_timeout_s": 30, "step_poll_s": 0.1,
-                        "collective_timeout_s": 20}}
+                        "collective_timeout_s": 20, "release": "after_step"}}
     (out / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(out / "spec.json"), str(r)], env=env,
