@@ -54,7 +54,7 @@ class Store(abc.ABC):
 
     Attributes:
         retries: retries by ``retrying`` in this process (trainer metrics).
-        idempotent_puts: exclusive puts that found this writer's own earlier, applied attempt (its answer
+        idempotent_puts: exclusive puts that found their own earlier, applied attempt (its answer
             lost) and succeeded.
     """
 

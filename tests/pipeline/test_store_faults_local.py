@@ -87,6 +87,22 @@ def test_publish_step(run, code, after):
     assert StepFile.read(store, 0).header == header and store.list_prefix("steps") == [step_key(0)]
 
 
+def test_a_failed_publish_whose_put_was_applied_is_done_when_published_again(run):
+    """The step file's first put applied and answered EIO, its two retries failing before ``linkat`` ran: the publish
+    raises; publishing the same step again (the launcher's next round, another put call) finds its bytes there."""
+    store, faults = run
+    keeper = make_keeper(store, store.config)
+    refs = [keep(keeper, seed=s) for s in range(2)]
+    _fault(faults, "link", "step_00000000.npz", "EIO", after=True)
+    _fault(faults, "link", "step_00000000.npz", "EIO", times=2)
+    with pytest.raises(TransientStorageError, match="gave up after 3 attempts"):
+        publish(store, 0, refs, [0, 1])
+    header = publish(store, 0, refs, [0, 1])
+    assert StepFile.read(store, 0).header == header and store.list_prefix("steps") == [step_key(0)]
+    with pytest.raises(KeyExistsError):  # other contents for the same step
+        publish(store, 0, refs[:1], [0])
+
+
 @pytest.mark.parametrize("code,after", WRITE_FAULTS, ids=WRITE_IDS)
 def test_flush_ledger(run, code, after):
     store, faults = run
