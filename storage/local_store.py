@@ -285,7 +285,6 @@ class LocalStore(Store):
         except KeyNotFoundError:
             return
 
-
     def remove_empty_directories(self):
         """Bottom-up ``os.fwalk`` of the run prefix (symlinks never followed: ``rmdir(2)`` of one is ``ENOTDIR``,
         and ``fwalk`` does not descend into them); ``rmdir`` relative to the parent's fd, a non-empty one stays."""
