@@ -11,6 +11,9 @@ FUSE filesystem would need libfuse bindings the test environment does not have).
 ``os`` module as ``refpipe.storage.local_store`` sees it and fails one system call whose name argument matches:
 ``before`` it runs (the request never reached the server) or ``after`` it ran (the server applied it; its answer
 was lost, which a client's retransmission after a timeout turns into ``EEXIST`` or ``ENOENT``).
+
+Simulated (``NfsClient``): an NFS client's silly rename of a file unlinked while it is open, done for real on the
+directory (rename to ``.nfs<hex>``, ``EBUSY`` for unlinking it while open, removed at the last close).
 """
 
 from __future__ import annotations
