@@ -26,9 +26,9 @@ def test_a_partial_orchestrator_section_keeps_the_run_defaults(tmp_path):
 
 
 def test_a_partial_trainer_section_keeps_the_run_timeouts(tmp_path):
-    cfg = _load(tmp_path, '[trainer]\nrelease = "after_checkpoint"\n')
+    cfg = _load(tmp_path, '[trainer]\nrelease = "after_step"\n')
     t = cfg.trainer
-    assert (t.release, t.step_timeout_s, t.collective_timeout_s) == ("after_checkpoint", 300.0, 300.0)
+    assert (t.release, t.step_timeout_s, t.collective_timeout_s) == ("after_step", 300.0, 300.0)
 
 
 @pytest.mark.parametrize(("text", "expected"), [
@@ -52,3 +52,14 @@ def test_sizes_that_disagree_are_still_refused(tmp_path):
 def test_a_resolved_config_reads_back_unchanged(tmp_path):
     cfg = _load(tmp_path, "[job]\ntrainer_world_size = 4\n[trainer]\nmodel_parallel_size = 2\n")
     assert RunConfig.model_validate_json(cfg.model_dump_json()) == cfg
+
+
+def test_the_default_release_needs_checkpoints_and_says_how_to_run_without(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        _load(tmp_path, "[job]\ncheckpoint_every_steps = 0\n")
+    assert str(info.value) == f"config {tmp_path / 'run.toml'}: " + (
+        'trainer.release="after_checkpoint" (the default) needs job.checkpoint_every_steps >= 1 (with 0 no checkpoint '
+        'is ever written, so no trained chunk would ever be deleted); without checkpoints set trainer.release = '
+        '"after_step"')
+    assert _load(tmp_path, '[job]\ncheckpoint_every_steps = 0\n[trainer]\nrelease = "after_step"\n').trainer.release \
+        == "after_step"
