@@ -196,7 +196,7 @@ def rank_main(spec: dict, rank: int) -> None:
     from refpipe.trainer.dist import init_process_group
     from refpipe.trainer.step import TrainerRank
 
-    config = TrainerConfig(collective_timeout_s=600, step_poll_s=0.05,
+    config = TrainerConfig(collective_timeout_s=600, step_poll_s=0.05, release="after_step",  # no checkpoints
                            prefetch_next_step=spec["world"] == "prefetch")
     storage = StorageConfig(**spec["storage"])
     init_process_group(config, rank=rank, world_size=WORLD_SIZE, init_method=spec["init_method"])

@@ -96,6 +96,7 @@ def render_sweep(result: SweepResult, console: Console) -> None:
     _print_chunks(console, f"{verb}: unfinished deletes", result.finished_deletes)
     _print_chunks(console, f"{verb}: incomplete keeps", result.removed_incomplete)
     _print_chunks(console, f"{verb}: retained chunks", result.retained)
+    _print_chunks(console, "not deleted (a later sweep finishes them)", result.failed)
     total = len(result.deleted) + len(result.finished_deletes) + len(result.removed_incomplete) + len(result.retained)
     console.print(f"{verb} {total} chunks" + (f"; {result.conflicts} already deleted by others" if result.conflicts
                                               else "")
@@ -125,7 +126,8 @@ def sweep_run(
     (``trainer.retain_steps``). ``--stopped`` is checked by the sessions' heartbeats: while a session of the
     run is live, on any host, the sweep refuses, naming it (unless ``--force``). Never deletes a chunk of a
     step a resume replays (``release = "after_checkpoint"``: after the newest checkpoint), unless ``--abandon``.
-    Exit codes: 0 swept; 2 the run could not be read, a step file or a ledger record is unreadable, or the run
+    Exit codes: 0 swept; 1 some chunks could not be deleted (listed; a later sweep finishes them); 2 the run could
+    not be read, a step file or a ledger record is unreadable, or the run
     still runs here (nothing deleted).
     """
     store = open_run(run_uri, s3_endpoint_url)
@@ -136,3 +138,4 @@ def sweep_run(
         typer.echo(result.model_dump_json())
     else:
         render_sweep(result, Console())
+    raise typer.Exit(EXIT_PROBLEMS if result.failed else 0)

@@ -141,8 +141,9 @@ class RunConfig(BaseModel):
             raise ConfigError(f"orchestrator.seq_len={self.orchestrator.seq_len}: expected >= {longest}, the longest "
                               "prompt plus completion of the task (shorter samples would be truncated or dropped)")
         if self.trainer.release == "after_checkpoint" and not self.job.checkpoint_every_steps:
-            raise ConfigError('trainer.release="after_checkpoint" needs job.checkpoint_every_steps >= 1 (with 0 '
-                              "no checkpoint is ever written, so no trained chunk would ever be deleted)")
+            raise ConfigError('trainer.release="after_checkpoint" (the default) needs job.checkpoint_every_steps >= 1 '
+                              "(with 0 no checkpoint is ever written, so no trained chunk would ever be deleted); "
+                              'without checkpoints set trainer.release = "after_step"')
         if self.orchestrator.group_size < 2:
             raise ConfigError(f"orchestrator.group_size={self.orchestrator.group_size}: expected >= 2 (group-relative "
                               "advantages of a single sample are zero, so every group would be filtered)")

@@ -28,6 +28,7 @@ import torch
 from refpipe.job.config import RunConfig
 from refpipe.job.model import EOS_ID, MoELM
 from refpipe.job.report import peak_rss_bytes
+from refpipe.job.resume import refuse_finished
 from refpipe.job.roles import authkey, exit_with_launcher, open_run
 from refpipe.job.rollout import SampledBranch, sample_branches
 from refpipe.job.task import Problem, make_problems, reward
@@ -83,7 +84,8 @@ def serve_replica(run_uri: str, replica: int, host: str, s3_endpoint_url: str | 
     connection (so the orchestrator's end-of-file means the session is closed).
 
     Raises:
-        ConfigError: not a run, or ``replica`` not in ``0 .. job.num_env_workers - 1``.
+        ConfigError: not a run, a finished run (``job.resume.refuse_finished``), or ``replica`` not in
+            ``0 .. job.num_env_workers - 1``.
     """
     started_by_launcher = exit_with_launcher()
     torch.set_num_threads(1)
@@ -95,6 +97,7 @@ def serve_replica(run_uri: str, replica: int, host: str, s3_endpoint_url: str | 
         raise ConfigError(f"--replica {replica}: expected 0 .. {cfg.job.num_env_workers - 1} "
                           f"(job.num_env_workers = {cfg.job.num_env_workers})")
     key = authkey(store)
+    refuse_finished(store, cfg)
     ledger = Ledger(store, env_worker_actor(replica))
     with Listener((host, 0), authkey=key) as listener:
         address = {"host": host, "port": listener.address[1], "pid": os.getpid(), "hostname": socket.gethostname()}

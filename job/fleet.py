@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
 from refpipe.job.env_worker import GroupRequest, GroupResult
-from refpipe.job.roles import authkey, connect_replica
+from refpipe.job.roles import authkey, connect_replica, exit_reason
 from refpipe.storage.layout import HEARTBEATS_PREFIX, parse_heartbeat_key, trainer_actor
 from refpipe.storage.liveness import CLOSED, SessionWatch
 from refpipe.storage.store import Store
@@ -46,7 +46,7 @@ class Fleet:
     def dead_trainers(self) -> list[str]:
         """One line per trainer rank known dead: a started process that failed, or (wherever it runs) a
         ledger session whose heartbeat stopped (``TrainerWatch``)."""
-        failed = [f"trainer rank {rank} (exited with code {proc.returncode}; see its log above)"
+        failed = [f"trainer rank {rank} ({exit_reason(proc.returncode)})"
                   for rank, proc in enumerate(self.trainers) if proc.poll() not in (None, 0)]
         return failed or (self.trainer_watch.dead() if self.trainer_watch else [])
 
@@ -96,7 +96,7 @@ def connect_fleet(store: Store, num_replicas: int, deadline_s: float, env_procs:
     conns = []
     for replica in range(num_replicas):
         proc = env_procs[replica] if env_procs else None
-        conns.append(connect_replica(store, replica, key, deadline, alive=lambda p=proc: p is None or p.poll() is None))
+        conns.append(connect_replica(store, replica, key, deadline, exit_code=lambda p=proc: p and p.poll()))
     return Fleet(conns, env_procs, trainers, [{} for _ in conns], trainer_watch=TrainerWatch(store, dp_world_size))
 
 

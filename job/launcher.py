@@ -38,6 +38,7 @@ from refpipe.job.resume import LifeStart
 from refpipe.job.roles import start_local_roles, write_run_config
 from refpipe.job.task import warm_start
 from refpipe.job.text import markup_safe
+from refpipe.job.train_rank import checkpoint_due
 from refpipe.job.weights import point_latest, publish_weights
 from refpipe.pipeline.audit import AuditReport, audit, sweep
 from refpipe.pipeline.orchestrator import Orchestrator
@@ -340,13 +341,19 @@ class Launcher:
         return progressed
 
     def record_cost(self, step: int, reward: float, metrics: dict, deletes: tuple[int, int, int]) -> None:
-        """One ``StepCost``: step ``s``'s metrics count the release of step ``s - 1`` (run in the background)."""
-        self.released_nbytes += self.shipped_nbytes.pop(step - 1, 0)
+        """One ``StepCost``: step ``s``'s metrics count the release of step ``s - 1`` (run in the background), which
+        with ``release = "after_checkpoint"`` is the release of every step a checkpoint of step ``s - 1`` covers;
+        until then a trained step's chunks are held for a checkpoint."""
+        after_checkpoint = self.cfg.trainer.release == "after_checkpoint"
+        if not after_checkpoint or checkpoint_due(self.cfg, step - 1):
+            for released in [s for s in self.shipped_nbytes if s < step]:
+                self.released_nbytes += self.shipped_nbytes.pop(released)
         in_flight = self.kept_bytes - self.orchestrator.deleted_nbytes - self.released_nbytes
+        held = sum(n for s, n in self.shipped_nbytes.items() if s <= step) if after_checkpoint else 0
         self.costs.steps.append(StepCost(
             step=step, reward=reward, exposed_data_seconds=metrics["exposed_data_seconds_max"],
             fetch_seconds=metrics["fetch_seconds_max"], step_wait_seconds=metrics["step_wait_seconds_max"],
-            kept_bytes_in_flight=in_flight,
+            kept_bytes_in_flight=in_flight, held_for_checkpoint_bytes=held,
             deletes=dict(zip(("orchestrator", "trainer", "env worker discard"), deletes))))
 
     def finish(self, fleet: Fleet, *, failure: str | None) -> int:
@@ -376,7 +383,8 @@ class Launcher:
             "replayed_steps": self.lives["replayed"], "skipped_steps": self.lives["skipped"],
             "reclaimed_chunks": self.lives["reclaimed"]}
         self.view.summary(report, self.deletes, self.alignment_max, alignment_ok, dead_workers=sorted(fleet.dead),
-                          failure=failure, resumed=resumed)
+                          failure=failure, resumed=resumed, release=(self.cfg.trainer.release,
+                                                                     self.costs.peak_held_for_checkpoint_bytes()))
         summary = {"resumed": resumed, "failed": failed, "failure": failure, "trained_steps": self.trained,
                    "rewards": self.rewards,
                    "deletes": dict(self.deletes), "retained_chunks": report.retained,

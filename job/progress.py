@@ -83,10 +83,12 @@ class ProgressView:
         self.progress.advance(self.task)
 
     def summary(self, report: AuditReport, deletes: Counter, alignment_max: float, alignment_ok: bool,
-                dead_workers: list[int], failure: str | None, resumed: dict | None = None) -> None:
+                dead_workers: list[int], failure: str | None, resumed: dict | None = None,
+                release: tuple[str, int] | None = None) -> None:
         """The audit table, every violation, and a last line that says whether the run succeeded.
 
         ``resumed`` (a later life): checkpoint step it resumed from, steps replayed and skipped, chunks reclaimed.
+        ``release``: the release policy and the most bytes trained steps held for a checkpoint at once.
         """
         self.console.print(f"run {report.run_uri}", soft_wrap=True, highlight=False)
         table = Table(title="ledger audit", show_header=False)
@@ -98,6 +100,10 @@ class ProgressView:
         for actor, n in sorted(deletes.items()):
             table.add_row(f"deletes: {actor}", str(n))
         table.add_row("alignment max |dlogp| (on-policy)", f"{alignment_max:.2e}")
+        if release:
+            policy, held = release
+            table.add_row(f"release {policy}", f"peak {held / 2**20:.2f} MiB held for a checkpoint"
+                          if policy == "after_checkpoint" else "a resume skips steps after the last checkpoint")
         if resumed:
             start = resumed["from_checkpoint_step"]
             table.add_row("resumed from", f"checkpoint of step {start}" if start >= 0 else "the warm start")

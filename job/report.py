@@ -38,6 +38,9 @@ class StepCost:
     """Slowest rank's wait for the step file to appear (the orchestrator was behind)."""
     kept_bytes_in_flight: int
     """Bytes kept by env workers and not yet deleted by the orchestrator or a finished trainer release."""
+    held_for_checkpoint_bytes: int
+    """Bytes of trained steps' chunks held until a checkpoint covers them (``release = "after_checkpoint"``: what
+    replaying them after a crash costs in storage; 0 with ``after_step``), part of ``kept_bytes_in_flight``."""
     deletes: dict[str, int]
     """Chunks deleted so far per path: ``orchestrator``, ``trainer``, ``env worker discard``."""
 
@@ -61,7 +64,13 @@ class RunCosts:
                 "exposed_data_seconds_per_step": [s.exposed_data_seconds for s in self.steps],
                 "kept_bytes_in_flight_per_step": [s.kept_bytes_in_flight for s in self.steps],
                 "peak_kept_bytes_in_flight": max((s.kept_bytes_in_flight for s in self.steps), default=0),
+                "held_for_checkpoint_bytes_per_step": [s.held_for_checkpoint_bytes for s in self.steps],
+                "peak_held_for_checkpoint_bytes": self.peak_held_for_checkpoint_bytes(),
                 "steps": [asdict(s) for s in self.steps]}
+
+    def peak_held_for_checkpoint_bytes(self) -> int:
+        """The most bytes trained steps held for a checkpoint at once (``StepCost.held_for_checkpoint_bytes``)."""
+        return max((s.held_for_checkpoint_bytes for s in self.steps), default=0)
 
     def plot(self, title: str) -> bytes:
         """PNG bytes: reward; exposed data and fetch seconds; kept MiB in flight; deletes by path, per step."""

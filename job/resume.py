@@ -84,6 +84,23 @@ def finished_steps(store: Store) -> int | None:
     return None if summary.get("failed", True) else int(summary["trained_steps"])
 
 
+def refuse_finished(store: Store, cfg: RunConfig) -> None:
+    """``refpipe env-server``, before its ledger session: refuse a run that trained every step its ``config.json``
+    asks for (a later life that raises ``job.num_steps`` rewrites ``config.json`` first, so its replicas start).
+    Keeps into a finished run were leaked: no step trains them and its clean audit then counts them.
+
+    Raises:
+        ConfigError: the run is finished, saying how to start a new one or train this one further.
+    """
+    done = finished_steps(store)
+    if done is not None and done >= cfg.job.num_steps:
+        uri = store.prefix.uri
+        raise ConfigError(f"run {uri} is finished ({done} of {cfg.job.num_steps} steps trained, see "
+                          f"{store.uri(SUMMARY_KEY)}): an env server would keep chunks into it that nothing trains; "
+                          f"start a new run (`refpipe init` with another storage.run_id, or \"auto\"), or train this "
+                          f"one further: `refpipe run --resume {uri} --config FILE` with a larger job.num_steps")
+
+
 @dataclass(frozen=True)
 class LifeStart:
     """Where a later life of the run starts (launcher side)."""

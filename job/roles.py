@@ -22,6 +22,7 @@ import json
 import os
 import secrets
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -130,19 +131,32 @@ def authkey(store: Store) -> bytes:
         raise ConfigError(f"run {store.prefix.uri}: no {AUTHKEY_KEY} (start the run with `refpipe init`)") from e
 
 
-def connect_replica(store: Store, replica: int, key: bytes, deadline: float, alive=lambda: True) -> Connection:
+def exit_reason(returncode: int) -> str:
+    """How a role's process this process started ended, and where to look (``Popen.returncode``, not 0): a process
+    killed by a signal printed nothing, so there is no log of it above (SIGKILL is also what the kernel's OOM
+    killer sends, which its kernel log names); one that exited printed its error to this terminal."""
+    if returncode >= 0:
+        return f"exited with code {returncode}; its error is in its output above"
+    name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else f"signal {-returncode}"
+    hint = "; if nobody killed it, look for the kernel's OOM killer in `journalctl -k` or `dmesg` on this host" \
+        if -returncode == signal.SIGKILL else ""
+    return f"killed by {name}, so it printed nothing{hint}"
+
+
+def connect_replica(store: Store, replica: int, key: bytes, deadline: float,
+                    exit_code=lambda: None) -> Connection:
     """Connect to env-server replica ``replica`` once its address is published (a stale address of
     an earlier life is retried until the replica rewrites it, also when another run's replica now listens there:
     its auth key differs).
 
     Raises:
-        TimeoutError: no connection before ``deadline`` (``time.monotonic()``), or ``alive()`` turned
-            False (the replica's process, when this process started it, exited).
+        TimeoutError: no connection before ``deadline`` (``time.monotonic()``), or ``exit_code()`` (the return code
+            of the replica's process when this process started it, None while it runs) says it ended.
     """
     last = "no address published"
     while time.monotonic() < deadline:
-        if not alive():
-            raise TimeoutError(f"env-server replica {replica} exited before it could be reached; see its log above")
+        if (code := exit_code()) is not None:
+            raise TimeoutError(f"env-server replica {replica} ended before it could be reached: {exit_reason(code)}")
         try:
             address = json.loads(store.get(address_key(replica)))
             return Client((address["host"], int(address["port"])), authkey=key)

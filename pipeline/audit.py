@@ -170,6 +170,9 @@ class SweepResult(BaseModel):
     """Leaked chunks someone else deleted during the sweep (double or unknown deletes)."""
     removed_directories: int = 0
     """Empty directories removed below the run prefix (``stopped``/``abandon`` only; none on S3)."""
+    failed: list[str] = []
+    """``<chunk URI>: <store error>`` of every chunk whose keys could not all be deleted (after the store's retries;
+    not in the lists above): a later sweep finishes it."""
 
 
 def _live_sessions(store: Store, scan: RunScan) -> set[tuple[str, str]]:
@@ -437,12 +440,15 @@ def sweep(store: Store, *, stopped: bool = False, dry_run: bool = False, abandon
     result = _delete_nodes(ledger, whole, SWEEP_REASON)
     gone = _delete_nodes(ledger, kept, RETAINED_REASON)
     claimed = _delete_nodes(ledger, unclaimed, SWEEP_REASON)
-    ledger.remove_leftovers({n: k for n, k in unfinished.items() if n not in unclaimed}, event="finish_delete",
-                            reason=SWEEP_REASON)
-    ledger.remove_leftovers(incomplete, event="remove_incomplete", reason=SWEEP_REASON)
+    failed = {**result.failed, **gone.failed, **claimed.failed}
+    failed |= ledger.remove_leftovers({n: k for n, k in unfinished.items() if n not in unclaimed},
+                                      event="finish_delete", reason=SWEEP_REASON)
+    failed |= ledger.remove_leftovers(incomplete, event="remove_incomplete", reason=SWEEP_REASON)
     ledger.close()
-    return SweepResult(dry_run=False, deleted=result.deleted, finished_deletes=report.unfinished_deletes,
-                       removed_incomplete=[store.uri(n) for n in incomplete], retained=gone.deleted,
+    return SweepResult(dry_run=False, deleted=result.deleted,
+                       finished_deletes=[u for u in report.unfinished_deletes if u not in failed],
+                       removed_incomplete=[store.uri(n) for n in incomplete if store.uri(n) not in failed],
+                       retained=gone.deleted, failed=[f"{uri}: {error}" for uri, error in sorted(failed.items())],
                        conflicts=sum(len(r.double_deletes) + len(r.unknown) for r in (result, gone, claimed)),
                        removed_directories=store.remove_empty_directories() if stopped or abandon else 0)
 

@@ -33,7 +33,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.storage.chunk import PayloadRef
-from refpipe.storage.errors import StepFileError, validation_problems
+from refpipe.storage.errors import KeyExistsError, StepFileError, validation_problems
 from refpipe.storage.layout import step_key
 from refpipe.storage.store import Store
 
@@ -226,7 +226,7 @@ def encode_step_file(header: StepHeader, streams: Mapping[tuple[int, int], Mappi
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as zf:
         # members dated 1980-01-01 (ZipInfo's default), not now: the same step encodes to the same bytes, so a
-        # publish retried after a lost answer is recognised as this writer's own (the store's write token)
+        # publish tried again after a failed one whose put was applied finds them (publish_step_file)
         zf.writestr(zipfile.ZipInfo(HEADER_MEMBER), header.model_dump_json())
         for mb in header.micro_batches:
             arrays = streams.get((mb.dp_rank, mb.index), {})
@@ -244,14 +244,23 @@ def encode_step_file(header: StepHeader, streams: Mapping[tuple[int, int], Mappi
 def publish_step_file(store: Store, header: StepHeader, streams) -> str:
     """Write a step file with one exclusive put; return its URI.
 
+    A publish that failed although its put was applied (every answer lost) is done when the same step is
+    published again: the step file already there holds these very bytes (``Store.put`` tells only the retries of
+    one call apart by its write token).
+
     Raises:
         StepFileError: as ``encode_step_file``, or the header belongs to another run.
-        KeyExistsError: this step was already published.
+        KeyExistsError: this step was already published with other contents.
     """
     if header.run_uri != store.prefix.uri:
         raise StepFileError(f"step {header.step}: header run_uri {header.run_uri!r}, expected {store.prefix.uri!r}")
     key = step_key(header.step)
-    store.put(key, encode_step_file(header, streams), exclusive=True)
+    data = encode_step_file(header, streams)
+    try:
+        store.put(key, data, exclusive=True)
+    except KeyExistsError:
+        if store.get(key) != data:
+            raise
     return store.uri(key)
 
 

@@ -39,7 +39,7 @@ _ERRORS = ("RefpipeError", "ConfigError", "OutsideRunError", "StorageError", "Tr
            "ChunkCorruptError", "KeyExistsError",
            "DoubleDeleteError", "UnknownRefError", "FieldError", "EpisodeError", "StepFileError", "PackingError",
            "FetchError", "AlignmentError", "DeleteKeysError", "CheckpointError", "ReplayMismatchError",
-           "RunStillRunningError", "DeleteRecordError", "LedgerRecordError",
+           "RunStillRunningError", "DeleteRecordError", "LedgerRecordError", "TruncatedChunkError",
            "StepOrderError")
 _WHERE = {
     "Branch": "refpipe.pipeline.keep", "Keeper": "refpipe.pipeline.keep",
@@ -75,9 +75,10 @@ __all__ = [
     "ReplayMismatchError", "ResumePlan", "RunNotFoundError", "RunPathNotADirectoryError", "RunStillRunningError",
     "SliceError", "SliceId", "StepDataset", "StepFileError", "StepHeader", "StepMetrics", "StepMicroBatch",
     "StepOrderError", "StorageConfig", "StorageError", "Store", "TrainMicroBatch", "TrainerConfig", "TrainerRank",
-    "TrainingStep", "TransientStorageError", "UnknownRefError", "ValueChecks", "balanced_packer",
-    "engine_routed_experts", "fetch_arrays", "first_fit_packer", "from_episode", "group_normalized",
-    "init_process_group", "new_data_group", "open_store", "publish_step", "rloo", "sglang_routed_experts"
+    "TrainingStep", "TransientStorageError", "TruncatedChunkError", "UnknownRefError", "ValueChecks",
+    "balanced_packer", "engine_routed_experts", "fetch_arrays", "first_fit_packer", "from_episode",
+    "group_normalized", "init_process_group", "new_data_group", "open_store", "publish_step", "rloo",
+    "sglang_routed_experts"
 ]
 """The public names, spelled out so that type checkers see them (pyright reads only a literal ``__all__``)."""
 
@@ -123,6 +124,7 @@ if TYPE_CHECKING:
         StepOrderError,
         StorageError,
         TransientStorageError,
+        TruncatedChunkError,
         UnknownRefError,
     )
     from refpipe.storage.fetch import fetch_arrays

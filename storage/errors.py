@@ -59,6 +59,10 @@ class ChunkCorruptError(StorageError, ValueError):
     """A chunk exists but its length, checksum or metadata does not match its reference."""
 
 
+class TruncatedChunkError(ChunkCorruptError):
+    """A chunk read returned fewer bytes than its reference spans on every read (the first and each re-read)."""
+
+
 class KeyExistsError(StorageError, FileExistsError):
     """An exclusive put found the key already present."""
 

@@ -36,6 +36,7 @@ from refpipe.storage.errors import (
     ChunkCorruptError,
     ChunkNotFoundError,
     KeyNotFoundError,
+    TruncatedChunkError,
 )
 from refpipe.storage.store import Store
 
@@ -207,20 +208,27 @@ def _cut(ref: PayloadRef, n: int, read) -> dict[str, np.ndarray]:
 def _read_rows(store: Store, data_key: str, ref: PayloadRef, lay: ArrayLayout, rows: int) -> np.ndarray:
     """The first ``rows`` rows of one array: read its first ``ceil(rows / block_rows)`` blocks, check each crc32c.
 
+    A short read is read again (``max_retries`` times with backoff, counted): a body cut on the way arrives
+    with a matching length (no transport checksum covers a range), and only a re-read tells it from a short chunk.
+
     Raises:
-        ChunkCorruptError: fewer bytes than the blocks span (truncated chunk), or a block's crc32c
-            differs from the ref's (names the array and the block's rows).
+        TruncatedChunkError: fewer bytes than the blocks span on every read (truncated chunk).
+        ChunkCorruptError: a block's crc32c differs from the ref's (names the array and the block's rows).
     """
     if rows == 0:
         return np.frombuffer(b"", lay.dtype).reshape(0, *lay.shape[1:])  # read-only, like every fetched array
     row_nbytes = lay.dtype.itemsize * int(np.prod(lay.shape[1:], dtype=np.int64))
     blocks = -(-rows // ref.block_rows)
     end = lay.offset + min(blocks * ref.block_rows, lay.shape[0]) * row_nbytes
-    data = store.get(data_key, lay.offset, end)
-    if len(data) != end - lay.offset:
-        raise ChunkCorruptError(
-            f"chunk {ref.uri}: array {lay.name} bytes [{lay.offset}, {end}) read {len(data)} bytes (truncated chunk)"
-        )
+
+    def read() -> bytes:
+        data = store.get(data_key, lay.offset, end)
+        if len(data) != end - lay.offset:
+            raise TruncatedChunkError(f"chunk {ref.uri}: array {lay.name} bytes [{lay.offset}, {end}) read "
+                                      f"{len(data)} bytes (truncated chunk; read {store.config.max_retries + 1} times)")
+        return data
+
+    data = store.retrying(f"read {ref.uri}", read, retry=TruncatedChunkError)
     block_nbytes = ref.block_rows * row_nbytes
     for b in range(blocks):
         computed = crc32c.crc32c(memoryview(data)[b * block_nbytes : (b + 1) * block_nbytes])

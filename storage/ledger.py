@@ -269,6 +269,7 @@ class Ledger:
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()
         self._unfinished: dict[str, _Unfinished] = {}
+        self._flush_failed = False
         self._refuse_a_live_session()
         self.session = self._open()
 
@@ -283,8 +284,8 @@ class Ledger:
 
     def _open(self) -> str:
         """Write the ``open`` segment under a fresh session id (the next millisecond on a clash),
-        then probe that the store honours exclusive puts by putting other bytes at its key (an exclusive
-        put of the same bytes by the same writer would count as that writer's own, applied, put)."""
+        then probe that the store honours exclusive puts by putting at its key again (another call: its write
+        token is not the first put's)."""
         opened_ms = int(time.time() * 1000)
         event = {"event": "open", "actor": self.actor, "t": round(time.time(), 3), "pid": os.getpid(),
                  "host": socket.gethostname()}
@@ -320,7 +321,7 @@ class Ledger:
 
         Raises:
             StorageError: the put failed after the store's retries; the events stay buffered for the next flush
-                (same segment number: a put that was applied after all is recognised as this writer's).
+                (same segment number: a put that was applied after all is found holding the first of them).
         """
         with self._flush_lock:
             with self._lock:
@@ -330,13 +331,35 @@ class Ledger:
             if not events:
                 return
             try:
-                self._put_segment(self.session, seq, events)
+                seq = self._put_next_segment(seq, events)
             except StorageError:
                 with self._lock:
                     self._events[:0] = events
+                    self._flush_failed = True
                 raise
             with self._lock:
-                self._seq = seq + 1
+                self._seq, self._flush_failed = seq, False
+
+    def _put_next_segment(self, seq: int, events: list[dict]) -> int:
+        """Put ``events`` as segment ``seq``; return the next segment number. After a failed flush, segment ``seq``
+        may exist although its put failed (applied, its answer lost): when it holds exactly the first events
+        buffered, only the rest are put, from ``seq + 1``.
+
+        Raises:
+            KeyExistsError: segment ``seq`` holds something else.
+        """
+        try:
+            self._put_segment(self.session, seq, events)
+            return seq + 1
+        except KeyExistsError:
+            if not self._flush_failed:
+                raise
+            stored = self.store.get(segment_key(self.actor, self.session, seq))
+            lines = [encode_record(event) for event in events]
+            written = next((n for n in range(1, len(lines) + 1) if b"".join(lines[:n]) == stored), None)
+            if written is None:
+                raise
+        return self._put_next_segment(seq + 1, events[written:]) if written < len(events) else seq + 1
 
     def _put_segment(self, session: str, seq: int, events: list[dict]) -> None:
         body = b"".join(map(encode_record, events))
@@ -420,7 +443,8 @@ class Ledger:
             targets.append(_Target(branch_id_of(node), self.store.uri(node), present, list(keys)))
         return self._delete_targets(targets, reason, max_concurrency)
 
-    def remove_leftovers(self, nodes: Mapping[str, Sequence[str]], *, event: str, reason: str) -> None:
+    def remove_leftovers(self, nodes: Mapping[str, Sequence[str]], *, event: str,
+                         reason: str) -> dict[str, StorageError]:
         """Delete keys of chunks that need no claim, recording one ``event`` per chunk.
 
         For the sweep: chunks whose delete record exists but whose objects remain (a
@@ -429,11 +453,21 @@ class Ledger:
 
         Args:
             nodes: node key -> every key listed under it.
+
+        Returns:
+            Node URI -> the store error of a key that could not be deleted (after the store's retries), for the
+            chunks not finished; every other chunk's keys were deleted.
         """
         for node in nodes:
             self.record(event, branch_id=branch_id_of(node), uri=self.store.uri(node), reason=reason)
-        self.store.delete_keys([key for keys in nodes.values() for key in keys])
+        failed: dict[str, StorageError] = {}
+        try:
+            self.store.delete_keys([key for keys in nodes.values() for key in keys])
+        except DeleteKeysError as e:
+            failed = e.failed
         self.flush()
+        return {self.store.uri(node): next(failed[k] for k in keys if k in failed)
+                for node, keys in nodes.items() if any(k in failed for k in keys)}
 
     def _delete_targets(self, targets: list[_Target], reason: str, max_concurrency: int) -> DeleteResult:
         result = DeleteResult()

@@ -4,8 +4,9 @@
 transient kind. Kinds (docs/DESIGN.md, "Store errors"):
 
 - **transient**: ``EIO``, ``ETIMEDOUT``, ``ESTALE``, ``EAGAIN``, ``ENOTCONN``, ``ECONNRESET``,
-  ``EINTR``: what a Lustre client raises while it reconnects or after an eviction, and an NFS
-  soft mount when the server does not answer in time (nfs(5), ``soft``/``timeo``).
+  ``EINTR``, ``EBUSY``: what a Lustre client raises while it reconnects or after an eviction, and an NFS
+  soft mount when the server does not answer in time (nfs(5), ``soft``/``timeo``); ``EBUSY``: a name in use for a
+  while (an NFS client refuses to unlink its ``.nfs<hex>`` placeholder of a file a reader still holds open).
   ``TransientStorageError``: retried with backoff, bounded. For a write the call may have been
   applied ("maybe applied": the server did it, the answer was lost); an exclusive put resolves
   that by its write token (``Store.put``), a delete by the absent key's ``ENOENT``.
@@ -22,8 +23,9 @@ import errno
 from refpipe.storage.errors import KeyExistsError, KeyNotFoundError, StorageError, TransientStorageError
 
 TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.ETIMEDOUT, errno.ESTALE, errno.EAGAIN, errno.ENOTCONN,
-                              errno.ECONNRESET, errno.EINTR})
-"""Errnos worth retrying: a network filesystem's client lost its server for a while."""
+                              errno.ECONNRESET, errno.EINTR, errno.EBUSY})
+"""Errnos worth retrying: a network filesystem's client lost its server for a while, or a name is busy for a while
+(``EBUSY``: an NFS client's placeholder of a file a reader still holds open)."""
 
 
 def classify(what: str, uri: str, e: OSError) -> StorageError:

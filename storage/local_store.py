@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import stat
 import uuid
 from collections.abc import Callable
@@ -244,10 +245,12 @@ class LocalStore(Store):
         directory's fd: a symlink is removed itself, never followed. Returns the keys not deleted."""
         removed, failed = False, {}
         for key in keys:
+            attempts = []
             try:
-                self._attempt("cannot delete", key, lambda key=key: self._unlink(key))
+                self._attempt("cannot delete", key, lambda key=key: self._unlink(key, attempts))
             except KeyNotFoundError:
-                continue  # absent, or removed by an attempt whose answer was lost
+                removed = removed or len(attempts) > 1  # absent, or removed by an attempt whose answer was lost
+                continue
             except OutsideRunError:
                 raise
             except StorageError as e:
@@ -255,22 +258,32 @@ class LocalStore(Store):
                 continue
             removed = True
         if removed and directory.count("/") >= 2:
-            self._remove_empty_dir(directory)
+            try:
+                self._remove_empty_dir(directory)
+            except StorageError as e:  # this directory's trouble, not the batch's
+                failed.update({key: e for key in keys if key not in failed})
         return failed
 
-    def _unlink(self, key: str) -> None:
+    def _unlink(self, key: str, attempts: list) -> None:
+        attempts.append(key)
         with self._directory(key) as (dir_fd, name):
             os.unlink(name, dir_fd=dir_fd)
 
     def _remove_empty_dir(self, directory: str) -> None:
-        try:
+        """``rmdir`` an emptied directory; one that holds entries again stays. A transient error is retried, and an
+        attempt applied whose answer was lost (``ESTALE``) is done: the retry finds no directory."""
+        def rmdir() -> None:
             with self._directory(directory) as (dir_fd, name):
-                os.rmdir(name, dir_fd=dir_fd)
-        except (KeyNotFoundError, FileNotFoundError):
+                try:
+                    os.rmdir(name, dir_fd=dir_fd)
+                except OSError as e:
+                    if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                        raise
+
+        try:
+            self._attempt("cannot remove directory", directory, rmdir)
+        except KeyNotFoundError:
             return
-        except OSError as e:
-            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
-                raise StorageError(f"cannot remove directory {self.uri(directory)}: {e.strerror}") from e
 
     def remove_empty_directories(self):
         """Bottom-up ``os.fwalk`` of the run prefix (symlinks never followed: ``rmdir(2)`` of one is ``ENOTDIR``,
@@ -327,8 +340,8 @@ class LocalStore(Store):
     def _walk(self, key_prefix: str, strict: bool = False):
         """``(key, path)`` of every file under ``key_prefix/`` (``""``: the whole run), unordered; a symlinked
         directory below the prefix is not descended into (``os.fwalk``), a symlink to a file is listed
-        (every access to it is refused). ``strict``: a directory that cannot be read raises its ``OSError``
-        (a vanished one is skipped)."""
+        (every access to it is refused); an NFS client's placeholder (``_NFS_PLACEHOLDER``) is not. ``strict``: a
+        directory that cannot be read raises its ``OSError`` (a vanished one is skipped)."""
         base = f"{self.prefix.path}/{self.prefix.check_key(key_prefix)}" if key_prefix else self.prefix.path
         try:
             with self._directory(key_prefix, is_dir=True) if key_prefix else self._directory("x"):
@@ -346,7 +359,8 @@ class LocalStore(Store):
             for directory, _, files, _ in os.fwalk(".", dir_fd=top, onerror=_raise_unless_gone if strict else None):
                 rel = os.path.normpath(os.path.join(key_prefix, directory))
                 for name in files:
-                    yield (name if rel == "." else f"{rel}/{name}"), f"{base}/{directory}/{name}"
+                    if not _NFS_PLACEHOLDER.fullmatch(name):
+                        yield (name if rel == "." else f"{rel}/{name}"), f"{base}/{directory}/{name}"
         finally:
             os.close(top)
 
@@ -363,6 +377,10 @@ def _raise_unless_gone(e: OSError) -> None:
         raise e
 
 
+_NFS_PLACEHOLDER = re.compile(r"\.nfs[0-9A-Fa-f]+")
+"""What an NFS client renames a file to when it is unlinked while a process holds it open (the "silly rename",
+``.nfs<hex>`` in the same directory; unlinking it is ``EBUSY`` until the last close, when the client removes it
+itself): no object of the run, never listed, so no audit counts it and no sweep unlinks it."""
 _HAVE_TMPFILE = hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")
 _TOKEN_XATTR = f"user.{WRITE_TOKEN}"
 _DELETE_THREADS = 8

@@ -4,7 +4,8 @@ Kinds (docs/DESIGN.md, "Store errors"):
 
 - **transient**: the connection failed or timed out (botocore ``ConnectionError``/``HTTPClientError``,
   which include ``ReadTimeoutError``, ``ConnectTimeoutError``, ``ConnectionClosedError`` and a short
-  body's ``ResponseStreamingError``; aiohttp errors; ``asyncio.TimeoutError``), the server throttled
+  body's ``ResponseStreamingError``; aiohttp errors; ``asyncio.TimeoutError``), a body arrived that does not match
+  its transport checksum (``FlexibleChecksumError``: cut or damaged on the way; read again), the server throttled
   (``SlowDown``, 503), failed (5xx, ``InternalError``) or saw a conflicting conditional write (409).
   ``TransientStorageError``: retried by ``Store.retrying``. For a write the request may have been
   applied ("maybe applied"): an exclusive put resolves that by its write token (``S3Store.put``).
@@ -53,7 +54,7 @@ def classify(what: str, uri: str, e: BaseException) -> StorageError:
     """
     if isinstance(e, StorageError):
         return e
-    if isinstance(e, _NETWORK):
+    if isinstance(e, (*_NETWORK, botocore.exceptions.FlexibleChecksumError)):
         return TransientStorageError(f"{what}: {type(e).__name__}: {e}")
     code, status = error_code(e)
     if code == "NoSuchBucket":

@@ -24,7 +24,6 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-import xxhash
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import DeleteKeysError, KeyExistsError, StorageError, TransientStorageError
 from refpipe.storage.uri import RunPrefix
@@ -35,25 +34,15 @@ Data = Buffer | list[Buffer] | tuple[Buffer, ...]
 T = TypeVar("T")
 _RETRIES_LOCK = threading.Lock()
 WRITE_TOKEN = "refpipe-write"
-"""Name of the write token of every exclusive put, ``<writer>.<XXH3-128 of the body>``: S3 user metadata
-(``x-amz-meta-refpipe-write``), an extended attribute on a filesystem (``user.refpipe-write``)."""
+"""Name of the write token of every exclusive put, ``<writer>.<call>`` (``call``: random per ``put`` call, the same
+for that call's retries): S3 user metadata (``x-amz-meta-refpipe-write``), an extended attribute on a filesystem
+(``user.refpipe-write``)."""
 
 
 def buffers_of(data: Data) -> list | tuple:
     """``data`` as a list of buffers: a list or tuple is already one; anything else (bytes, an ndarray) is one
     buffer."""
     return data if isinstance(data, (list, tuple)) else [data]
-
-
-def body_hash(buffers) -> str:
-    """XXH3-128 (hex) of the buffers' bytes in order: the body part of a write token. It tells this writer's own
-    earlier attempt from another body, not an adversary's forgery, so a fast non-cryptographic hash serves
-    (~10 GiB/s here vs blake2b's 0.7 GiB/s: every keep and checkpoint share is hashed once). Not crc32c: a chunk
-    ends with its own crc32c, and the crc32c of any such body is one constant."""
-    digest = xxhash.xxh3_128()
-    for buffer in buffers:
-        digest.update(memoryview(buffer).cast("B"))
-    return digest.hexdigest()
 
 
 class Store(abc.ABC):
@@ -65,7 +54,7 @@ class Store(abc.ABC):
 
     Attributes:
         retries: retries by ``retrying`` in this process (trainer metrics).
-        idempotent_puts: exclusive puts that found this writer's own earlier, applied attempt (its answer
+        idempotent_puts: exclusive puts that found their own earlier, applied attempt (its answer
             lost) and succeeded.
     """
 
@@ -152,13 +141,14 @@ class Store(abc.ABC):
         only of the process (a filesystem ``fsync``s the file before it appears; an S3 PUT always is): checkpoints.
         With ``exclusive=True`` exactly one of any number of concurrent
         puts of ``key`` succeeds; the others raise ``KeyExistsError``. An exclusive put stores a write token
-        (``WRITE_TOKEN``: this writer and the body's hash) with the object, atomically; when it finds the key
-        present, the object's token is read (one HEAD or ``getxattr``), and when it is this writer's for
-        these bytes, an earlier attempt of this put was applied and its answer lost (a "maybe applied"
-        error, retried): the put succeeds and counts in ``idempotent_puts``.
+        (``WRITE_TOKEN``: this writer and this call) with the object, atomically; when it finds the key
+        present, the object's token is read (one HEAD or ``getxattr``), and when it is this call's, an
+        earlier attempt of this call was applied and its answer lost (a "maybe applied" error, retried):
+        the put succeeds and counts in ``idempotent_puts``. A later call is never taken for a retry of an
+        earlier one, whatever its bytes: it raises ``KeyExistsError``.
 
         Raises:
-            KeyExistsError: ``exclusive`` and ``key`` holds another writer's object (it is unchanged).
+            KeyExistsError: ``exclusive`` and ``key`` holds an object this call did not write (it is unchanged).
             StorageError: any other failure (``TransientStorageError`` once retries are spent).
         """
         buffers = buffers_of(data)
@@ -166,7 +156,7 @@ class Store(abc.ABC):
         if not exclusive:
             self.retrying(what, lambda: self._put(key, buffers, None, durable))
             return
-        token = f"{self.writer}.{body_hash(buffers)}"
+        token = f"{self.writer}.{uuid.uuid4().hex[:16]}"  # this call's: kept across its retries only
         try:
             self.retrying(what, lambda: self._put(key, buffers, token, durable))
         except KeyExistsError:

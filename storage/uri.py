@@ -27,24 +27,33 @@ other readers (zarr, fsspec) may decode, and URI parsers strip or refuse control
 built from such a root would not parse back to it (DESIGN.md, invariant 4)."""
 
 
+def _refuse_uri_characters(root: str, path: str) -> None:
+    """Raise ``ConfigError`` when ``path`` (``root`` itself, or the absolute path it resolves to) holds a character
+    of ``_NOT_IN_URIS``."""
+    bad = _NOT_IN_URIS.search(path)
+    if bad:
+        where = "" if path == root else f" (resolved to {path!r})"
+        raise ConfigError(f"run root {root!r}{where}: character {bad[0]!r} at position {bad.start()} cannot be part of "
+                          "a run URI (# and ? start a URI fragment or query, % an escape, control characters are "
+                          "stripped): expected a root without it" + (" (give an absolute root, or start from another "
+                                                                     "working directory)" if where else ""))
+
+
 def _split_root(root: str) -> tuple[str, str]:
     """Return ``(scheme, path)`` of a run root; local paths become absolute ``file`` paths.
 
     Raises:
-        ConfigError: a character that does not round-trip through a URI (``_NOT_IN_URIS``), an
-            unknown scheme or a malformed root.
+        ConfigError: a character that does not round-trip through a URI (``_NOT_IN_URIS``) in the root or in the
+            absolute path a relative root resolves to (the working directory), an unknown scheme or a malformed root.
     """
-    bad = _NOT_IN_URIS.search(root)
-    if bad:
-        raise ConfigError(f"run root {root!r}: character {bad[0]!r} at position {bad.start()} cannot be part of a run "
-                          "URI (# and ? start a URI fragment or query, % an escape, control characters are stripped): "
-                          "expected a root without it")
+    _refuse_uri_characters(root, root)
     parts = urlsplit(root)
     if parts.scheme in ("", "file"):
         if parts.scheme == "file" and parts.netloc not in ("", "localhost"):
             raise ConfigError(f"run root {root!r}: file:// URIs take no host, got {parts.netloc!r}")
-        path = parts.path if parts.scheme == "file" else root
-        return "file", os.path.abspath(os.path.expanduser(path))
+        path = os.path.abspath(os.path.expanduser(parts.path if parts.scheme == "file" else root))
+        _refuse_uri_characters(root, path)  # a relative root takes on the working directory's characters
+        return "file", path
     if parts.scheme == "s3":
         if not parts.netloc:
             raise ConfigError(f"run root {root!r}: expected s3://bucket[/prefix]")

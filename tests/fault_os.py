@@ -11,6 +11,9 @@ FUSE filesystem would need libfuse bindings the test environment does not have).
 ``os`` module as ``refpipe.storage.local_store`` sees it and fails one system call whose name argument matches:
 ``before`` it runs (the request never reached the server) or ``after`` it ran (the server applied it; its answer
 was lost, which a client's retransmission after a timeout turns into ``EEXIST`` or ``ENOENT``).
+
+Simulated (``NfsClient``): an NFS client's silly rename of a file unlinked while it is open, done for real on the
+directory (rename to ``.nfs<hex>``, ``EBUSY`` for unlinking it while open, removed at the last close).
 """
 
 from __future__ import annotations
@@ -21,18 +24,20 @@ import errno
 import fcntl
 import os
 import re
+import stat
 from dataclasses import dataclass
 
 import pytest
 
-_NAME_ARG = {"open": 0, "stat": 0, "unlink": 0, "link": 1, "replace": 1}
+_NAME_ARG = {"open": 0, "stat": 0, "unlink": 0, "rmdir": 0, "link": 1, "replace": 1}
 """Position of the name (relative to a directory fd) each wrapped function acts on."""
 
 
 @dataclass
 class OsFault:
     function: str
-    """``os`` function: ``open``, ``stat``, ``unlink``, ``link`` (exclusive puts) or ``replace`` (plain puts)."""
+    """``os`` function: ``open``, ``stat``, ``unlink``, ``rmdir``, ``link`` (exclusive puts) or ``replace`` (plain
+    puts)."""
     name: str
     """Regular expression the whole name must match (``re.fullmatch``)."""
     error: int
@@ -124,3 +129,55 @@ def refusing(directory: str):
             fcntl.ioctl(fd, _FS_IOC_SETFLAGS, bytearray(before.to_bytes(8, "little")))
     finally:
         os.close(fd)
+
+
+class NfsClient:
+    """A stand-in for the ``os`` module as ``refpipe.storage.local_store`` sees it that unlinks as an NFS client does
+    (the "silly rename" of nfs(5) and the Linux client's ``nfs_unlink``): unlinking a regular file that a process
+    still holds open renames it to ``.nfs<inode:016x><n:08x>`` in the same directory instead (its data stays
+    readable through the open fd); unlinking such a placeholder while the file is still open is ``EBUSY``;
+    ``close(fd)`` closes the reader and, once no fd holds the file, removes the placeholder, as the client does
+    at the last close. Whether a file is open is read from ``/proc/self/fd`` (the readers are this process's).
+
+    ``renames``: ``(name, placeholder)`` of every silly rename, in order. Every other call is the real one.
+    """
+
+    def __init__(self):
+        self.renames: list[tuple[str, str]] = []
+        self._placeholders: list[tuple[int, str]] = []  # (placeholder's directory fd, placeholder name)
+
+    def __getattr__(self, attr: str):
+        return getattr(os, attr)
+
+    def unlink(self, name, *, dir_fd=None):
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if not (stat.S_ISREG(st.st_mode) and _held_open(st)):
+            return os.unlink(name, dir_fd=dir_fd)
+        if os.fsdecode(name).startswith(".nfs"):
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), name)
+        placeholder = f".nfs{st.st_ino:016x}{len(self.renames):08x}"
+        os.rename(name, placeholder, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        self.renames.append((os.fsdecode(name), placeholder))
+        self._placeholders.append((os.open(".", os.O_PATH | os.O_DIRECTORY, dir_fd=dir_fd), placeholder))
+
+    def close(self, fd: int) -> None:
+        """Close a reader's ``fd``; remove the placeholders no fd holds any more (the client's last-close unlink)."""
+        os.close(fd)
+        for dir_fd, placeholder in list(self._placeholders):
+            if not _held_open(os.stat(placeholder, dir_fd=dir_fd)):
+                os.unlink(placeholder, dir_fd=dir_fd)
+                os.close(dir_fd)
+                self._placeholders.remove((dir_fd, placeholder))
+
+
+def _held_open(st: os.stat_result) -> bool:
+    """Whether an fd of this process (not an ``O_PATH`` handle) refers to the file ``st`` describes."""
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            other = os.stat(f"/proc/self/fd/{fd}")
+            flags = fcntl.fcntl(int(fd), fcntl.F_GETFL)
+        except OSError:
+            continue
+        if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino) and not flags & os.O_PATH:
+            return True
+    return False

@@ -16,6 +16,8 @@ kind                   what the client sees (and whether the server applied the 
 ``conflict``           ``409 ConditionalRequestConflict``, not forwarded
 ``delay``              no answer for ``delay_s`` (past the client's timeout), then forwarded
 ``short_body``         forwarded; the answer's ``Content-Length`` is whole, its body half, then reset
+``cut_body``           forwarded; the answer holds the first half of the body, its ``Content-Length`` says
+                       so (a cut no length check sees: only a checksum or the reader's own sizes can)
 ``404``                ``404 NoSuchKey``, not forwarded
 ``denied``             ``403 AccessDenied`` (permanent), not forwarded
 ``refuse_delete``      a ``DeleteObjects`` answered ``400 MissingContentMD5``, not forwarded
@@ -52,10 +54,9 @@ _ERRORS = {
     "denied": (403, "AccessDenied", "Access Denied"),
     "refuse_delete": (400, "MissingContentMD5", "Missing required header for this request: Content-MD5."),
 }
-_REQUEST_KINDS = ("reset_before", "reset_after", "500_after", "slowdown", "conflict", "delay", "short_body", "404",
-                  "denied")
-KINDS = ("reset_before", "reset_after", "500_after", "slowdown", "conflict", "delay", "short_body", "404", "denied",
-         "refuse_delete", "key_error")
+_REQUEST_KINDS = ("reset_before", "reset_after", "500_after", "slowdown", "conflict", "delay", "short_body", "cut_body",
+                  "404", "denied")
+KINDS = (*_REQUEST_KINDS, "refuse_delete", "key_error")
 
 
 @dataclass
@@ -199,7 +200,8 @@ class FaultProxy:
                     return self._reset()
                 if kind == "500_after":
                     return self._error(kind)
-                self._reply(status, headers, data, short=kind == "short_body")
+                self._reply(status, headers, data[: len(data) // 2] if kind == "cut_body" else data,
+                            short=kind == "short_body")
 
             def _delete_objects(self, bucket_path: str, paths: list[str], body: bytes):
                 """``DeleteObjects`` without a request-level fault: refused whole, per-key errors, or forwarded."""

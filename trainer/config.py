@@ -30,10 +30,12 @@ class TrainerConfig(BaseModel):
     prefetch_next_step: bool = True
     """Fetch and assemble step N+1 on a background thread while step N trains (a rank then holds up to
     two steps of its arrays in host memory); false: fetch each step when it starts."""
-    release: Literal["after_step", "after_checkpoint"] = "after_step"
-    """When a DP rank deletes a trained step's chunks: right after the step (``after_step``), or once a
-    checkpoint covering the step is durable (``after_checkpoint``), so every step after the last
-    checkpoint can be replayed byte for byte after a crash (``trainer.release``)."""
+    release: Literal["after_step", "after_checkpoint"] = "after_checkpoint"
+    """When a DP rank deletes a trained step's chunks: once a checkpoint covering the step is durable
+    (``after_checkpoint``, the default: every step after the last checkpoint is replayed byte for byte after a
+    crash, nothing sampled is lost; the cost: up to a checkpoint interval of steps' chunks stay on storage, and a
+    loop that never calls ``TrainerRank.checkpointed`` never deletes them), or right after the step
+    (``after_step``: less storage, but a resume skips every step after the last checkpoint). docs/release.md."""
     retain_steps: list[int] | int = Field(default_factory=list)
     """Steps whose chunks are kept after training for offline inspection (``refpipe show``/``verify``):
     a list of step numbers, or N for every step that is a multiple of N. Their release hands the chunks

@@ -26,9 +26,9 @@ def test_a_partial_orchestrator_section_keeps_the_run_defaults(tmp_path):
 
 
 def test_a_partial_trainer_section_keeps_the_run_timeouts(tmp_path):
-    cfg = _load(tmp_path, '[trainer]\nrelease = "after_checkpoint"\n')
+    cfg = _load(tmp_path, '[trainer]\nrelease = "after_step"\n')
     t = cfg.trainer
-    assert (t.release, t.step_timeout_s, t.collective_timeout_s) == ("after_checkpoint", 300.0, 300.0)
+    assert (t.release, t.step_timeout_s, t.collective_timeout_s) == ("after_step", 300.0, 300.0)
 
 
 @pytest.mark.parametrize(("text", "expected"), [
@@ -80,3 +80,14 @@ domain = "prompt"
 def test_a_bad_declaration_in_toml_names_it(tmp_path):
     with pytest.raises(ConfigError, match="padding 'zeros' in the completion domain"):
         _load(tmp_path, '[[fields.declare]]\nname = "x"\ndtypes = ["float32"]\npadding = "zeros"\n')
+
+
+def test_the_default_release_needs_checkpoints_and_says_how_to_run_without(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        _load(tmp_path, "[job]\ncheckpoint_every_steps = 0\n")
+    assert str(info.value) == f"config {tmp_path / 'run.toml'}: " + (
+        'trainer.release="after_checkpoint" (the default) needs job.checkpoint_every_steps >= 1 (with 0 no checkpoint '
+        'is ever written, so no trained chunk would ever be deleted); without checkpoints set trainer.release = '
+        '"after_step"')
+    assert _load(tmp_path, '[job]\ncheckpoint_every_steps = 0\n[trainer]\nrelease = "after_step"\n').trainer.release \
+        == "after_step"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -33,7 +34,7 @@ def small_config(storage: StorageConfig, **job) -> RunConfig:
         job=JobConfig(**{"num_steps": 3, "warm_start_steps": 20, "eval_every_steps": 1, **job}),
         orchestrator=OrchestratorConfig(seq_len=128, dp_world_size=2, groups_per_step=2, group_size=4,
                                         max_async_level=1),
-        trainer=TrainerConfig(step_timeout_s=120, collective_timeout_s=120),
+        trainer=TrainerConfig(step_timeout_s=120, collective_timeout_s=120, release="after_step"),
     )
 
 
@@ -102,12 +103,20 @@ def assert_costs(cfg: RunConfig, summary: dict) -> None:
 
 
 def test_after_checkpoint_release_and_retained_steps_end_clean(local_config):
-    """Chunks held until a checkpoint covers their step (every 2 steps and the last), step 1 retained."""
+    """The default release: chunks held until a checkpoint covers their step (every 2 steps and the last), step 1
+    retained. Its cost, bytes held for a checkpoint, per step in summary.json and at its peak in the end table."""
+    assert TrainerConfig().release == "after_checkpoint"
     cfg = small_config(local_config, checkpoint_every_steps=2)
-    cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"release": "after_checkpoint",
-                                                                            "retain_steps": [1]})})
+    cfg = cfg.model_copy(update={"trainer": TrainerConfig(step_timeout_s=120, collective_timeout_s=120,
+                                                          retain_steps=[1])})
     code, summary, text = run_job(cfg)
     assert code == 0, text
+    store = open_store(cfg.storage)
+    step_nbytes = [sum(r.nbytes for r in StepFile.read(store, s).header.refs) for s in range(3)]
+    held = [step_nbytes[0], step_nbytes[0] + step_nbytes[1], step_nbytes[2]]  # checkpoint of step 1 releases 0, 1
+    assert summary["held_for_checkpoint_bytes_per_step"] == held
+    assert summary["peak_held_for_checkpoint_bytes"] == max(held) > 0
+    assert re.search(rf"release after_checkpoint +│ peak {max(held) / 2**20:.2f} MiB held for a checkpoint", text)
     audit = summary["audit"]
     assert audit["clean"] and (audit["outstanding"], audit["leaked"], audit["double_deletes"]) == (0, 0, 0)
     assert audit["kept"] == audit["deleted"] + audit["retained"] and audit["retained"] > 0
@@ -152,7 +161,7 @@ def write_config(tmp_path, root, run_id: str, num_steps: int = 3, warm_start_ste
     text = (f'[storage]\nroot = "{root}"\nrun_id = "{run_id}"\n'
             f"[job]\nnum_steps = {num_steps}\nwarm_start_steps = {warm_start_steps}\n"
             "[orchestrator]\n" + "".join(f"{k} = {v}\n" for k, v in orch.items()) +
-            "[trainer]\nstep_timeout_s = 120\ncollective_timeout_s = 120\n")
+            '[trainer]\nstep_timeout_s = 120\ncollective_timeout_s = 120\nrelease = "after_step"\n')
     path = tmp_path / f"{run_id}.toml"
     path.write_text(text)
     return str(path)
@@ -295,6 +304,24 @@ def test_a_group_whose_send_fails_goes_to_one_other_replica_once(tmp_path, local
         received.append(live_peer.recv())
     assert received == [GroupRequest(0, "g000000", 0)]
     assert (fleet.dead, fleet.in_flight) == ({0}, [{}, {0: GroupRequest(0, "g000000", 0)}])
+
+
+def test_a_dead_trainer_rank_is_named_with_how_it_ended_and_where_to_look():
+    """A SIGKILLed rank printed nothing, so "see its log above" pointed at nothing: the line says it was killed and
+    where the kernel names an OOM kill; a rank that exited with a code printed its error to this terminal."""
+    import subprocess
+    import sys
+
+    from refpipe.job.fleet import Fleet
+
+    ranks = [subprocess.Popen([sys.executable, "-c", code]) for code in
+             ("pass", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "raise SystemExit(3)")]
+    for proc in ranks:
+        proc.wait(timeout=60)
+    assert Fleet(conns=[], trainers=ranks).dead_trainers() == [
+        "trainer rank 1 (killed by SIGKILL, so it printed nothing; if nobody killed it, look for the kernel's OOM "
+        "killer in `journalctl -k` or `dmesg` on this host)",
+        "trainer rank 2 (exited with code 3; its error is in its output above)"]
 
 
 def test_delete_paths_get_the_rest_of_the_audits_total_as_one_labelled_path():

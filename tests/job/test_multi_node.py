@@ -188,6 +188,32 @@ def test_a_role_given_a_bad_run_id_says_so_in_one_line(tmp_path, command):
         2, "error: run_id 'bad id': expected 1-128 of [A-Za-z0-9._-], not starting with a dot\n")
 
 
+@pytest.mark.parametrize("num_steps", [3, 4], ids=["finished", "more_steps"])
+def test_an_env_server_of_a_finished_run_is_refused_before_any_keep(tmp_path, monkeypatch, num_steps):
+    """Before: env servers started against a finished run kept chunks into it (its clean audit then counted them as
+    leaked). A run whose config.json asks for more steps (a later life raising job.num_steps) is not finished."""
+    config = write_config(tmp_path, tmp_path / "root", "done", warm_start_steps=0, num_steps=num_steps)
+    monkeypatch.chdir(tmp_path)
+    assert CliRunner().invoke(app, ["init", "--config", config]).exit_code == 0
+    store = open_store(StorageConfig(root=str(tmp_path / "root"), run_id="done"))
+    store.put(SUMMARY_KEY, json.dumps({"failed": False, "failure": None, "trained_steps": 3}).encode())
+    before = sorted(store.list_prefix(""))
+    if num_steps == 4:
+        from refpipe.job.resume import refuse_finished
+        from refpipe.job.roles import open_run
+
+        assert refuse_finished(store, open_run(store.prefix.uri)[0]) is None
+        return
+    result = CliRunner().invoke(app, ["env-server", store.prefix.uri, "--replica", "0", "--host", "127.0.0.1"])
+    uri = store.prefix.uri
+    assert (result.exit_code, result.output) == (2, (
+        f"error: run {uri} is finished (3 of 3 steps trained, see {store.uri(SUMMARY_KEY)}): an env server would "
+        f"keep chunks into it that nothing trains; start a new run (`refpipe init` with another storage.run_id, or "
+        f"\"auto\"), or train this one further: `refpipe run --resume {uri} --config FILE` with a larger "
+        f"job.num_steps\n"))
+    assert sorted(store.list_prefix("")) == before
+
+
 @pytest.mark.parametrize("summary,problem", [
     ({"failed": False, "failure": None, "trained_steps": 3},
      "already finished (3 steps trained, audit in {summary}): nothing to orchestrate; start a new run with `refpipe "
@@ -252,7 +278,7 @@ def test_an_env_server_started_on_its_own_says_where_it_listens_and_how_far_it_g
                                "127.0.0.1"], stderr=subprocess.PIPE, text=True, env={**os.environ,
                                                                                     "OMP_NUM_THREADS": "1"})
     try:
-        conn = connect_replica(store, 1, authkey(store), time.monotonic() + 120, alive=lambda: server.poll() is None)
+        conn = connect_replica(store, 1, authkey(store), time.monotonic() + 120, exit_code=server.poll)
         results = []
         for i in range(2):  # groups_per_step = 2: one progress line
             conn.send(GroupRequest(i, f"g{i:06d}", i))

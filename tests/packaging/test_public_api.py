@@ -14,9 +14,10 @@ PUBLIC = [
     "ReplayMismatchError", "ResumePlan", "RunNotFoundError", "RunPathNotADirectoryError", "RunStillRunningError",
     "SliceError", "SliceId", "StepDataset", "StepFileError", "StepHeader", "StepMetrics", "StepMicroBatch",
     "StepOrderError", "StorageConfig", "StorageError", "Store", "TrainMicroBatch", "TrainerConfig", "TrainerRank",
-    "TrainingStep", "TransientStorageError", "UnknownRefError", "ValueChecks", "balanced_packer",
-    "engine_routed_experts", "fetch_arrays", "first_fit_packer", "from_episode", "group_normalized",
-    "init_process_group", "new_data_group", "open_store", "publish_step", "rloo", "sglang_routed_experts",
+    "TrainingStep", "TransientStorageError", "TruncatedChunkError", "UnknownRefError", "ValueChecks",
+    "balanced_packer", "engine_routed_experts", "fetch_arrays", "first_fit_packer", "from_episode",
+    "group_normalized", "init_process_group", "new_data_group", "open_store", "publish_step", "rloo",
+    "sglang_routed_experts",
 ]
 
 
@@ -46,7 +47,7 @@ def test_every_error_type_is_public():
     import refpipe
 
     types = {n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, errors.RefpipeError)}
-    assert len(types) == 27 and types <= set(refpipe.__all__)
+    assert len(types) == 28 and types <= set(refpipe.__all__)
 
 
 def test_type_checkers_see_every_public_name_where_it_loads_from():

@@ -172,7 +172,8 @@ def test_a_retained_chunk_without_its_zarr_json_is_still_retained_and_only_sweep
     refs = [keep(keeper, seed) for seed in range(2)]
     keeper.ledger.close()
     header = publish(store, 0, refs, [0, 0])
-    rank = ReleasePolicy(BackgroundRelease(Ledger(store, "trainer_dp0"), 0, 2), TrainerConfig(retain_steps=[0]))
+    rank = ReleasePolicy(BackgroundRelease(Ledger(store, "trainer_dp0"), 0, 2), TrainerConfig(release="after_step",
+                                                                                             retain_steps=[0]))
     rank.trained(header)
     rank.background.shutdown()
     rank.ledger.close()

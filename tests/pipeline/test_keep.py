@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 import weakref
 
@@ -164,6 +165,21 @@ def test_duplicate_branch_id_raises_and_the_first_chunk_is_unchanged(keeper, sto
     assert {key: store.get(key) for key in before} == before
     assert listing(storage_config) == listed
     assert_fetch_equals(keeper, ref, first)
+
+
+def test_a_second_keep_of_the_same_bytes_by_the_same_keeper_raises(keeper, storage_config):
+    """A later call with identical arrays is not a retry of the first (the write token is per call): it raises,
+    one keep event and one ref, and the chunk is deleted exactly once."""
+    ref = keeper.keep(Branch(P, C, fields_of(seed=1), "p0"))
+    listed = listing(storage_config)
+    with pytest.raises(KeyExistsError, match=f"{keeper.store.uri(node_key('p0'))}/c.0 already exists"):
+        keeper.keep(Branch(P, C, fields_of(seed=1), "p0"))
+    assert listing(storage_config) == listed and keeper.store.idempotent_puts == 0
+    keeper.ledger.flush()
+    events = [json.loads(line)["event"] for key in keeper.store.list_prefix("ledger/events")
+              for line in keeper.store.get(key).splitlines()]
+    assert events.count("keep") == 1
+    assert keeper.discard([ref]).deleted == [ref.uri]
 
 
 def test_default_branch_ids_are_unique_and_name_the_worker(keeper):

@@ -26,7 +26,7 @@ from refpipe.pipeline.audit import audit
 from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.backends import open_store
 from refpipe.storage.chunks import chunk_keys
-from refpipe.storage.errors import ChunkNotFoundError, TransientStorageError
+from refpipe.storage.errors import ChunkNotFoundError, TransientStorageError, TruncatedChunkError
 from refpipe.storage.fetch import fetch_arrays
 from refpipe.storage.layout import (
     LATEST_WEIGHTS_KEY,
@@ -39,7 +39,7 @@ from refpipe.storage.layout import (
 from refpipe.storage.ledger import Ledger
 
 WRITE_FAULTS = ["reset_before", "reset_after", "500_after", "slowdown", "conflict", "delay"]
-READ_FAULTS = ["reset_before", "reset_after", "500_after", "slowdown", "delay", "short_body", "404"]
+READ_FAULTS = ["reset_before", "reset_after", "500_after", "slowdown", "delay", "short_body", "cut_body", "404"]
 APPLIED = {"reset_after", "500_after"}
 """Write faults after which the server holds the object: the retry gets 412 and the write token resolves it."""
 RESENT_BELOW = {"reset_before", "reset_after"}
@@ -354,3 +354,19 @@ def test_a_failed_keep_ends_the_group_not_the_worker_and_a_resend_gets_fresh_bra
         f"g000007-a1-{i}" for i in range(n)]
     assert keeper.discard([e.branches[0].ref for e in again.episodes]).failed == {}
     _assert_audit_clean(direct, keeper.ledger, deleted=2 + n)
+
+
+@pytest.mark.parametrize("num_tokens", [None, NUM_PROMPT + 1], ids=["whole", "truncated"])
+def test_a_body_cut_on_every_read_is_a_typed_error_after_the_retries(run, num_tokens):
+    """Every GET of the chunk answers half its body with a matching length: a whole read fails its transport
+    checksum, a ranged read comes back short; each is read again (2 retries), then a typed error."""
+    direct, store, proxy = run
+    ref = keep(make_keeper(direct, direct.config), seed=2)
+    proxy.add(Fault("cut_body", "GET", r"/c\.0$", times=None))
+    if num_tokens is None:
+        with pytest.raises(TransientStorageError, match=r"gave up after 3 attempts: .*FlexibleChecksumError"):
+            fetch_arrays(store, ref)
+    else:
+        with pytest.raises(TruncatedChunkError, match=r"read 12 bytes \(truncated chunk; read 3 times\)$"):
+            fetch_arrays(store, ref, num_tokens)
+    assert (proxy.hits["cut_body"], store.retries) == (3, 2)

@@ -87,6 +87,22 @@ def test_publish_step(run, code, after):
     assert StepFile.read(store, 0).header == header and store.list_prefix("steps") == [step_key(0)]
 
 
+def test_a_failed_publish_whose_put_was_applied_is_done_when_published_again(run):
+    """The step file's first put applied and answered EIO, its two retries failing before ``linkat`` ran: the publish
+    raises; publishing the same step again (the launcher's next round, another put call) finds its bytes there."""
+    store, faults = run
+    keeper = make_keeper(store, store.config)
+    refs = [keep(keeper, seed=s) for s in range(2)]
+    _fault(faults, "link", "step_00000000.npz", "EIO", after=True)
+    _fault(faults, "link", "step_00000000.npz", "EIO", times=2)
+    with pytest.raises(TransientStorageError, match="gave up after 3 attempts"):
+        publish(store, 0, refs, [0, 1])
+    header = publish(store, 0, refs, [0, 1])
+    assert StepFile.read(store, 0).header == header and store.list_prefix("steps") == [step_key(0)]
+    with pytest.raises(KeyExistsError):  # other contents for the same step
+        publish(store, 0, refs[:1], [0])
+
+
 @pytest.mark.parametrize("code,after", WRITE_FAULTS, ids=WRITE_IDS)
 def test_flush_ledger(run, code, after):
     store, faults = run
@@ -100,6 +116,27 @@ def test_flush_ledger(run, code, after):
     segments = [[json.loads(line)["event"] for line in store.get(k).splitlines()]
                 for k in store.list_prefix("ledger/events/env_worker_0")]
     assert segments == [["open"], ["receive"], ["close"]]
+
+
+def test_a_failed_flush_that_was_applied_is_found_by_the_next_flush(run):
+    """A flush whose first attempt was applied and answered EIO, its two retries failing before ``linkat`` ran: the
+    flush raises; the next flush (another put call, so not the same write token) finds the segment holding
+    its first events and puts only the later ones."""
+    store, faults = run
+    ledger = Ledger(store, "env_worker_0")
+    name = segment_key("env_worker_0", ledger.session, 1).rpartition("/")[2]
+    _fault(faults, "link", name, "EIO", after=True)
+    _fault(faults, "link", name, "EIO", times=2)
+    ledger.record("receive", branch_ids=["a"])
+    with pytest.raises(TransientStorageError, match="gave up after 3 attempts"):
+        ledger.flush()
+    ledger.record("receive", branch_ids=["b"])
+    ledger.close()
+    keys = store.list_prefix("ledger/events/env_worker_0")
+    segments = [[json.loads(line)["branch_ids"][0] if "branch_ids" in line else json.loads(line)["event"]
+                 for line in store.get(k).decode().splitlines()] for k in keys]
+    assert segments == [["open"], ["a"], ["b", "close"]]
+    assert [hit[2] for hit in faults.hits] == ["EIO"] * 3
 
 
 @pytest.mark.parametrize("code,after", WRITE_FAULTS, ids=WRITE_IDS)
@@ -198,6 +235,50 @@ def test_delete_objects(run, code, after, function, name):
     assert result.deleted == [r.uri for r in refs] and result.failed == {}
     assert faults.hits == [(function, name, code)] and store.retries == 1
     _assert_deleted(store, refs, keeper.ledger)
+
+
+def test_an_applied_rmdir_answered_estale_is_done(run):
+    """The rmdir of an emptied branch directory applied and answered ESTALE (NFS, Lustre after a server failover):
+    the retry finds it gone, every ref of the call is deleted, no directory is left."""
+    store, faults = run
+    refs, keeper = _kept_pair(store)
+    _fault(faults, "rmdir", refs[0].branch_id, "ESTALE", after=True)
+    result = Ledger(store, "trainer_dp0").delete(refs, reason="trained")
+    assert result.deleted == [r.uri for r in refs] and result.failed == {}
+    assert faults.hits == [("rmdir", refs[0].branch_id, "ESTALE")] and store.retries == 1
+    shards = {node_key(r.branch_id).rpartition("/")[0] for r in refs}
+    assert {shard: os.listdir(store.path(shard)) for shard in shards} == {shard: [] for shard in shards}
+    _assert_deleted(store, refs, keeper.ledger)
+
+
+def test_a_refused_rmdir_fails_the_refs_of_that_directory_only(run):
+    """A shard directory that refuses removing names: the rmdir of the branch directory emptied in it fails for good,
+    and only the ref of that directory is ``failed`` (its objects are gone; the next delete finishes it)."""
+    store, faults = run
+    keeper = make_keeper(store, store.config)
+    refs = [keep(keeper, seed=s) for s in (3, 4)]
+    shard = node_key(refs[0].branch_id).rpartition("/")[0]
+    while node_key(refs[1].branch_id).startswith(shard + "/"):  # a chunk in another shard
+        refs[1] = keep(keeper, seed=len(refs) + 5)
+    trainer = Ledger(store, "trainer_dp0")
+    with refusing(store.path(shard)) as code:
+        result = trainer.delete(refs, reason="trained")
+    node = store.uri(node_key(refs[0].branch_id))
+    assert [result.outcome(r.uri) for r in refs] == ["failed", "deleted"]
+    reason = os.strerror(getattr(errno, code))
+    assert str(result.failed[refs[0].uri]) == f"cannot remove directory {node}: {code} ({reason})"
+    assert trainer.finish_unfinished().deleted == [refs[0].uri] and store.list_prefix("payloads") == []
+
+
+def test_an_applied_unlink_answered_estale_removes_the_directory_it_emptied(run):
+    """The one key left in a branch directory (an unfinished delete's chunk, its marker already gone), its unlink
+    applied and answered ESTALE: the retry finds it gone, so this call emptied the directory and removes it."""
+    store, faults = run
+    store.put("payloads/ab/b1/c.0", b"chunk")
+    _fault(faults, "unlink", "c.0", "ESTALE", after=True)
+    store.delete_keys(["payloads/ab/b1/c.0"])
+    assert faults.hits == [("unlink", "c.0", "ESTALE")] and store.retries == 1
+    assert os.listdir(store.path("payloads/ab")) == []
 
 
 def test_a_transient_error_that_outlasts_the_retries_is_an_unfinished_delete(run):

@@ -139,3 +139,22 @@ def test_a_root_that_cannot_round_trip_through_a_uri_is_refused_at_configuration
     assert str(info.value) == expected
     with pytest.raises(ValueError, match=re.escape(expected)):
         StorageConfig(root=root, run_id="run_1")
+
+
+def test_a_relative_root_under_a_working_directory_with_a_hash_is_refused_at_configuration(tmp_path, monkeypatch):
+    """``root="runs"`` from ``.../job#42`` was accepted and the run written to ``file://.../job#42/runs/x``, which
+    every CLI command then refused: the library refuses it at configuration, as the CLI does, naming the path."""
+    cwd = tmp_path / "job#42"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    resolved = f"{cwd}/runs"
+    expected = (f"run root 'runs' (resolved to {resolved!r}): character '#' at position {resolved.index('#')} "
+                "cannot be part of a run URI (# and ? start a URI fragment or query, % an escape, control characters "
+                "are stripped): expected a root without it (give an absolute root, or start from another working "
+                "directory)")
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        StorageConfig(root="runs", run_id="x")
+    with pytest.raises(ConfigError) as info:
+        RunPrefix.from_root("runs", "x")
+    assert str(info.value) == expected
+    assert os.listdir(cwd) == []

@@ -368,8 +368,9 @@ class TestS3Store(StoreConformance):
         with pytest.raises(KeyExistsError):
             open_store(store.config).put("ckpt/share", b"other" * 2**21, exclusive=True)  # 10 MiB: multipart
         requests.clear()
-        store.put("ckpt/share", body, exclusive=True)  # this writer's own body again: 412, its token, no error
-        assert store.idempotent_puts == 1
+        with pytest.raises(KeyExistsError):  # this writer's body again, a later call: 412, not its token
+            store.put("ckpt/share", body, exclusive=True)
+        assert store.idempotent_puts == 0
         assert requests.kinds()[-3:] == ["CompleteMultipartUpload", "AbortMultipartUpload", "HEAD"]
         store.put("small", b"x" * part)  # at the part size: one PUT
         assert requests.kinds()[-1] == "PUT"

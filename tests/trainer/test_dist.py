@@ -69,7 +69,7 @@ def start_world(tmp_path: Path, storage: StorageConfig, world_size: int, model_p
             "storage": storage.model_dump(), "fields": FIELDS.model_dump(), "steps": steps,
             "exit_before": exit_before or {}, "fetch_raises": fetch_raises or {}, "default_backend": default_backend,
             "trainer": {"model_parallel_size": model_parallel_size, "step_timeout_s": 30, "step_poll_s": 0.1,
-                        "collective_timeout_s": 20}, **extra}
+                        "collective_timeout_s": 20, "release": "after_step"}, **extra}
     (out / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     return out, [subprocess.Popen([sys.executable, str(worker), str(out / "spec.json"), str(r)], env=env,
