@@ -96,8 +96,8 @@ class FsCounter:
 
     The raw sides name absolute paths under their roots. refpipe's local store opens the run prefix by its
     path and resolves every key below it from directory fds (``openat(O_PATH | O_NOFOLLOW)`` per component,
-    then the operation relative to the last one: ``LocalStore._directory``), so its calls name a bare entry
-    name: a relative path is refpipe's, and its ``O_PATH`` opens (the run prefix's included) count as
+    then the operation relative to the last one, the directory fds cached: ``LocalStore._at``), so its calls
+    name a bare entry name: a relative path is refpipe's, and its ``O_PATH`` opens (the run prefix's included) count as
     ``walk``, apart from the calls that touch data or create entries.
     """
 
