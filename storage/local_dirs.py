@@ -106,6 +106,11 @@ class DirectoryHandles:
             for k in [k for k in self._handles if k == key or k.startswith(f"{key}/") or not key]:
                 self._drop(k, self._handles.pop(k))
 
+    def __del__(self) -> None:
+        if self._pid == os.getpid():  # the store is gone: its handles are not leased any more
+            for handle in [*self._handles.values(), *self._orphans.values()]:
+                os.close(handle.fd)
+
     def _drop(self, key: str, handle: _Handle) -> None:
         handle.dropped = True
         if handle.users == 0:
