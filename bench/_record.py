@@ -1,9 +1,11 @@
 """Run one bench and write its result file: ``bench/results/<bench>_<machine>_<YYYYMMDD>.md``.
 
-``python bench/_record.py <bench>.py [bench args...]`` runs ``python bench/<bench>.py [args]`` from the repository
-root and records the commit, the machine (``lscpu`` model, cores, memory), the load average before and after, the
-versions of Python and the libraries the data path uses, the command, the bench's output and its last line (the
-JSON summary). ``<machine>`` is the lscpu model and core count as a slug (``amd-epyc-2c``).
+``python bench/_record.py [--as=NAME] <bench>.py [bench args...]`` runs ``python bench/<bench>.py [args]``
+from the repository root and records the commit, the machine (``lscpu`` model, cores, memory), the load
+average before and after, the versions of Python and the libraries the data path uses, the command, the
+bench's output and its last line (the JSON summary). ``<machine>`` is the lscpu model and core count as a
+slug (``amd-epyc-2c``); ``--as`` names the result another way than the bench (``keep_fetch_s3`` for a run
+against S3).
 """
 
 from __future__ import annotations
@@ -37,9 +39,13 @@ def slug(m: dict) -> str:
 
 
 def main() -> None:
-    if len(sys.argv) < 2 or not (ROOT / "bench" / sys.argv[1]).is_file():
-        raise SystemExit(f"usage: python bench/_record.py <bench>.py [args...] (a script in {ROOT / 'bench'})")
-    script, args = sys.argv[1], sys.argv[2:]
+    argv = sys.argv[1:]
+    name = argv.pop(0).removeprefix("--as=") if argv and argv[0].startswith("--as=") else None
+    if not argv or not (ROOT / "bench" / argv[0]).is_file():
+        raise SystemExit(f"usage: python bench/_record.py [--as=NAME] <bench>.py [args...] (a script in "
+                         f"{ROOT / 'bench'})")
+    script, args = argv[0], argv[1:]
+    name = name or Path(script).stem
     command = [sys.executable, f"bench/{script}", *args]
     load_before = os.getloadavg()
     started = datetime.datetime.now(datetime.timezone.utc)
@@ -53,11 +59,11 @@ def main() -> None:
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                                 capture_output=True, text=True).stdout.strip())
     m = machine()
-    versions = {"python": platform.python_version(), **{name: metadata.version(name) for name in VERSIONS}}
-    path = ROOT / "bench" / "results" / f"{Path(script).stem}_{slug(m)}_{started:%Y%m%d}.md"
+    versions = {"python": platform.python_version(), **{dist: metadata.version(dist) for dist in VERSIONS}}
+    path = ROOT / "bench" / "results" / f"{name}_{slug(m)}_{started:%Y%m%d}.md"
     path.parent.mkdir(exist_ok=True)
     path.write_text(
-        f"# {Path(script).stem}, {started:%Y-%m-%d %H:%M} UTC\n\n"
+        f"# {name}, {started:%Y-%m-%d %H:%M} UTC\n\n"
         f"- commit: `{commit}`{' (with uncommitted changes)' if dirty else ''}\n"
         f"- machine: {m['model']}, {m['cores']} cores, {m['memory_GiB']} GiB, Linux {m['kernel']}\n"
         f"- load average (1, 5, 15 min): before {_load(load_before)}, after {_load(load_after)}\n"
