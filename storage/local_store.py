@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import resource
 import stat
 import uuid
 from collections.abc import Callable
@@ -467,9 +468,10 @@ _HAVE_TMPFILE = hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")
 _TOKEN_XATTR = f"user.{WRITE_TOKEN}"
 _DELETE_THREADS = 8
 _READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
-_CACHED_DIRECTORIES = 256
-"""Directory handles (fds) a store keeps open: the run prefix, ``payloads`` and its 256 shards stay cached
-while recently kept branches' directories come and go."""
+_CACHED_DIRECTORIES = min(1024, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 8)
+"""Directory handles (fds) a store keeps open: enough for the run prefix, ``payloads`` and its 256 shards
+to stay cached while recently used branch and delete-record directories come and go, and at most an eighth
+of this process's fd limit."""
 _WRITE_PIECE_BYTES = 512 << 10
 """Bytes per ``write(2)``. On ext4 under Linux 6.18 one write of >= 2 MiB took ~3x as long as the same
 bytes in <= 1 MiB writes (measured for bench/keep_fetch.py); smaller pieces cost nothing elsewhere."""
