@@ -68,7 +68,7 @@ def main() -> None:
         f"- machine: {m['model']}, {m['cores']} cores, {m['memory_GiB']} GiB, Linux {m['kernel']}\n"
         f"- load average (1, 5, 15 min): before {_load(load_before)}, after {_load(load_after)}\n"
         f"- versions: {', '.join(f'{k} {v}' for k, v in versions.items())}\n"
-        f"- command: `python bench/{script} {' '.join(args)}`\n\n"
+        f"- command: `{' '.join(['python', f'bench/{script}', *args])}`\n\n"
         f"Output:\n\n```\n{out.stdout.strip()}\n```\n\n"
         f"JSON summary:\n\n```json\n{json.dumps(summary, indent=1)}\n```\n")
     print(path)
