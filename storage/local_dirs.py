@@ -52,31 +52,36 @@ class DirectoryHandles:
 
     def lease(self, keys: list[str]) -> tuple[str, int] | None:
         """The deepest of ``keys`` (directory keys, shallowest first) that has a handle, and its fd, which stays
-        open until ``release``; None when none has."""
+        open until ``release``; None when none has. The path check runs outside the lock (a ``readlink``)."""
         self._check_fork()
-        with self._lock:
-            for key in reversed(keys):
+        for key in reversed(keys):
+            with self._lock:
                 handle = self._handles.get(key)
                 if handle is None:
                     continue
-                if not handle.path or path_of(handle.fd) != handle.path:  # moved or removed since opened
-                    self._drop(key, self._handles.pop(key))
-                    continue
-                self._handles.move_to_end(key)
                 handle.users += 1
+            if handle.path and path_of(handle.fd) == handle.path:
+                with self._lock:
+                    if self._handles.get(key) is handle:
+                        self._handles.move_to_end(key)
                 return key, handle.fd
+            with self._lock:  # moved or removed since it was opened
+                if self._handles.get(key) is handle:
+                    self._drop(key, self._handles.pop(key))
+            self.release(key, handle.fd)
         return None
 
     def add(self, key: str, fd: int) -> int:
         """Keep ``fd`` (just opened, owned by the caller until now) as the handle of ``key``, leased to the caller;
         returns the fd to use (another thread's handle of ``key`` if it won, and ``fd`` is closed)."""
         self._check_fork()
+        path = path_of(fd) if self.limit else ""
         with self._lock:
             handle = self._handles.get(key)
             if handle is not None:
                 os.close(fd)
             else:
-                handle = self._handles[key] = _Handle(fd, path_of(fd) if self.limit else "")
+                handle = self._handles[key] = _Handle(fd, path)
                 while len(self._handles) > self.limit:
                     self._drop(*self._handles.popitem(last=False))
             handle.users += 1

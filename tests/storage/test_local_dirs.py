@@ -4,9 +4,11 @@ never used again."""
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from refpipe.storage.backends import open_store
@@ -88,3 +90,32 @@ def test_a_key_below_a_cached_directory_is_one_open_and_a_symlink_on_its_way_is_
     assert str(info.value) == (f"{reader.uri('payloads/ab/b3/c.0')}: {reader.uri('payloads/ab/b3')} is a symlink: "
                                "the local store never follows a symlink below the run prefix")
     assert ops.ops == [("open", "b3/c.0"), ("open", "b3")]  # opened, found elsewhere, closed unread; then walked
+
+
+def test_handles_evicted_while_other_threads_use_them_stay_open_until_released(local_config):
+    """Eight threads put, read and delete in 4 shards through a store that keeps 3 handles: every handle is evicted
+    while other threads hold it. Every read sees its own bytes, every delete removes its directory, and every fd is
+    closed once its handle is dropped."""
+    store = open_store(local_config)
+    store._handles().limit = 3
+    gc.collect()  # earlier tests' stores close their handles now, not during this count
+    before = len(os.listdir("/proc/self/fd"))
+
+    def worker(t: int) -> list[bytes]:
+        got = []
+        for i in range(20):
+            key = f"payloads/s{i % 4}/t{t}-{i}/c.0"
+            store.put(key, f"{t}-{i}".encode(), exclusive=True)
+            got.append(store.get(key))
+            store.delete_keys([key])
+        return got
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(worker, range(8)))
+    assert results == [[f"{t}-{i}".encode() for i in range(20)] for t in range(8)]
+    assert sorted(os.listdir(f"{store.prefix.path}/payloads")) == ["s0", "s1", "s2", "s3"]
+    assert all(os.listdir(f"{store.prefix.path}/payloads/s{s}") == [] for s in range(4))
+    assert store._handles()._orphans == {}  # every lease was released, so every dropped handle is closed
+    store._handles().forget("")
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == before
