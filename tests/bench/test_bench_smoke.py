@@ -47,7 +47,7 @@ def test_bench_completes_and_prints_its_summary(script, tmp_path):
     extra = ["--tmp", str(tmp_path)] if script in ("trainer_fetch.py", "scale_sim.py") else \
         ["--dir", str(tmp_path)] if script in ("keep_fetch.py", "release_hold.py") else ["--workdir", str(tmp_path)]
     out = subprocess.run([sys.executable, str(BENCH / script), *args, *extra], capture_output=True, text=True,
-                         timeout=240, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                         timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert keys <= summary.keys(), sorted(keys - summary.keys())
