@@ -62,7 +62,11 @@ def base_arrays(args):
 
     rng = np.random.default_rng(0)
     c = args.tokens - args.prompt_tokens
-    return (rng.integers(0, NUM_EXPERTS, (args.tokens, args.layers, args.top_k), dtype=np.uint8),
+    # distinct experts per token and layer (the data contract): a random first expert, then steps of
+    # NUM_EXPERTS // top_k; adding a branch's offset modulo NUM_EXPERTS keeps them distinct
+    first = rng.integers(0, NUM_EXPERTS, (args.tokens, args.layers, 1))
+    step = np.arange(args.top_k) * (NUM_EXPERTS // args.top_k)
+    return (((first + step) % NUM_EXPERTS).astype(np.uint8),
             rng.integers(0, 150_000, (c, args.logprobs_k), dtype=np.int32),
             -rng.random((c, args.logprobs_k), dtype=np.float32) * 10)
 

@@ -1,11 +1,13 @@
 """The store on a POSIX directory (local disk, NFS, Lustre): ``storage.store.Store`` with ``os`` calls.
 
 Confinement by resolution, not by string (DESIGN.md, invariant 4): below the run prefix no
-symlink is ever followed. Every operation opens the run prefix directory (symlinks above
-it, such as a mount path, are fine), then walks the key's directories one ``openat`` at a
-time with ``O_NOFOLLOW`` and acts on the last name relative to that directory fd
+symlink is ever followed. The run prefix directory is opened by its path (symlinks above
+it, such as a mount path, are fine), then the key's directories one ``openat`` at a
+time with ``O_NOFOLLOW``, and the operation acts on the last name relative to that directory fd
 (``openat``, ``linkat``, ``renameat``, ``unlinkat``); a symlink anywhere below the prefix is
-``OutsideRunError``, and nothing is read, written or deleted through it.
+``OutsideRunError``, and nothing is read, written or deleted through it. The directory fds
+reached are cached and reused (``storage.local_dirs``): an operation in a directory reached
+before is one system call, not one per path component.
 
 Every failed system call is classified by ``storage.local_errors.classify`` (the one place for a
 directory) and retried through ``Store.retrying`` when transient (a Lustre or NFS client's
@@ -18,6 +20,7 @@ import contextlib
 import errno
 import os
 import re
+import resource
 import stat
 import uuid
 from collections.abc import Callable
@@ -25,6 +28,7 @@ from typing import TypeVar
 
 from refpipe.storage.concurrency import bounded_map
 from refpipe.storage.errors import KeyNotFoundError, OutsideRunError, RunPathNotADirectoryError, StorageError
+from refpipe.storage.local_dirs import DirectoryHandles, path_of
 from refpipe.storage.local_errors import classify
 from refpipe.storage.store import WRITE_TOKEN, Store
 
@@ -88,19 +92,58 @@ class LocalStore(Store):
             os.close(fd)
 
     def _open_read(self, key: str) -> int:
-        """A read-only fd of ``key`` (``OutsideRunError`` through a symlink; other failures as raised)."""
-        with self._directory(key) as (dir_fd, name):
+        """A read-only fd of ``key`` (``OutsideRunError`` through a symlink; other failures as raised).
+
+        One ``openat`` of the rest of the key's path from the deepest cached directory handle, kept only when the
+        file's kernel path (``/proc/self/fd``) is that handle's path plus the rest, so no symlink led there;
+        otherwise (and on any error) the fd is closed unread and the key is walked to one component at a time.
+        """
+        fast = self._open_below_handle(key)
+        if fast is not None:
+            return fast
+
+        def op(dir_fd: int, name: str) -> int:
             try:
-                return os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=dir_fd)
+                return os.open(name, _READ_FLAGS, dir_fd=dir_fd)
             except OSError as e:
                 self._refuse_symlink(e, key, key, dir_fd, name)
                 raise
 
-    @contextlib.contextmanager
-    def _directory(self, key: str, *, create: bool = False, is_dir: bool = False):
-        """``(dir_fd, name)``: an ``O_PATH`` fd of ``key``'s directory, reached from the run prefix one component
-        at a time without following symlinks (``create``: making missing ones), and the key's last name
-        (``is_dir``: the fd of directory ``key`` itself, and None).
+        return self._at(key, op)
+
+    def _open_below_handle(self, key: str) -> int | None:
+        """``_open_read``'s one-call path: the fd, or None (no handle, a name missing or stale or a symlink, or the
+        path was not the key's); other errors are raised as the walk would raise them."""
+        parts = self.prefix.check_key(key).split("/")
+        directories = ["/".join(parts[:i]) for i in range(len(parts))]
+        handles = self._handles()
+        leased = handles.lease(directories)
+        if leased is None:
+            return None
+        rest = key[len(leased[0]) + 1:] if leased[0] else key
+        try:
+            expected = f"{handles.path(leased[0])}/{rest}"
+            fd = os.open(rest, _READ_FLAGS | os.O_NONBLOCK, dir_fd=leased[1])  # O_NONBLOCK: a FIFO never blocks
+        except OSError as e:
+            if e.errno == errno.ESTALE and _removed(leased[1]):
+                handles.forget(leased[0])
+            elif e.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                raise
+            return None  # the walk tells which name is missing or a symlink
+        finally:
+            handles.release(*leased)
+        if path_of(fd) != expected:
+            os.close(fd)
+            return None
+        return fd
+
+    def _at(self, key: str, op: Callable[[int, str | None], T], *, create: bool = False, is_dir: bool = False) -> T:
+        """``op(dir_fd, name)`` with an ``O_PATH`` fd of ``key``'s directory and the key's last name (``is_dir``: the
+        fd of directory ``key`` itself, and None). The directory is reached from the deepest one with a cached
+        handle (``storage.local_dirs``), the rest one component at a time without following symlinks
+        (``create``: making missing ones); the directories opened are cached. When ``op`` or the walk finds a
+        name missing (or stale) and the cached directory it started from was removed meanwhile, that handle is
+        forgotten and the walk starts again from a shallower one.
 
         Raises:
             KeyNotFoundError: a directory is missing (and not ``create``).
@@ -108,25 +151,68 @@ class LocalStore(Store):
         """
         parts = self.prefix.check_key(key).split("/")
         parents, name = (parts, None) if is_dir else (parts[:-1], parts[-1])
+        directories = ["/".join(parents[:i]) for i in range(len(parents) + 1)]  # "" (the run prefix) first
+        handles = self._handles()
+        while True:
+            leased = handles.lease(directories)
+            try:
+                return self._walk_from(leased, directories, key, create, lambda fd: op(fd, name))
+            except (KeyNotFoundError, OSError) as e:
+                if leased is None or not _gone(e) or not _removed(leased[1]):
+                    raise
+                handles.forget(leased[0])  # removed by another process: walk again from its parent
+            finally:
+                if leased is not None:
+                    handles.release(*leased)
+
+    def _walk_from(self, leased: tuple[str, int] | None, directories: list[str], key: str, create: bool,
+                   op: Callable[[int], T]) -> T:
+        """Open ``directories`` below the leased one (all of them when None), caching each, then ``op(fd)`` of the
+        last; every fd this opens is a cached handle, released here."""
+        handles = self._handles()
+        if leased is None:
+            key_here, fd = "", handles.add("", self._open_prefix(key, create))
+        else:
+            key_here, fd = leased[0], None
+        try:
+            dir_fd = leased[1] if fd is None else fd
+            for where in directories[directories.index(key_here) + 1:]:
+                child = self._step(dir_fd, where.rpartition("/")[2], key, where, create,
+                                   mkdir_first=create and where == directories[-1])
+                if fd is not None:
+                    handles.release(key_here, fd)
+                key_here, fd = where, handles.add(where, child)
+                dir_fd = fd
+            return op(dir_fd)
+        finally:
+            if fd is not None:
+                handles.release(key_here, fd)
+
+    def _open_prefix(self, key: str, create: bool) -> int:
+        """An ``O_PATH`` fd of the run prefix (``create``: made if missing)."""
         flags = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
         try:
             try:
-                fd = os.open(self.prefix.path, flags)
+                return os.open(self.prefix.path, flags)
             except FileNotFoundError:
                 if not create:
                     raise KeyNotFoundError(f"{self.uri(key)} does not exist") from None
                 os.makedirs(self.prefix.path, exist_ok=True)
-                fd = os.open(self.prefix.path, flags)
+                return os.open(self.prefix.path, flags)
         except (NotADirectoryError, FileExistsError) as e:  # a file at or above the run prefix
             raise self._file_in_the_way() from e
-        try:
-            for i, part in enumerate(parents):
-                child = self._step(fd, part, key, "/".join(parents[: i + 1]), create)
-                os.close(fd)
-                fd = child
-            yield fd, name
-        finally:
-            os.close(fd)
+
+    def _handles(self) -> DirectoryHandles:
+        """This store's cached directory handles (made on first use; not pickled)."""
+        handles = self.__dict__.get("_directory_handles")
+        if handles is None:
+            handles = self.__dict__.setdefault("_directory_handles", DirectoryHandles(_CACHED_DIRECTORIES))
+        return handles
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.pop("_directory_handles", None)
+        return state
 
     def _file_in_the_way(self) -> StorageError:
         """The error for a run prefix that is, or lies under, a regular file (``RunPathNotADirectoryError`` naming
@@ -142,9 +228,13 @@ class LocalStore(Store):
                     "or set storage.root to a directory (or a path that can become one)")
         return StorageError(f"run {self.prefix.uri}: cannot open {self.prefix.path} as a directory")
 
-    def _step(self, dir_fd: int, part: str, key: str, where: str, create: bool) -> int:
-        """An ``O_PATH`` fd of directory ``part`` inside ``dir_fd``, never through a symlink."""
+    def _step(self, dir_fd: int, part: str, key: str, where: str, create: bool, mkdir_first: bool = False) -> int:
+        """An ``O_PATH`` fd of directory ``part`` inside ``dir_fd``, never through a symlink (``mkdir_first``: a
+        directory that is most likely new, such as a branch's, is made before it is opened)."""
         flags = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        if mkdir_first:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, dir_fd=dir_fd)
         try:
             try:
                 return os.open(part, flags, dir_fd=dir_fd)
@@ -169,15 +259,14 @@ class LocalStore(Store):
                                   "a symlink below the run prefix") from e
 
     def _put(self, key, buffers, token, durable):
-        def op() -> None:
-            with self._directory(key, create=True) as (dir_fd, name):
-                if token is not None and _HAVE_TMPFILE:
-                    self._put_unnamed(dir_fd, name, buffers, token, durable)
-                else:
-                    self._put_named(dir_fd, name, buffers, token, durable)
+        def op(dir_fd: int, name: str) -> None:
+            if token is not None and _HAVE_TMPFILE:
+                self._put_unnamed(dir_fd, name, buffers, token, durable)
+            else:
+                self._put_named(dir_fd, name, buffers, token, durable)
 
         try:
-            op()
+            self._at(key, op, create=True)
         except OSError as e:
             raise classify("cannot write", self.uri(key), e) from e
 
@@ -266,24 +355,24 @@ class LocalStore(Store):
 
     def _unlink(self, key: str, attempts: list) -> None:
         attempts.append(key)
-        with self._directory(key) as (dir_fd, name):
-            os.unlink(name, dir_fd=dir_fd)
+        self._at(key, lambda dir_fd, name: os.unlink(name, dir_fd=dir_fd))
 
     def _remove_empty_dir(self, directory: str) -> None:
         """``rmdir`` an emptied directory; one that holds entries again stays. A transient error is retried, and an
         attempt applied whose answer was lost (``ESTALE``) is done: the retry finds no directory."""
-        def rmdir() -> None:
-            with self._directory(directory) as (dir_fd, name):
-                try:
-                    os.rmdir(name, dir_fd=dir_fd)
-                except OSError as e:
-                    if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                        raise
+        def rmdir(dir_fd: int, name: str | None) -> None:
+            try:
+                os.rmdir(name, dir_fd=dir_fd)
+            except OSError as e:
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
 
         try:
-            self._attempt("cannot remove directory", directory, rmdir)
+            self._attempt("cannot remove directory", directory, lambda: self._at(directory, rmdir))
         except KeyNotFoundError:
             return
+        finally:
+            self._handles().forget(directory)
 
     def remove_empty_directories(self):
         """Bottom-up ``os.fwalk`` of the run prefix (symlinks never followed: ``rmdir(2)`` of one is ``ENOTDIR``,
@@ -316,8 +405,7 @@ class LocalStore(Store):
 
     def exists(self, key):
         def stat() -> None:
-            with self._directory(key) as (dir_fd, name):
-                os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            self._at(key, lambda dir_fd, name: os.stat(name, dir_fd=dir_fd, follow_symlinks=False))
 
         try:
             self._attempt("cannot stat", key, stat)
@@ -344,8 +432,8 @@ class LocalStore(Store):
         directory that cannot be read raises its ``OSError`` (a vanished one is skipped)."""
         base = f"{self.prefix.path}/{self.prefix.check_key(key_prefix)}" if key_prefix else self.prefix.path
         try:
-            with self._directory(key_prefix, is_dir=True) if key_prefix else self._directory("x"):
-                pass  # refuses a symlink on the way to the listed directory
+            self._at(key_prefix or "x", lambda dir_fd, name: None, is_dir=bool(key_prefix))  # refuses a symlink
+            # on the way to the listed directory
             top = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except (KeyNotFoundError, FileNotFoundError):
             return
@@ -372,6 +460,19 @@ def _is_symlink(dir_fd: int, name: str) -> bool:
         return False
 
 
+def _gone(e: Exception) -> bool:
+    """Whether ``e`` says a name or a directory handle no longer exists (``ENOENT``, NFS's ``ESTALE``)."""
+    return isinstance(e, KeyNotFoundError) or getattr(e, "errno", None) in (errno.ENOENT, errno.ESTALE)
+
+
+def _removed(dir_fd: int) -> bool:
+    """Whether the directory of ``dir_fd`` was removed (no links left, or its handle is stale)."""
+    try:
+        return os.fstat(dir_fd).st_nlink == 0
+    except OSError:
+        return True
+
+
 def _raise_unless_gone(e: OSError) -> None:
     if not isinstance(e, FileNotFoundError):
         raise e
@@ -384,6 +485,11 @@ itself): no object of the run, never listed, so no audit counts it and no sweep 
 _HAVE_TMPFILE = hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")
 _TOKEN_XATTR = f"user.{WRITE_TOKEN}"
 _DELETE_THREADS = 8
+_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+_CACHED_DIRECTORIES = min(1024, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 8)
+"""Directory handles (fds) a store keeps open: enough for the run prefix, ``payloads`` and its 256 shards
+to stay cached while recently used branch and delete-record directories come and go, and at most an eighth
+of this process's fd limit."""
 _WRITE_PIECE_BYTES = 512 << 10
 """Bytes per ``write(2)``. On ext4 under Linux 6.18 one write of >= 2 MiB took ~3x as long as the same
 bytes in <= 1 MiB writes (measured for bench/keep_fetch.py); smaller pieces cost nothing elsewhere."""
