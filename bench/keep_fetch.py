@@ -32,6 +32,7 @@ Last line: one JSON object with ``keep_time_ratio``, ``fetch_throughput_ratio``,
 ``delete_time_ratio`` (refpipe over raw; throughput refpipe/raw), ``keep_time_vs_one_file``,
 ``fetch_throughput_vs_one_file``, ``delete_time_vs_one_file`` (the same over one file), ``objects_per_branch``,
 ``ledger_overhead_ratio`` (``Ledger.ledger_seconds`` over refpipe's keep + delete time),
+``validation_share_of_keep`` (``validate_branch`` of one branch, best of 20, over refpipe's keep time per branch),
 and per-branch filesystem ops / entries created (and S3 requests by kind) per phase.
 Targets: keep vs one file <= 1.2, fetch >= 0.95 (vs raw and vs one file), delete vs one file <= 1.2;
 filesystem operations per branch: keep <= 4, fetch <= 1.5, delete <= 5; on S3 delete <= 1.5 (vs raw), no
@@ -54,7 +55,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np  # noqa: E402
 from _args import positive_int  # noqa: E402  (bench/ is sys.path[0] when run as a script)
-from refpipe.pipeline.fields import FieldsConfig  # noqa: E402
+from refpipe.pipeline.fields import FieldsConfig, validate_branch  # noqa: E402
 from refpipe.pipeline.keep import Branch, Keeper  # noqa: E402
 from refpipe.storage.backends import open_store
 from refpipe.storage.concurrency import bounded_map  # noqa: E402
@@ -334,6 +335,17 @@ def _check_fetched(results: list, group: list[int]) -> None:
             raise RuntimeError(f"branch {i}: fetched {result!r:.200}")
 
 
+def validation_seconds(repeats: int = 20) -> float:
+    """Best-of-``repeats`` seconds of the data contract's checks of one branch (``validate_branch``, as keep does)."""
+    fields, best = base_fields(), float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        validate_branch(fields, FIELDS, num_prompt_tokens=PROMPT_TOKENS, num_completion_tokens=COMPLETION_TOKENS,
+                        what="bench")
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
 def report(args, res: dict, counter, backend: str) -> dict:
     """Print the table; return the JSON summary."""
     n, sec = args.branches, res["seconds"]
@@ -350,6 +362,7 @@ def report(args, res: dict, counter, backend: str) -> dict:
         "delete_time_vs_one_file": round(vs_one["delete"], 3),
         "ledger_overhead_ratio": round((res["ledger_seconds"]["keep"] + res["ledger_seconds"]["delete"])
                                        / (sec["refpipe", "keep"] + sec["refpipe", "delete"]), 4),
+        "validation_share_of_keep": round(validation_seconds() * n / sec["refpipe", "keep"], 4),
         "objects_per_branch": round(res["objects"] / n, 3),
         "raw_objects_per_branch": 4,
         "seconds": {f"{s}_{p}": round(sec[s, p], 3) for s in SIDES for p in PHASES},

@@ -116,8 +116,9 @@ class FieldsConfig(BaseModel):
         return {name: getattr(self, name) for name in DIMS}
 
     def registry(self) -> dict[str, FieldDecl]:
-        """Every field this run carries, built-in (in ``FIELDS`` order) then declared: name -> declaration."""
-        return _registry(self)
+        """Every field this run carries, built-in (in ``FIELDS`` order) then declared: name -> declaration
+        (a fresh dict over one cached table per config)."""
+        return dict(_registry(self))
 
     @property
     def routing_dtype(self) -> np.dtype:

@@ -76,7 +76,7 @@ def make_branch(rng: np.random.Generator, name: str, routing: bool) -> Branch:
     counts = rng.integers(0, 4, c).astype(np.int32)
     fields = {
         "topk_ids": rng.integers(0, 100, (c, 3)).astype(np.int32),
-        "topk_logprobs": rng.standard_normal((c, 3)).astype(np.float32),
+        "topk_logprobs": -np.abs(rng.standard_normal((c, 3))).astype(np.float32),  # logprobs <= 0
         "sampling_mask": Ragged(rng.integers(0, 100, int(counts.sum())).astype(np.int32), counts),
     }
     if routing:
