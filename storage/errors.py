@@ -59,6 +59,11 @@ class ChunkCorruptError(StorageError, ValueError):
     """A chunk exists but its length, checksum or metadata does not match its reference."""
 
 
+class RefError(RefpipeError, ValueError):
+    """A reference cannot be read as asked: its arrays' rows disagree with its token counts, or a read asks for
+    more tokens than it holds (a step file's slice longer than its chunk). Nothing is read."""
+
+
 class KeyExistsError(StorageError, FileExistsError):
     """An exclusive put found the key already present."""
 

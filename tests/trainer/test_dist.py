@@ -21,7 +21,17 @@ from refpipe.storage.backends import open_store
 from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.layout import tombstone_key
-from trainer_helpers import FIELDS, Seq, assert_same, build_step, expected_micro_batch, keep_all, make_branch
+from trainer_helpers import (
+    FIELDS,
+    Seq,
+    assert_same,
+    build_step,
+    expected_micro_batch,
+    forge_header,
+    forge_rows,
+    keep_all,
+    make_branch,
+)
 
 SEQ_LEN = 24
 WORKER = Path(__file__).with_name("dist_worker.py")
@@ -261,3 +271,32 @@ def test_the_data_path_runs_on_its_own_gloo_group_beside_the_default_group(tmp_p
     m0 = _check_trained(built, results, 0, 2, 1, {(0, 1)}, {(0, 1): np.concatenate(
         [_routing(built, f"s0_{x}", n) for x, n in (("a", 11), ("b", 9), ("f", 4))])})
     assert (m0["dropped_micro_batches"], m0["failed_fetches"], m0["fetched_chunks"]) == (1, 1, 7 + 4)
+
+
+def test_one_inconsistent_ref_drops_only_its_micro_batch_on_every_rank(tmp_path, local_config):
+    """2 ranks (2 DP x 1). Step 0: DP 1's micro batch 2 keeps 12 tokens of k, which holds 11 (a slice longer than
+    its chunk); step 1: h declares 6 routing rows against its 7 tokens (DP 0's micro batch 1). Each made its whole
+    step file a ``StepFileError`` on every rank; now that micro batch alone is dropped on every rank and counted,
+    the others train byte for byte, and every chunk (the inconsistent ones too) is released once."""
+    store = open_store(local_config)
+    rng = np.random.default_rng(13)
+    built = {}
+    for s in range(2):
+        layout = _layout(s)
+        if s == 0:
+            layout[1][2] = [Seq("s0_k", 12), Seq(None, 4)]
+        branches = _branches(s, rng)
+        built[s] = build_step(store, s, SEQ_LEN, layout, branches, keep_all(store, local_config, branches), rng)
+    h = next(i for i, ref in enumerate(built[1].header.refs) if ref.branch_id == "s1_h")
+    forge_header(store, 1, lambda header: forge_rows(header, h, "routed_experts", 6))
+    results = run_world(tmp_path, local_config, 2, 1, [0, 1])
+    m0 = _check_trained(built[0], results, 0, 2, 1, {(1, 2)}, {})
+    assert (m0["dropped_micro_batches"], m0["failed_fetches"], m0["fetched_chunks"]) == (1, 1, 8 + 3)  # k unread
+    mb0_rows = np.concatenate([_routing(built[1], f"s1_{x}", n) for x, n in (("a", 11), ("b", 9), ("f", 4))])
+    m1 = _check_trained(built[1], results, 1, 2, 1, {(0, 1)}, {(0, 1): mb0_rows})
+    assert (m1["dropped_micro_batches"], m1["failed_fetches"], m1["fetched_chunks"]) == (1, 1, 6 + 4)  # g, h unread
+    assert m1["micro_batch_hashes"][0][1] == "" and all(m1["micro_batch_hashes"][1])
+    final = results[("finish", 0)]
+    assert m0["deletes"] + m1["deletes"] + final["deletes"] == 2 * 11 and final["delete_problems"] == 0
+    assert store.list_prefix("payloads") == []
+    assert all(store.exists(tombstone_key(r.branch_id)) for s in range(2) for r in built[s].header.refs)
