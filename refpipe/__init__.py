@@ -12,6 +12,7 @@ stack"); every other module is internal and may change:
   (then ``finish``, ``close``), ``TrainMicroBatch``, ``StepMetrics``;
 - configs: ``StorageConfig``, ``FieldsConfig``, ``OrchestratorConfig``, ``TrainerConfig``;
 - storage: ``open_store``, ``Store``, ``PayloadRef``, ``fetch_arrays``;
+- step files, read-only (docs/step-files.md): ``read_step_file``, ``StepFile``;
 - errors: ``RefpipeError`` and its subclasses.
 
 Names load on first use, so ``import refpipe`` stays light (the trainer's names import torch).
@@ -30,7 +31,8 @@ _ERRORS = ("RefpipeError", "ConfigError", "OutsideRunError", "StorageError", "Tr
            "ChunkCorruptError", "KeyExistsError",
            "DoubleDeleteError", "UnknownRefError", "FieldError", "EpisodeError", "StepFileError", "PackingError",
            "FetchError", "AlignmentError", "DeleteKeysError", "CheckpointError", "ReplayMismatchError",
-           "RunStillRunningError", "DeleteRecordError", "LedgerRecordError")
+           "RunStillRunningError", "DeleteRecordError", "LedgerRecordError",
+           "RefError")
 _WHERE = {
     "Branch": "refpipe.pipeline.keep", "Keeper": "refpipe.pipeline.keep",
     "Ragged": "refpipe.pipeline.fields", "FieldsConfig": "refpipe.pipeline.fields",
@@ -38,6 +40,7 @@ _WHERE = {
     "Orchestrator": "refpipe.pipeline.orchestrator", "OrchestratorConfig": "refpipe.pipeline.orchestrator",
     "Episode": "refpipe.pipeline.samples", "BranchResult": "refpipe.pipeline.samples",
     "StepHeader": "refpipe.pipeline.step_file",
+    "StepFile": "refpipe.pipeline.step_file", "read_step_file": "refpipe.pipeline.step_file",
     "TrainerRank": "refpipe.trainer.step", "StepMetrics": "refpipe.trainer.step",
     "TrainerConfig": "refpipe.trainer.config", "TrainMicroBatch": "refpipe.trainer.tensors",
     "init_process_group": "refpipe.trainer.dist", "new_data_group": "refpipe.trainer.dist",

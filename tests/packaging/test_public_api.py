@@ -10,10 +10,11 @@ PUBLIC = [
     "ConfigError", "DeleteKeysError", "DeleteRecordError", "DeleteResult", "DoubleDeleteError", "Episode",
     "EpisodeError", "FetchError", "FieldError", "FieldsConfig", "Keeper", "KeyExistsError", "KeyNotFoundError",
     "Ledger", "LedgerRecordError", "Orchestrator", "OrchestratorConfig", "OutsideRunError", "PackingError",
-    "PayloadRef", "Ragged", "RefpipeError", "ReplayMismatchError", "RunNotFoundError", "RunPathNotADirectoryError",
-    "RunStillRunningError", "StepFileError", "StepHeader", "StepMetrics", "StorageConfig", "StorageError", "Store",
-    "TrainMicroBatch", "TrainerConfig", "TrainerRank", "TransientStorageError", "UnknownRefError", "fetch_arrays",
-    "init_process_group", "new_data_group", "open_store",
+    "PayloadRef", "Ragged", "RefError", "RefpipeError", "ReplayMismatchError", "RunNotFoundError",
+    "RunPathNotADirectoryError", "RunStillRunningError", "StepFile", "StepFileError", "StepHeader", "StepMetrics",
+    "StorageConfig", "StorageError", "Store", "TrainMicroBatch", "TrainerConfig", "TrainerRank",
+    "TransientStorageError", "UnknownRefError", "fetch_arrays", "init_process_group", "new_data_group", "open_store",
+    "read_step_file",
 ]
 
 
@@ -43,4 +44,4 @@ def test_every_error_type_is_public():
     import refpipe
 
     types = {n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, errors.RefpipeError)}
-    assert len(types) == 25 and types <= set(refpipe.__all__)
+    assert len(types) == 26 and types <= set(refpipe.__all__)

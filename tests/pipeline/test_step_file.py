@@ -13,9 +13,9 @@ import pytest
 from orchestrator_helpers import FIELDS, chunks, episode, make_keeper, tombstones
 from refpipe.pipeline.packing import pack_step, step_contents
 from refpipe.pipeline.samples import build_sample
-from refpipe.pipeline.step_file import HEADER_MEMBER, STREAMS, StepFile, publish_step_file
+from refpipe.pipeline.step_file import HEADER_MEMBER, STREAMS, StepFile, publish_step_file, read_step_file
 from refpipe.storage.backends import open_store
-from refpipe.storage.errors import KeyNotFoundError, StepFileError
+from refpipe.storage.errors import ConfigError, KeyNotFoundError, StepFileError
 from refpipe.storage.layout import step_key
 
 SEQ_LEN, DP = 24, 3
@@ -245,3 +245,55 @@ def test_a_step_files_zip_end_records_say_whether_it_is_whole():
         5_810_582, None, "no zip end record in its last 22 bytes (5810581 bytes: truncated or foreign)")  # zip64
     assert whole_and_cut(1, b"hi")[1] == "no zip end record in its last 22 bytes (105 bytes: truncated or foreign)"
     assert damage_from_tail(b"", 0) == "no zip end record in its last 22 bytes (0 bytes: truncated or foreign)"
+
+
+def test_the_public_reader_opens_a_step_file_by_path_or_uri_read_only_without_torch(published, storage_config):
+    """``refpipe.read_step_file``: a user found only ``StepHeader.model_validate_json(np.load(f)["header.json"])``
+    with ``dir()``. The documented reader opens a step file by a relative path, ``file://`` or ``s3://`` URI,
+    validates it, and gives its header, stream names and streams, without importing torch or writing anything."""
+    import os
+    import subprocess
+    import sys
+
+    store, _, header, streams = published
+    uri = store.uri(step_key(7))
+    cwd = os.path.dirname(storage_config.root) if storage_config.s3_endpoint_url is None else None
+    where = [os.path.relpath(store.path(step_key(7)), cwd), uri] if cwd else [uri]
+    code = ("import json, sys, refpipe\n"
+            "sf = refpipe.read_step_file(sys.argv[1], s3_endpoint_url=sys.argv[2] or None)\n"
+            "print(json.dumps({'torch': 'torch' in sys.modules, 'uri': sf.uri, 'step': sf.header.step,\n"
+            "                  'names': list(sf.stream_names), 'ids': sf.streams(1, 0)['input_ids'].tolist()}))\n")
+    for path in where:
+        out = subprocess.run([sys.executable, "-c", code, path, storage_config.s3_endpoint_url or ""],
+                             cwd=cwd, capture_output=True, text=True, check=True).stdout
+        assert json.loads(out) == {"torch": False, "uri": uri, "step": 7, "names": list(STREAMS),
+                                   "ids": streams[(1, 0)]["input_ids"].tolist()}
+    with pytest.raises(ConfigError) as info:
+        read_step_file("runs/run_1/step_00000007.npz")
+    assert str(info.value) == ("step URI 'runs/run_1/step_00000007.npz': expected "
+                               "<root>/<run_id>/steps/step_<N:08d>.npz")
+
+
+@pytest.mark.parametrize("storage_config", ["local"], indirect=True)
+def test_the_step_files_page_lists_every_stream_and_its_python_block_runs(published):
+    """docs/step-files.md: its stream table is ``STREAMS`` (name and dtype), and its Python block runs as written
+    against a published step file (the path is the one thing substituted)."""
+    import contextlib
+    import pathlib
+    import re
+
+    page = (pathlib.Path(__file__).parents[2] / "docs" / "step-files.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \| `([^`]+)` \w+ \|", page, re.M)
+    assert [(name, dtype.replace("\\|", "|")) for name, dtype in rows] == list(STREAMS.items())
+    store, packed, header, streams = published
+    block, = re.findall(r"```python\n(.*?)```", page, re.S)
+    code = block.replace("runs/run_0/steps/step_00000000.npz", store.path(step_key(7)))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(code, {})
+    lines = out.getvalue().splitlines()
+    assert lines[0] == f"7 {SEQ_LEN} {DP} {tuple(STREAMS)}"
+    mbs = header.micro_batches_of(0)
+    assert lines[1:] == [f"micro batch {mb.index}: {mb.num_tokens} tokens "
+                         f"({int(streams[(0, mb.index)]['loss_mask'].sum())} trained), "
+                         f"cu_seqlens {mb.cu_seqlens().tolist()}" for mb in mbs]
