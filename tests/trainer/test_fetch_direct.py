@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import io
+import json
 import threading
+import zipfile
 
+import crc32c
 import numpy as np
 import pytest
-from refpipe.pipeline.step_file import StepFile
+from refpipe.pipeline.step_file import HEADER_MEMBER, StepFile
 from refpipe.storage.backends import open_store
 from refpipe.storage.chunks import chunk_keys
+from refpipe.storage.errors import StepFileError
+from refpipe.storage.layout import step_key
 from refpipe.storage.local_store import LocalStore
 from refpipe.trainer.buffers import BufferPool
-from refpipe.trainer.fetch import fetch_own
+from refpipe.trainer.fetch import fetch_own, wait_for_step
 from refpipe.trainer.tensors import to_torch
 from trainer_helpers import (
     FIELDS,
@@ -180,3 +186,23 @@ def test_one_inconsistent_ref_fails_only_the_micro_batch_using_it(local_config, 
     for dp, index in ((0, 0), (0, 1), (1, 1 - bad)):
         mb = fetched[dp].assembled[index]
         assert_same(flatten(mb.streams, mb.cu_seqlens, mb.fields), expected_micro_batch(step, dp, index))
+
+
+def test_the_trainers_load_refuses_a_step_file_whose_stream_changed(built):
+    """The trainer's load (``wait_for_step``, every rank) checks each stream member's crc32c: a flipped
+    ``loss_mask`` byte refuses the whole step, naming the member; nothing is deleted."""
+    store, step = built
+    data = bytearray(store.get(step_key(0)))
+    info = zipfile.ZipFile(io.BytesIO(bytes(data))).getinfo("dp1.mb1.loss_mask.npy")
+    start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
+    data[start + 128] ^= 1  # the first token's loss_mask
+    store.put(step_key(0), bytes(data))
+    now = crc32c.crc32c(bytes(data[start:start + info.compress_size]))
+    recorded = json.loads(zipfile.ZipFile(io.BytesIO(bytes(data))).read(HEADER_MEMBER))["stream_crc32c"]
+    payloads = store.list_prefix("payloads")
+    with pytest.raises(StepFileError) as info_:
+        wait_for_step(store, 0, timeout_s=1, poll_s=0.1)
+    assert str(info_.value) == (f"step file {store.uri(step_key(0))}: member dp1.mb1.loss_mask.npy: crc32c "
+                                f"{now:#010x}, the header records {recorded['dp1.mb1.loss_mask.npy']:#010x} "
+                                "(corrupted step file)")
+    assert store.list_prefix("payloads") == payloads
