@@ -41,7 +41,7 @@ def field_names(array_names) -> list[str]:
 
 def _micro_batch_summary(header: StepHeader, mb: MicroBatchRecord, states: list[ChunkState]) -> dict:
     ref_ids = sorted({s.ref for s in mb.sequences if s.ref is not None})
-    missing = [header.refs[i].uri for i in ref_ids if not states[i].present]
+    missing = [states[i].uri for i in ref_ids if not states[i].present]
     return {
         "dp_rank": mb.dp_rank, "index": mb.index,
         "num_sequences": len(mb.sequences), "num_tokens": mb.num_tokens,
@@ -62,17 +62,19 @@ def summarize(header: StepHeader, step_uri: str, states: list[ChunkState]) -> di
 
     Args:
         header: the validated step header.
-        states: ``states[i]`` is whether ``header.refs[i]`` still exists.
+        states: ``states[i]`` is whether ``header.refs[i]`` still exists (and its URI in the run as opened).
 
     Returns:
-        A dict with the step's identity, totals, every missing chunk with the ledger's word on
-        it, and one entry per micro batch (counts, env names, fields, chunks present/missing,
-        and its sequences in packing order).
+        A dict with the step's identity, totals, every missing chunk with the ledger's word on it, and
+        one entry per micro batch (counts, env names, fields, chunks present/missing, and its sequences
+        in packing order). URIs are those looked at, in the run as opened (``run_uri`` too: a copied
+        run's header still names the original).
     """
-    missing = [{"uri": ref.uri, "branch_id": ref.branch_id, "owner_dp_rank": owner, "problem": state.problem}
+    missing = [{"uri": state.uri, "branch_id": ref.branch_id, "owner_dp_rank": owner, "problem": state.problem}
                for ref, owner, state in zip(header.refs, header.owners, states) if not state.present]
     return {
-        "step_uri": step_uri, "run_uri": header.run_uri, "step": header.step, "seq_len": header.seq_len,
+        "step_uri": step_uri, "run_uri": step_uri.rpartition("/steps/")[0], "step": header.step,
+        "seq_len": header.seq_len,
         "dp_world_size": header.dp_world_size, "metrics": header.metrics,
         "num_micro_batches": len(header.micro_batches), "num_chunks": len(header.refs),
         "num_chunks_present": len(header.refs) - len(missing), "num_chunks_missing": len(missing),

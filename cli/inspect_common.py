@@ -18,14 +18,14 @@ from typing import TypeVar
 import click
 import typer
 from refpipe.job.text import printable
-from refpipe.pipeline.step_file import StepFile
+from refpipe.pipeline.step_file import StepFile, locate_step_file
 from refpipe.storage.backends import open_store
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.concurrency import bounded_map
 from refpipe.storage.config import run_storage
 from refpipe.storage.errors import ConfigError, DeleteRecordError, KeyNotFoundError, RefpipeError
-from refpipe.storage.layout import STEPS_PREFIX, parse_step_key, step_key, tombstone_key
+from refpipe.storage.layout import step_key, tombstone_key
 from refpipe.storage.ledger import read_delete_record
 from refpipe.storage.store import Store
 from rich.console import Console
@@ -75,14 +75,16 @@ def clean_errors(command: Callable[..., T]) -> Callable[..., T]:
 
     Refpipe and OS errors (missing, unreadable, no permission) print their message; anything else
     (an S3 client's ``EndpointConnectionError`` for an unreachable endpoint, a bug) prints its type
-    and message. Exits the command requested itself (``typer.Exit``) pass through.
+    and message. Exits the command requested itself (``typer.Exit``) pass through, and so does a
+    ``BrokenPipeError``: the reader closed the pipe (``refpipe show ... | head``), and typer's main
+    ends the command quietly, as Unix tools end (exit code 1, nothing on stderr).
     """
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
-        except (typer.Exit, typer.Abort, *CLICK_EXCEPTIONS):
+        except (typer.Exit, typer.Abort, BrokenPipeError, *CLICK_EXCEPTIONS):
             raise
         except RefpipeError as e:
             fail(str(e) or type(e).__name__)
@@ -92,11 +94,6 @@ def clean_errors(command: Callable[..., T]) -> Callable[..., T]:
             fail(f"{type(e).__name__}: {e}")
 
     return wrapper
-
-
-def _absolute(uri: str) -> str:
-    """A local path made absolute (so ``runs/run_0`` and ``./x`` work); URIs unchanged."""
-    return uri if "://" in uri else os.path.abspath(os.path.expanduser(uri))
 
 
 def open_run(run_uri: str, s3_endpoint_url: str | None) -> Store:
@@ -122,16 +119,13 @@ class StepTarget:
 
 
 def open_step(step_uri: str, s3_endpoint_url: str | None) -> StepTarget:
-    """Parse ``<root>/<run_id>/steps/step_<N>.npz`` into the run's store and the file's key.
+    """Parse ``<root>/<run_id>/steps/step_<N>.npz`` into the run's store and the file's key
+    (``pipeline.step_file.locate_step_file``).
 
     Raises:
         ConfigError: the URI does not name a step file under a run's ``steps/``.
     """
-    run_uri, _, key = _absolute(step_uri).rpartition(f"/{STEPS_PREFIX}/")
-    step = parse_step_key(f"{STEPS_PREFIX}/{key}") if run_uri else None
-    if step is None or step_key(step) != f"{STEPS_PREFIX}/{key}":
-        raise ConfigError(f"step URI {step_uri!r}: expected <root>/<run_id>/steps/step_<N:08d>.npz")
-    store = open_run(run_uri, s3_endpoint_url)
+    store, step = locate_step_file(step_uri, s3_endpoint_url)
     return StepTarget(store, step_key(step), step)
 
 
@@ -166,6 +160,8 @@ def parallel_map(store: Store, fn: Callable[[T], R], items: Sequence[T], descrip
 class ChunkState:
     """Whether a referenced chunk is still under the run prefix, and if not, what the ledger says."""
 
+    uri: str
+    """The chunk looked at: its URI in the run as opened (``PayloadRef.key``), not where its writer saw it."""
     present: bool
     problem: str = ""
     """Empty when present; else ``deleted by <holder> (<reason>)``, ``missing (no delete record)`` or
@@ -181,9 +177,9 @@ def chunk_state(store: Store, ref: PayloadRef) -> ChunkState:
     """
     gone = [key.rpartition("/")[2] for key in chunk_keys(store, ref) if not store.exists(key)]
     if not gone:
-        return ChunkState(True)
+        return ChunkState(store.uri(ref.key), True)
     why = "missing" if len(gone) == 2 else f"incomplete: {gone[0]} missing"
-    return ChunkState(False, deleted_by(store, ref) or f"{why} (no delete record)")
+    return ChunkState(store.uri(ref.key), False, deleted_by(store, ref) or f"{why} (no delete record)")
 
 
 def deleted_by(store: Store, ref: PayloadRef) -> str | None:

@@ -2,7 +2,7 @@
 
 Lists the prefix (one listing per shard directory, in parallel, with a progress
 bar) and reads no chunk. Each step file's last bytes are read (one ranged read of
-``pipeline.step_file.TAIL_NBYTES``) to name the truncated ones as damaged. A chunk's writer comes from its branch id
+``pipeline.step_zip.TAIL_NBYTES``) to name the truncated ones as damaged. A chunk's writer comes from its branch id
 (``<actor>-<32 hex>``, what ``Keeper`` draws); only chunks with other ids have
 their ``zarr.json`` read for the ``writer`` attribute (an unreadable one is
 listed as corrupt, and the listing goes on). The ledger part counts
@@ -19,7 +19,7 @@ from typing import Annotated, Optional
 import typer
 from refpipe.cli.inspect_common import S3_ENDPOINT_HELP, clean_errors, fail, open_run, parallel_map, progress
 from refpipe.job.text import markup_safe
-from refpipe.pipeline.step_file import TAIL_NBYTES, damage_from_tail
+from refpipe.pipeline.step_zip import TAIL_NBYTES, damage_from_tail
 from refpipe.storage.chunk import read_writer
 from refpipe.storage.layout import (
     DATA_NAME,

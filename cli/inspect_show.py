@@ -32,11 +32,12 @@ from refpipe.cli.inspect_common import (
     parallel_map,
     refuse_inside_run,
 )
+from refpipe.job.text import printable
 from refpipe.pipeline.step_file import MicroBatchRecord, StepHeader
-from refpipe.storage.errors import ChunkNotFoundError, ConfigError
+from refpipe.storage.errors import ChunkNotFoundError, ConfigError, RefError
 from refpipe.storage.fetch import fetch_arrays
 from refpipe.storage.store import Store
-from refpipe.trainer.assemble import AssembledMicroBatch, assemble_micro_batch
+from refpipe.trainer.assemble import AssembledMicroBatch, assemble_micro_batch, pad_streams, padded_cu_seqlens
 
 
 def _micro_batch(header: StepHeader, dp_rank: int, index: int) -> MicroBatchRecord:
@@ -48,24 +49,43 @@ def _micro_batch(header: StepHeader, dp_rank: int, index: int) -> MicroBatchReco
     return mbs[index]
 
 
-def _fetch(store: Store, header: StepHeader, mb: MicroBatchRecord) -> dict[int, dict[str, np.ndarray]]:
-    """Ref index -> its arrays cut to the most tokens any sequence of ``mb`` keeps of it."""
+def _fetch(store: Store, header: StepHeader, mb: MicroBatchRecord) -> tuple[dict[int, dict[str, np.ndarray]],
+                                                                             dict[int, str]]:
+    """``(ref index -> its arrays cut to the most tokens any sequence of mb keeps of it, ref index -> why its chunk is
+    gone)``: a chunk that does not exist is gone (``deleted by <holder> (<reason>)`` or ``no delete record``).
+
+    Raises:
+        RefError: a sequence of ``mb`` keeps more tokens than its ref holds, or a ref's rows disagree with its
+            token counts (``StepHeader.micro_batch_problem``).
+    """
+    problem = header.micro_batch_problem(mb)
+    if problem:
+        raise RefError(f"{problem}; a trainer drops this micro batch")
     keep: dict[int, int] = {}
     for seq in mb.sequences:
         if seq.ref is not None:
             keep[seq.ref] = max(keep.get(seq.ref, 0), seq.num_tokens)
 
-    def one(i: int) -> dict[str, np.ndarray]:
-        ref = header.refs[i]
+    def one(i: int) -> dict[str, np.ndarray] | str:
         try:
-            return fetch_arrays(store, ref, keep[i])
-        except ChunkNotFoundError as e:
-            why = deleted_by(store, ref) or "no delete record"
-            raise ChunkNotFoundError(f"micro batch dp_rank={mb.dp_rank} index={mb.index}: chunk "
-                                     f"{store.uri(ref.key)} is gone ({why}); a trainer would drop this micro "
-                                     "batch") from e
+            return fetch_arrays(store, header.refs[i], keep[i])
+        except ChunkNotFoundError:
+            return deleted_by(store, header.refs[i]) or "no delete record"
 
-    return dict(zip(keep, parallel_map(store, one, list(keep), "fetching chunks")))
+    fetched = dict(zip(keep, parallel_map(store, one, list(keep), "fetching chunks")))
+    return ({i: got for i, got in fetched.items() if not isinstance(got, str)},
+            {i: got for i, got in fetched.items() if isinstance(got, str)})
+
+
+def gone_lines(store: Store, header: StepHeader, mb: MicroBatchRecord, gone: dict[int, str]) -> dict[str, str]:
+    """Field name -> ``<fields> of sequence <j, ...>: chunk <uri>: <why>`` for every field of a gone chunk."""
+    out = {}
+    for i, why in gone.items():
+        fields = sorted({name.split(".")[0] for name in header.refs[i].arrays})
+        seqs = ", ".join(str(j) for j, seq in enumerate(mb.sequences) if seq.ref == i)
+        line = f"{', '.join(fields)} of sequence {seqs}: chunk {store.uri(header.refs[i].key)}: {why}"
+        out.update({field: line for field in fields})
+    return out
 
 
 def named_arrays(batch: AssembledMicroBatch) -> dict[str, np.ndarray]:
@@ -110,8 +130,10 @@ def cut_sequence(arrays: dict[str, np.ndarray], mb: MicroBatchRecord, j: int) ->
     return out
 
 
-def _select(arrays: dict[str, np.ndarray], field: str) -> dict[str, np.ndarray]:
+def _select(arrays: dict[str, np.ndarray], field: str, gone: dict[str, str]) -> dict[str, np.ndarray]:
     chosen = {name: a for name, a in arrays.items() if name == field or name.startswith(field + ".")}
+    if field in gone:
+        raise ConfigError(f"--field {field!r} is gone: {gone[field]}")
     if not chosen:
         names = sorted({name.split(".")[0] for name in arrays})
         raise ConfigError(f"--field {field!r}: expected one of {names}")
@@ -147,23 +169,37 @@ def show_arrays(
 ) -> None:
     """Print (or save) one micro batch's arrays exactly as the trainer assembles them.
 
-    Exit codes: 0 shown; 2 the step file or a chunk is missing or unreadable, or a bad selection.
+    When chunks of the micro batch are gone (deleted, or missing), one ``gone:`` line names each one's
+    fields, sequences and why, and only the step file's own arrays are shown (``cu_seqlens`` and the
+    token streams, padded as the trainer pads them; a trainer drops such a micro batch).
+
+    Exit codes: 0 shown; 2 the step file is missing or unreadable, a chunk is corrupt, the micro batch's refs
+    cannot be used, ``--field`` names a gone field, or a bad selection.
     """
     target = open_step(step_uri, s3_endpoint_url)
     npy_dir = refuse_inside_run(target.store, npy, "--npy") if npy else None
     step = load_step(target)
     header = step.header
     mb = _micro_batch(header, dp_rank, micro_batch)
-    batch = assemble_micro_batch(mb, step.streams(dp_rank, micro_batch), _fetch(target.store, header, mb),
-                                 header.refs, seq_len=header.seq_len, fields=header.fields)
-    arrays = named_arrays(batch)
+    fetched, gone = _fetch(target.store, header, mb)
+    streams = step.streams(dp_rank, micro_batch)
+    if gone:
+        arrays = {"cu_seqlens": padded_cu_seqlens(mb, header.seq_len), **pad_streams(streams, header.seq_len)}
+    else:
+        arrays = named_arrays(assemble_micro_batch(mb, streams, fetched, header.refs, seq_len=header.seq_len,
+                                                   fields=header.fields))
     if sequence is not None:
         arrays = cut_sequence(arrays, mb, sequence)
+    gone_fields = gone_lines(target.store, header, mb, gone)
     if field:
-        arrays = _select(arrays, field)
+        arrays = _select(arrays, field, gone_fields)
     typer.echo(f"step {header.step}, DP rank {dp_rank}, micro batch {micro_batch}: {len(mb.sequences)} sequences, "
                f"{mb.num_tokens} tokens + {mb.num_padding_tokens} padding (seq_len {header.seq_len})"
                + ("" if sequence is None else f"; sequence {sequence}"))
+    for line in dict.fromkeys(gone_fields.values()):
+        typer.echo(printable(f"gone: {line}"))
+    if gone:
+        typer.echo("shown: the step file's own arrays (cu_seqlens, token streams); a trainer drops this micro batch")
     if npy_dir:
         stem = f"step{header.step:08d}.dp{dp_rank}.mb{micro_batch}" + ("" if sequence is None else f".seq{sequence}")
         for path in _write_npy(arrays, npy_dir, stem):

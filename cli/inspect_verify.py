@@ -4,8 +4,9 @@ For each ref: its chunk exists in the run as opened (``PayloadRef.key``), the wh
 ref's length and crc32c (``storage.fetch.fetch_arrays`` with ``num_tokens=None``),
 the decoded arrays have the ref's dtypes and shapes, and the chunk's
 ``zarr.json`` field table agrees with the ref (its ``block_rows`` by
-``storage.chunk.check_block_rows``). Every token stream of the step file is read too. One line
-per problem on stdout, then a one-line summary; exit code 1 if any problem.
+``storage.chunk.check_block_rows``). Every stream member of the step file is checked too (its crc32c
+against the header's ``stream_crc32c``, its dtype and shape), and every micro batch a trainer would drop
+for its refs is named. One line per problem on stdout, then a one-line summary; exit code 1 if any problem.
 """
 
 from __future__ import annotations
@@ -18,26 +19,26 @@ from refpipe.cli.inspect_common import (
     S3_ENDPOINT_HELP,
     clean_errors,
     deleted_by,
-    load_step,
     open_step,
     parallel_map,
 )
 from refpipe.job.text import printable
-from refpipe.pipeline.step_file import StepFile
+from refpipe.pipeline.step_file import StepFile, check_step
 from refpipe.storage.chunk import PayloadRef, check_block_rows, read_attributes
 from refpipe.storage.chunks import chunk_keys
-from refpipe.storage.errors import ChunkCorruptError, KeyNotFoundError, StepFileError
+from refpipe.storage.errors import ChunkCorruptError, KeyNotFoundError
 from refpipe.storage.fetch import fetch_arrays
 from refpipe.storage.store import Store
 
 
-def _stream_problems(step: StepFile) -> list[str]:
-    problems = []
+def _step_problems(step: StepFile) -> list[str]:
+    """Every damaged stream member (its crc32c, ``.npy`` header or size), then every micro batch a trainer would
+    drop for its refs (``StepHeader.micro_batch_problem``)."""
+    problems = [f"corrupt step file: {damage}" for damage in step.damaged.values()]
     for mb in step.header.micro_batches:
-        try:
-            step.streams(mb.dp_rank, mb.index)
-        except StepFileError as e:
-            problems.append(f"corrupt step file: {e}")
+        problem = step.header.micro_batch_problem(mb)
+        if problem:
+            problems.append(f"unusable micro batch (a trainer drops it): {problem}")
     return problems
 
 
@@ -96,13 +97,15 @@ def verify_step(
 ) -> None:
     """Read every chunk the step file references; check checksum, dtype and shape against each reference.
 
-    Prints one line per problem (missing, corrupt, mismatch, corrupt step file), then a summary.
+    Prints one line per problem (missing, corrupt, mismatch, corrupt step file, unusable micro batch), then a
+    summary.
     Exit codes: 0 all intact; 1 problems found; 2 the step file cannot be read at all.
     """
     target = open_step(step_uri, s3_endpoint_url)
-    step = load_step(target)
+    step = StepFile.parse(target.store.get(target.key), target.uri)
+    check_step(step.header, target.step, target.uri)
     refs = step.header.refs
-    problems = _stream_problems(step)
+    problems = _step_problems(step)
     for chunk_problems in parallel_map(target.store, lambda ref: verify_chunk(target.store, ref), refs,
                                        "verifying chunks"):
         problems += chunk_problems

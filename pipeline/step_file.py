@@ -1,44 +1,46 @@
-"""Step files: one per trainer step, token streams inline, side channels by reference.
+"""Step files: one per trainer step, token streams inline, side channels by reference (docs/step-files.md).
 
-A step file is an uncompressed ``.npz`` (a zip of ``.npy`` arrays, readable with
-numpy alone: ``np.load(path)``) under ``<run>/steps/step_<N:08d>.npz`` with:
+A step file is an uncompressed ``.npz`` (a zip of ``.npy`` arrays, readable with numpy alone:
+``np.load(path)``) under ``<run>/steps/step_<N:08d>.npz`` with ``header.json`` (the ``StepHeader``:
+schema version, run, step, ``seq_len``, the run's field shapes, every micro batch's sequences and
+the refs they use, each stream member's crc32c) and ``dp<r>.mb<i>.<stream>.npy`` for every micro
+batch ``i`` of DP rank ``r`` and every token stream in ``STREAMS`` and ``header.extra_streams``
+(``[T]``, ``T`` = the micro batch's real tokens; padding to ``seq_len`` is the trainer's job).
 
-- ``header.json``: the ``StepHeader`` (schema version, run, step, ``seq_len``, the run's
-  field shapes, every micro batch's sequences and the refs they use);
-- ``dp<r>.mb<i>.<stream>.npy`` for every micro batch ``i`` of DP rank ``r`` and every
-  token stream in ``STREAMS`` and ``header.extra_streams`` (shape ``[T]``, ``T`` = the micro batch's real tokens;
-  padding to ``seq_len`` is the trainer's job).
-
-Reading validates: a truncated or foreign file, an unknown schema version, a
-header from another run, a ref outside the run prefix, a ref whose arrays disagree
-with the header's field shapes, or a ``seq_len`` above ``MAX_SEQ_LEN`` or unequal to a
-micro batch's tokens plus padding is a ``StepFileError`` naming the file, raised before
-anything is sized from the header. The header
-carries the run's ``FieldsConfig``, so a reader needs no other config to assemble
-a micro batch. Published with one exclusive put (temp + link on a filesystem,
-one conditional PUT on S3), after every chunk it references was kept.
+Reading validates: a truncated or foreign file, an unknown schema version, a ref outside the run
+prefix, a ref whose arrays disagree with the header's field shapes, a ``seq_len`` above
+``MAX_SEQ_LEN`` or unequal to a micro batch's tokens plus padding, or a stream member whose crc32c,
+dtype or shape disagrees with the header is a ``StepFileError`` naming the file, raised before
+anything is sized from the header. A ref that disagrees with itself or its use (a slice longer than
+its chunk, rows against its token counts) makes only its micro batches unusable
+(``StepHeader.micro_batch_problem``). Published with one exclusive put (temp + link on a
+filesystem, one conditional PUT on S3), after every chunk it references was kept.
 """
 
 from __future__ import annotations
 
-import functools
 import io
 import json
+import os
 import re
-import struct
 import zipfile
 from collections.abc import Mapping
+from typing import Annotated
 
+import crc32c
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from refpipe.pipeline.fields import FieldsConfig
-from refpipe.storage.chunk import PayloadRef
-from refpipe.storage.errors import KeyExistsError, StepFileError, validation_problems
-from refpipe.storage.layout import step_key
+from refpipe.pipeline.step_zip import npy_header_bytes, stream_member
+from refpipe.storage.backends import open_store
+from refpipe.storage.chunk import REF_ROWS_CHECKED_PER_USE, PayloadRef
+from refpipe.storage.config import run_storage
+from refpipe.storage.errors import ConfigError, KeyExistsError, StepFileError, validation_problems
+from refpipe.storage.layout import STEPS_PREFIX, parse_step_key, step_key
 from refpipe.storage.store import Store
 
-SCHEMA_VERSION = 2
-"""2: the header carries ``fields`` (version 1 had no field shapes)."""
+SCHEMA_VERSION = 3
+"""3: the header carries ``stream_crc32c`` (2: no stream checksums; 1: no field shapes)."""
 HEADER_MEMBER = "header.json"
 STREAMS: dict[str, str] = {
     "input_ids": "<i4",
@@ -131,6 +133,10 @@ class StepHeader(BaseModel):
     extra_streams: dict[str, str] = Field(default_factory=dict)
     """Per-token streams beside ``STREAMS`` that the publisher named: name -> ``EXTRA_STREAM_DTYPES`` entry; each
     micro batch holds each of them as ``[T]``, like ``STREAMS``."""
+    stream_crc32c: dict[str, Annotated[int, Field(ge=0, lt=2**32)]] = Field(default_factory=dict)
+    """Stream member name (``member_name``) -> crc32c of the member's bytes (its whole ``.npy``: header and array),
+    for every stream member. Set by ``encode_step_file`` (a header not yet published has none); every read checks
+    each member once against it (``StepFile``)."""
 
     def stream_dtypes(self) -> dict[str, str]:
         """Every stream of each micro batch: ``STREAMS`` then ``extra_streams``, name -> ``dtype.str``."""
@@ -182,12 +188,27 @@ class StepHeader(BaseModel):
                     raise ValueError(f"micro batch dp_rank={mb.dp_rank} index={mb.index}: a sequence without "
                                      "a ref in a routing micro batch or marked borrowed")
                 continue
-            if not 0 <= seq.ref < len(self.refs) or seq.num_tokens > self.refs[seq.ref].num_tokens:
-                raise ValueError(f"micro batch dp_rank={mb.dp_rank} index={mb.index}: ref {seq.ref} missing "
-                                 f"or shorter than {seq.num_tokens} tokens")
+            if not 0 <= seq.ref < len(self.refs):
+                raise ValueError(f"micro batch dp_rank={mb.dp_rank} index={mb.index}: ref {seq.ref} missing")
             if mb.has_routing != has_token_rows(self.refs[seq.ref]):
                 raise ValueError(f"micro batch dp_rank={mb.dp_rank} index={mb.index}: has_routing={mb.has_routing} "
                                  f"but ref {seq.ref} disagrees")
+
+    def micro_batch_problem(self, mb: MicroBatchRecord) -> str | None:
+        """Why ``mb``'s side channels cannot be used, or None: a sequence keeps more tokens than its ref holds, or
+        a ref's rows disagree with its token counts (``PayloadRef.rows_problem``). Checked per micro batch, not
+        on reading the header: a trainer drops such a micro batch (on every rank, counted) and trains the rest."""
+        for j, seq in enumerate(mb.sequences):
+            if seq.ref is None:
+                continue
+            ref, what = self.refs[seq.ref], f"micro batch dp_rank={mb.dp_rank} index={mb.index}: sequence {j}"
+            if seq.num_tokens > ref.num_tokens:
+                return (f"{what} keeps {seq.num_tokens} tokens of ref {seq.ref} (branch {ref.branch_id!r}), "
+                        f"which holds {ref.num_tokens}")
+            problem = ref.rows_problem()
+            if problem:
+                return f"{what}: ref {seq.ref} (branch {ref.branch_id!r}): {problem}"
+        return None
 
     def micro_batches_of(self, dp_rank: int) -> list[MicroBatchRecord]:
         """The micro batches DP rank ``dp_rank`` trains, in order."""
@@ -220,24 +241,33 @@ def member_name(dp_rank: int, index: int, stream: str) -> str:
 def encode_step_file(header: StepHeader, streams: Mapping[tuple[int, int], Mapping[str, np.ndarray]]) -> bytes:
     """Serialise a step: ``streams[(dp_rank, index)][name]`` is a [T] array of ``header.stream_dtypes()[name]``.
 
+    The header is written with ``stream_crc32c`` set to the crc32c of every stream member's bytes.
+
     Raises:
         StepFileError: a stream is missing, of the wrong dtype, or not [T] for its micro batch.
     """
+    members: dict[str, tuple[bytes, np.ndarray]] = {}
+    for mb in header.micro_batches:
+        arrays = streams.get((mb.dp_rank, mb.index), {})
+        for name, dtype in header.stream_dtypes().items():
+            a = arrays.get(name)
+            if a is None or a.dtype.str != dtype or a.shape != (mb.num_tokens,):
+                got = None if a is None else f"{a.dtype.str} {list(a.shape)}"
+                raise StepFileError(f"step {header.step} dp_rank={mb.dp_rank} micro batch {mb.index}: stream "
+                                    f"{name!r} is {got}: expected {dtype} [{mb.num_tokens}]")
+            # the .npy bytes np.lib.format.write_array writes: its 1.0 header, then the array
+            members[member_name(mb.dp_rank, mb.index, name)] = (npy_header_bytes(dtype, mb.num_tokens),
+                                                                np.ascontiguousarray(a).view(np.uint8))
+    crcs = {member: crc32c.crc32c(body, crc32c.crc32c(head)) for member, (head, body) in members.items()}
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as zf:
         # members dated 1980-01-01 (ZipInfo's default), not now: the same step encodes to the same bytes, so a
-        # publish tried again after a failed one whose put was applied finds them (publish_step_file)
-        zf.writestr(zipfile.ZipInfo(HEADER_MEMBER), header.model_dump_json())
-        for mb in header.micro_batches:
-            arrays = streams.get((mb.dp_rank, mb.index), {})
-            for name, dtype in header.stream_dtypes().items():
-                a = arrays.get(name)
-                if a is None or a.dtype.str != dtype or a.shape != (mb.num_tokens,):
-                    got = None if a is None else f"{a.dtype.str} {list(a.shape)}"
-                    raise StepFileError(f"step {header.step} dp_rank={mb.dp_rank} micro batch {mb.index}: stream "
-                                        f"{name!r} is {got}: expected {dtype} [{mb.num_tokens}]")
-                with zf.open(zipfile.ZipInfo(member_name(mb.dp_rank, mb.index, name)), "w") as f:
-                    np.lib.format.write_array(f, np.ascontiguousarray(a), allow_pickle=False)
+        # publish retried after a lost answer is recognised as this writer's own (the store's write token)
+        zf.writestr(zipfile.ZipInfo(HEADER_MEMBER), header.model_copy(update={"stream_crc32c": crcs}).model_dump_json())
+        for member, (head, body) in members.items():
+            with zf.open(zipfile.ZipInfo(member), "w") as f:
+                f.write(head)
+                f.write(body)
     return buf.getvalue()
 
 
@@ -264,73 +294,50 @@ def publish_step_file(store: Store, header: StepHeader, streams) -> str:
     return store.uri(key)
 
 
-_END = struct.Struct("<4s4H2LH")
-"""Zip's end of central directory record (APPNOTE 4.3.16): signature, disk numbers, entry counts, central
-directory size and offset, comment length; ``encode_step_file`` writes it last, with no comment."""
-_ZIP64_LOCATOR = struct.Struct("<4sLQL")
-_ZIP64_END = struct.Struct("<4sQ2H2L4Q")
-TAIL_NBYTES = _ZIP64_END.size + _ZIP64_LOCATOR.size + _END.size
-"""Bytes at the end of a step file that ``damage_from_tail`` judges it by (98: the zip64 end records too)."""
-
-
-def damage_from_tail(tail: bytes, nbytes: int) -> str | None:
-    """Whether a step file is whole, judged by its last bytes only (``refpipe ls``: one ranged read per step).
-
-    Args:
-        tail: the file's last ``min(TAIL_NBYTES, nbytes)`` bytes.
-        nbytes: the file's size in bytes (from the listing).
-
-    Returns:
-        None when its zip end record is the file's last bytes and says its central directory ends right before
-        it (a zip64 end record and locator, written when the counts or offsets overflow, likewise); else what is
-        wrong, e.g. ``no zip end record in its last 22 bytes (5136 bytes: truncated or foreign)``. A file cut
-        anywhere loses that record; damage inside the members is found by reading it (``StepFile.read``).
-    """
-    record = tail[-_END.size:]
-    if nbytes < _END.size or record[:4] != b"PK\x05\x06" or record[-2:] != b"\0\0":  # no comment after it
-        return f"no zip end record in its last {_END.size} bytes ({nbytes} bytes: truncated or foreign)"
-    *_, entries, cd_size, cd_offset, _ = _END.unpack(record)
-    end = nbytes - _END.size
-    if entries == 0xFFFF or 0xFFFFFFFF in (cd_size, cd_offset):
-        end, cd_size, cd_offset = _zip64_directory(tail, end)
-    if end < 0 or cd_offset + cd_size != end:
-        return (f"its central directory (offset {cd_offset}, {cd_size} bytes) does not end where its end record "
-                f"starts (byte {end} of {nbytes}): truncated or foreign")
-    return None
-
-
-def _zip64_directory(tail: bytes, end: int) -> tuple[int, int, int]:
-    """``(start of the zip64 end record, central directory size, offset)`` from the records before the end record
-    at ``end``; ``(-1, 0, 0)`` when they are not where zipfile writes them."""
-    locator = tail[-_END.size - _ZIP64_LOCATOR.size:-_END.size]
-    record = tail[-TAIL_NBYTES:-_END.size - _ZIP64_LOCATOR.size]
-    if len(record) < _ZIP64_END.size or locator[:4] != b"PK\x06\x07" or record[:4] != b"PK\x06\x06":
-        return -1, 0, 0
-    start = end - _ZIP64_LOCATOR.size - _ZIP64_END.size
-    if _ZIP64_LOCATOR.unpack(locator)[2] != start:
-        return -1, 0, 0
-    *_, cd_size, cd_offset = _ZIP64_END.unpack(record)
-    return start, cd_size, cd_offset
-
-
 class StepFile:
-    """A parsed, validated step file; streams are read on demand.
+    """A step file, read-only: its validated header and the token streams of every micro batch.
 
-    Use ``StepFile.read(store, step)`` (or ``from_bytes`` for a file already in memory).
+    Open one with ``read_step_file(uri)`` (a path or URI of ``<root>/<run_id>/steps/step_<N:08d>.npz``),
+    ``StepFile.read(store, step)`` (a run's store, as every trainer rank does) or ``StepFile.from_bytes``
+    (a file already in memory). Reading validates the header (``StepHeader``) and every stream member
+    once: its crc32c against ``StepHeader.stream_crc32c``, then its ``.npy`` dtype, shape and byte count
+    against the header; any damage is a ``StepFileError`` naming the file and the member. Nothing here
+    writes, deletes or imports torch.
+
+    Token streams of a micro batch of ``T`` real tokens (``StepFile.streams``; ``STREAMS``), each ``[T]``,
+    its sequences concatenated in packing order, no padding:
+
+    - ``input_ids`` int32 (``<i4``): token ids, each sequence's prompt then completion;
+    - ``loss_mask`` bool (``|b1``): True on completion tokens (trained), False on prompt tokens and on
+      a padding dummy's;
+    - ``advantages`` float32 (``<f4``): the sequence's advantage on completion tokens, 0 on prompt tokens;
+    - ``inference_logprobs`` float32 (``<f4``): logprob of each completion token under the sampling
+      policy, 0 on prompt tokens;
+    - ``position_ids`` int32 (``<i4``): 0, 1, ... within each sequence;
+    - ``temperatures`` float32 (``<f4``): the sampling temperature of each token.
+
+    Attributes:
+        header: the ``StepHeader`` (micro batches, sequences, refs, owners, fields, metrics).
+        uri: the step file's URI (in the run as opened); errors name it.
+        damaged: member name -> what is wrong with it; empty unless opened with ``parse``.
     """
 
-    def __init__(self, header: StepHeader, zf: zipfile.ZipFile, uri: str):
-        self.header, self._zf, self.uri = header, zf, uri
+    stream_names: tuple[str, ...] = tuple(STREAMS)
+    """Names of the token streams of every micro batch, in member order."""
+
+    def __init__(self, header: StepHeader, streams: dict[str, np.ndarray], damaged: dict[str, str], uri: str):
+        self.header, self._streams, self.damaged, self.uri = header, streams, damaged, uri
 
     @classmethod
     def read(cls, store: Store, step: int) -> "StepFile":
-        """Read and validate step ``step`` of the store's run.
+        """Read and validate step ``step`` of the store's run (one ``Store.get``).
 
         Raises:
             KeyNotFoundError: the step file does not exist (yet).
             StepFileError: truncated, foreign, unknown schema version, a ref whose URI names
                 another chunk than its branch id, a ref whose arrays disagree with ``header.fields``,
-                or a header whose ``step`` is not ``step``.
+                a stream member missing, damaged (crc32c) or of another dtype or shape than the header
+                says, or a header whose ``step`` is not ``step``.
         """
         key = step_key(step)
         step_file = cls.from_bytes(store.get(key), store.uri(key))
@@ -340,6 +347,19 @@ class StepFile:
     @classmethod
     def from_bytes(cls, data: bytes, uri: str) -> "StepFile":
         """Validate a step file's bytes (see ``read``); ``uri`` names it in errors."""
+        step_file = cls.parse(data, uri)
+        if step_file.damaged:
+            raise StepFileError(next(iter(step_file.damaged.values())))
+        return step_file
+
+    @classmethod
+    def parse(cls, data: bytes, uri: str) -> "StepFile":
+        """As ``from_bytes``, but a damaged stream member is listed in ``damaged`` (``refpipe verify``: every
+        problem, one line each) instead of raised; ``streams`` raises it for its micro batch.
+
+        Raises:
+            StepFileError: the container or the header cannot be read (as ``read``).
+        """
         try:
             zf = zipfile.ZipFile(io.BytesIO(data))
             compressed = [i.filename for i in zf.infolist() if i.compress_type != zipfile.ZIP_STORED]
@@ -352,78 +372,68 @@ class StepFile:
             raise StepFileError(f"step file {uri}: schema_version {raw.get('schema_version')!r}, "
                                 f"expected {SCHEMA_VERSION}")
         try:
-            header = StepHeader.model_validate(raw)
+            header = StepHeader.model_validate(raw, context=REF_ROWS_CHECKED_PER_USE)
         except ValidationError as e:
             raise StepFileError(f"step file {uri}: invalid header: {validation_problems(e)}") from e
-        return cls(header, zf, uri)
+        streams, damaged = {}, {}
+        view = memoryview(data)
+        for mb in header.micro_batches:
+            num_tokens = mb.num_tokens
+            for name, dtype in header.stream_dtypes().items():
+                member = member_name(mb.dp_rank, mb.index, name)
+                try:
+                    streams[member] = stream_member(view, zf, member, dtype, num_tokens, header.stream_crc32c)
+                except ValueError as e:
+                    damaged[member] = f"step file {uri}: {e}"
+        return cls(header, streams, damaged, uri)
 
     def streams(self, dp_rank: int, index: int) -> dict[str, np.ndarray]:
-        """The token streams of one micro batch: name -> [T] array of ``header.stream_dtypes()[name]``.
+        """The token streams of one micro batch: name -> [T] array of ``header.stream_dtypes()[name]`` (fresh,
+        writable copies).
 
         Raises:
-            StepFileError: a stream is missing or its dtype/shape disagrees with the header.
+            StepFileError: no such micro batch, or (opened with ``parse``) one of its members is damaged.
         """
-        mb = next((m for m in self.header.micro_batches if (m.dp_rank, m.index) == (dp_rank, index)), None)
-        if mb is None:
-            raise StepFileError(f"step file {self.uri}: no micro batch dp_rank={dp_rank} index={index}")
         out = {}
-        for name, dtype in self.header.stream_dtypes().items():
+        for name in self.header.stream_dtypes():
             member = member_name(dp_rank, index, name)
-            try:
-                data = self._zf.read(member)  # stored (``from_bytes``): at most the step file's own bytes
-                start = _npy_data_offset(data, dtype, mb.num_tokens)
-            except (KeyError, ValueError, zipfile.BadZipFile, EOFError) as e:
-                raise StepFileError(f"step file {self.uri}: member {member} unreadable: {e}") from e
-            if start is None:
-                got_dtype, shape = _npy_header(io.BytesIO(data))
-                raise StepFileError(f"step file {self.uri}: {member} is {got_dtype.str} {list(shape)}, "
-                                    f"expected {dtype} [{mb.num_tokens}]")
-            itemsize = np.dtype(dtype).itemsize
-            if len(data) - start != mb.num_tokens * itemsize:
-                raise StepFileError(f"step file {self.uri}: member {member} holds {len(data) - start} bytes of "
-                                    f"data, expected {mb.num_tokens * itemsize} ({dtype} [{mb.num_tokens}])")
-            out[name] = np.frombuffer(data, dtype, mb.num_tokens, start).copy()
+            if member in self.damaged:
+                raise StepFileError(self.damaged[member])
+            if member not in self._streams:
+                raise StepFileError(f"step file {self.uri}: no micro batch dp_rank={dp_rank} index={index}")
+            out[name] = self._streams[member].copy()
         return out
 
 
-def _npy_data_offset(data: bytes, dtype: str, num_tokens: int) -> int | None:
-    """Where the array of a ``.npy`` member starts if its header declares ``dtype [num_tokens]`` (C order),
-    else None. The header ``encode_step_file`` writes is compared byte for byte (parsing it costs ~20 us a
-    stream, per micro batch on the trainer's fetch path); any other header is parsed (``_npy_header``).
+def read_step_file(uri: str, *, s3_endpoint_url: str | None = None) -> StepFile:
+    """Open the step file at ``uri`` read-only: ``StepFile.read`` of its run's store.
+
+    Args:
+        uri: ``<root>/<run_id>/steps/step_<N:08d>.npz`` as a local path (relative or absolute), a
+            ``file://`` or an ``s3://`` URI.
+        s3_endpoint_url: S3 endpoint (MinIO, Ceph RGW, moto); default: ``AWS_ENDPOINT_URL`` or AWS.
 
     Raises:
-        ValueError: not a ``.npy`` header.
+        ConfigError: ``uri`` does not name a step file under a run's ``steps/``.
+        KeyNotFoundError, StepFileError: as ``StepFile.read``.
     """
-    expected = _npy_header_bytes(dtype, num_tokens)
-    if data.startswith(expected):
-        return len(expected)
-    f = io.BytesIO(data)
-    got_dtype, shape = _npy_header(f)
-    return f.tell() if (got_dtype.str, shape) == (dtype, (num_tokens,)) else None
+    store, step = locate_step_file(uri, s3_endpoint_url)
+    return StepFile.read(store, step)
 
 
-@functools.lru_cache(maxsize=256)
-def _npy_header_bytes(dtype: str, num_tokens: int) -> bytes:
-    """The ``.npy`` 1.0 header ``np.lib.format.write_array`` writes for a C-order ``dtype [num_tokens]``."""
-    f = io.BytesIO()
-    np.lib.format.write_array_header_1_0(f, {"descr": dtype, "fortran_order": False, "shape": (num_tokens,)})
-    return f.getvalue()
-
-
-def _npy_header(f: io.BytesIO) -> tuple[np.dtype, tuple[int, ...]]:
-    """dtype and shape a ``.npy`` member declares (format 1.0 or 2.0, C order), read before any allocation.
+def locate_step_file(uri: str, s3_endpoint_url: str | None = None) -> tuple[Store, int]:
+    """The run's store and the step of ``<root>/<run_id>/steps/step_<N:08d>.npz`` (see ``read_step_file``);
+    the store is opened, nothing is read.
 
     Raises:
-        ValueError: not such a header.
+        ConfigError: ``uri`` does not name a step file under a run's ``steps/``.
     """
-    version = np.lib.format.read_magic(f)
-    if version not in ((1, 0), (2, 0)):
-        raise ValueError(f".npy format {version}: expected (1, 0) or (2, 0)")
-    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-    shape, fortran_order, dtype = read(f)
-    if fortran_order and len(shape) > 1:
-        raise ValueError("Fortran order: expected C order")
-    return dtype, shape
+    absolute = uri if "://" in uri else os.path.abspath(os.path.expanduser(uri))
+    run_uri, _, name = absolute.rpartition(f"/{STEPS_PREFIX}/")
+    step = parse_step_key(f"{STEPS_PREFIX}/{name}") if run_uri else None
+    if step is None or step_key(step) != f"{STEPS_PREFIX}/{name}":
+        raise ConfigError(f"step URI {uri!r}: expected <root>/<run_id>/steps/step_<N:08d>.npz")
+    return open_store(run_storage(run_uri, s3_endpoint_url)), step
 
 
 def check_step(header: StepHeader, step: int, uri: str) -> None:
@@ -433,4 +443,4 @@ def check_step(header: StepHeader, step: int, uri: str) -> None:
 
 
 __all__ = ["MAX_SEQ_LEN", "MicroBatchRecord", "SequenceRecord", "StepFile", "StepHeader", "STREAMS",
-           "publish_step_file"]
+           "publish_step_file", "read_step_file"]

@@ -19,6 +19,7 @@ stack"); every other module is internal and may change:
 - fields: ``FieldDecl`` and ``ValueChecks`` (declare a field), ``sglang_routed_experts`` and
   ``engine_routed_experts`` (routing as inference engines return it);
 - storage: ``open_store``, ``Store``, ``PayloadRef``, ``fetch_arrays``;
+- step files, read-only (docs/step-files.md): ``read_step_file``, ``StepFile``;
 - errors: ``RefpipeError`` and its subclasses.
 
 Names load on first use, so ``import refpipe`` stays light (the trainer's names import torch); type checkers
@@ -40,7 +41,7 @@ _ERRORS = ("RefpipeError", "ConfigError", "OutsideRunError", "StorageError", "Tr
            "DoubleDeleteError", "UnknownRefError", "FieldError", "EpisodeError", "StepFileError", "PackingError",
            "FetchError", "AlignmentError", "DeleteKeysError", "CheckpointError", "ReplayMismatchError",
            "RunStillRunningError", "DeleteRecordError", "LedgerRecordError", "TruncatedChunkError",
-           "StepOrderError")
+           "StepOrderError", "RefError")
 _WHERE = {
     "Branch": "refpipe.pipeline.keep", "Keeper": "refpipe.pipeline.keep",
     "Ragged": "refpipe.pipeline.fields", "FieldsConfig": "refpipe.pipeline.fields",
@@ -50,6 +51,7 @@ _WHERE = {
     "Orchestrator": "refpipe.pipeline.orchestrator", "OrchestratorConfig": "refpipe.pipeline.orchestrator",
     "Episode": "refpipe.pipeline.samples", "BranchResult": "refpipe.pipeline.samples",
     "StepHeader": "refpipe.pipeline.step_file",
+    "StepFile": "refpipe.pipeline.step_file", "read_step_file": "refpipe.pipeline.step_file",
     "PayloadSlice": "refpipe.pipeline.slices", "SliceId": "refpipe.pipeline.slices",
     "publish_step": "refpipe.pipeline.publish", "StepMicroBatch": "refpipe.pipeline.publish",
     "PackedSequence": "refpipe.pipeline.publish",
@@ -71,14 +73,14 @@ __all__ = [
     "ConfigError", "DeleteKeysError", "DeleteRecordError", "DeleteResult", "DoubleDeleteError", "Episode",
     "EpisodeError", "FetchError", "FieldDecl", "FieldError", "FieldsConfig", "GroupRollouts", "Keeper",
     "KeyExistsError", "KeyNotFoundError", "Ledger", "LedgerRecordError", "Orchestrator", "OrchestratorConfig",
-    "OutsideRunError", "PackedSequence", "PackingError", "PayloadRef", "PayloadSlice", "Ragged", "RefpipeError",
-    "ReplayMismatchError", "ResumePlan", "RunNotFoundError", "RunPathNotADirectoryError", "RunStillRunningError",
-    "SliceError", "SliceId", "StepDataset", "StepFileError", "StepHeader", "StepMetrics", "StepMicroBatch",
-    "StepOrderError", "StorageConfig", "StorageError", "Store", "TrainMicroBatch", "TrainerConfig", "TrainerRank",
-    "TrainingStep", "TransientStorageError", "TruncatedChunkError", "UnknownRefError", "ValueChecks",
-    "balanced_packer", "engine_routed_experts", "fetch_arrays", "first_fit_packer", "from_episode",
-    "group_normalized", "init_process_group", "new_data_group", "open_store", "publish_step", "rloo",
-    "sglang_routed_experts"
+    "OutsideRunError", "PackedSequence", "PackingError", "PayloadRef", "PayloadSlice", "Ragged", "RefError",
+    "RefpipeError", "ReplayMismatchError", "ResumePlan", "RunNotFoundError", "RunPathNotADirectoryError",
+    "RunStillRunningError", "SliceError", "SliceId", "StepDataset", "StepFile", "StepFileError", "StepHeader",
+    "StepMetrics", "StepMicroBatch", "StepOrderError", "StorageConfig", "StorageError", "Store", "TrainMicroBatch",
+    "TrainerConfig", "TrainerRank", "TrainingStep", "TransientStorageError", "TruncatedChunkError",
+    "UnknownRefError", "ValueChecks", "balanced_packer", "engine_routed_experts", "fetch_arrays",
+    "first_fit_packer", "from_episode", "group_normalized", "init_process_group", "new_data_group", "open_store",
+    "publish_step", "read_step_file", "rloo", "sglang_routed_experts"
 ]
 """The public names, spelled out so that type checkers see them (pyright reads only a literal ``__all__``)."""
 
@@ -93,7 +95,7 @@ if TYPE_CHECKING:
     from refpipe.pipeline.publish import PackedSequence, StepMicroBatch, publish_step
     from refpipe.pipeline.samples import BranchResult, Episode
     from refpipe.pipeline.slices import PayloadSlice, SliceId
-    from refpipe.pipeline.step_file import StepHeader
+    from refpipe.pipeline.step_file import StepFile, StepHeader, read_step_file
     from refpipe.storage.backends import open_store
     from refpipe.storage.chunk import PayloadRef
     from refpipe.storage.config import StorageConfig
@@ -114,6 +116,7 @@ if TYPE_CHECKING:
         LedgerRecordError,
         OutsideRunError,
         PackingError,
+        RefError,
         RefpipeError,
         ReplayMismatchError,
         RunNotFoundError,

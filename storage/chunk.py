@@ -29,7 +29,7 @@ from typing import Literal, NamedTuple
 import crc32c  # CRC-32C like zarr's codec (google-crc32c); releases the GIL and ran ~2x faster here
 import numcodecs
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from refpipe.storage.errors import ChunkCorruptError, ConfigError, OutsideRunError
 from refpipe.storage.layout import META_NAME, node_key
 from zarr.codecs import BytesCodec, Crc32cCodec, ZstdCodec
@@ -51,6 +51,11 @@ more than this times its compressed ``nbytes`` is refused at validation, so deco
 _ZSTD_MAGIC = 0xFD2FB528
 _ZEROS = np.zeros(ALIGN_BYTES, np.uint8)
 _UINT8 = parse_dtype(np.dtype("uint8"), zarr_format=3)
+
+REF_ROWS_CHECKED_PER_USE = {"ref_rows": "checked per use"}
+"""pydantic validation context under which a ref's rows need not agree with its token counts: a step file's refs
+(``pipeline.step_file.StepFile``), whose disagreement drops only the micro batches that use them
+(``StepHeader.micro_batch_problem``; ``storage.fetch`` refuses to read them). Every other ref is refused."""
 
 Domain = str
 """Which rows an array has: ``"tokens"`` (one per token), ``"completion"`` (one per
@@ -131,12 +136,16 @@ class PayloadRef(BaseModel):
         return check_block_rows(value, "ref")
 
     @model_validator(mode="after")
-    def _consistent(self) -> "PayloadRef":
+    def _consistent(self, info: ValidationInfo) -> "PayloadRef":
         """Untrusted refs (step files, episodes, the CLI): every declared size must agree before anything is
-        allocated from it; ``storage.fetch`` then bounds every allocation by the object's real size."""
+        allocated from it; ``storage.fetch`` then bounds every allocation by the object's real size. Rows that
+        disagree with the token counts are refused too, except under ``REF_ROWS_CHECKED_PER_USE``."""
         names = set(self.arrays)
         for name, (dtype, shape, domain, crcs) in self.arrays.items():
             _check_spec(self, name, dtype, shape, domain, crcs, names)
+        problem = None if info.context == REF_ROWS_CHECKED_PER_USE else self.rows_problem()
+        if problem:
+            raise ValueError(problem)
         payload_nbytes = layout_arrays(self.arrays)[1]
         if self.compression == "none" and self.nbytes != payload_nbytes + 4:
             raise ValueError(f"nbytes={self.nbytes}: expected {payload_nbytes + 4} for the "
@@ -169,6 +178,18 @@ class PayloadRef(BaseModel):
         """Prompt + completion tokens."""
         return self.num_prompt_tokens + self.num_completion_tokens
 
+    def rows_problem(self) -> str | None:
+        """Which array's rows disagree with the token counts (a ``tokens`` array has ``num_tokens`` rows, a
+        ``completion`` array ``num_completion_tokens``, a ``prompt`` array ``num_prompt_tokens``), e.g.
+        ``array 'routed_experts': 9 rows: expected 10 (tokens domain)``; None when every array agrees.
+        ``storage.fetch`` reads nothing from a ref with a problem."""
+        for name, spec in self.arrays.items():
+            expected = {"tokens": self.num_tokens, "completion": self.num_completion_tokens,
+                        "prompt": self.num_prompt_tokens}.get(spec.domain)
+            if expected is not None and spec.shape[0] != expected:
+                return f"array {name!r}: {spec.shape[0]} rows: expected {expected} ({spec.domain} domain)"
+        return None
+
     def layout(self) -> list[ArrayLayout]:
         """Offsets of every array in the payload (derived, never stored in the ref)."""
         return layout_arrays(self.arrays)[0]
@@ -196,12 +217,8 @@ def _check_spec(ref: "PayloadRef", name: str, dtype: str, shape, domain: str, cr
         raise ValueError(f"{what}: dtype {dtype!r}: expected one of {sorted(STORED_DTYPES)}")
     if not shape or any(d < 0 for d in shape):
         raise ValueError(f"{what}: shape {list(shape)}: expected at least one dimension, none negative")
-    expected_rows = {"tokens": ref.num_tokens, "completion": ref.num_completion_tokens,
-                     "prompt": ref.num_prompt_tokens}.get(domain)
-    if expected_rows is None and not (domain.startswith("values:") and domain[7:] in names):
+    if domain not in ("tokens", "completion", "prompt") and not (domain.startswith("values:") and domain[7:] in names):
         raise ValueError(f"{what}: domain {domain!r}: expected 'tokens', 'completion', 'prompt' or 'values:<array>'")
-    if expected_rows is not None and shape[0] != expected_rows:
-        raise ValueError(f"{what}: {shape[0]} rows: expected {expected_rows} ({domain} domain)")
     if len(crcs) != -(-shape[0] // ref.block_rows) or any(not 0 <= c < 2**32 for c in crcs):
         raise ValueError(f"{what}: {len(crcs)} block crcs: expected {-(-shape[0] // ref.block_rows)} uint32 "
                          f"(one per {ref.block_rows} rows of {shape[0]})")

@@ -63,6 +63,11 @@ class TruncatedChunkError(ChunkCorruptError):
     """A chunk read returned fewer bytes than its reference spans on every read (the first and each re-read)."""
 
 
+class RefError(RefpipeError, ValueError):
+    """A reference cannot be read as asked: its arrays' rows disagree with its token counts, or a read asks for
+    more tokens than it holds (a step file's slice longer than its chunk). Nothing is read."""
+
+
 class KeyExistsError(StorageError, FileExistsError):
     """An exclusive put found the key already present."""
 

@@ -17,6 +17,7 @@ declaring or expanding to more is refused without allocating it (``chunk.decode_
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -35,9 +36,13 @@ from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.errors import (
     ChunkCorruptError,
     ChunkNotFoundError,
+    DeleteRecordError,
     KeyNotFoundError,
+    RefError,
     TruncatedChunkError,
 )
+from refpipe.storage.layout import tombstone_key
+from refpipe.storage.ledger import read_delete_record
 from refpipe.storage.store import Store
 
 
@@ -84,10 +89,12 @@ def fetch_arrays(store: Store, ref: PayloadRef, num_tokens: int | None = None) -
 
     Raises:
         OutsideRunError: the ref's URI names another chunk than its branch id (before any I/O).
-        ChunkNotFoundError: the chunk does not exist (never zeros): still missing after
-            ``max_retries`` re-reads with backoff (each counted in ``store.retries``).
+        ChunkNotFoundError: the chunk does not exist (never zeros, even for 0 tokens): at once when its delete
+            record exists (the message names the deleter, when and why), else still missing after ``max_retries``
+            re-reads with backoff (each counted in ``store.retries``).
         ChunkCorruptError: length, whole-chunk crc32c or (cut reads) a block crc32c mismatch.
-        ValueError: ``num_tokens`` outside ``[0, ref.num_tokens]``.
+        RefError: ``num_tokens`` outside ``[0, ref.num_tokens]``, or the ref's rows disagree with its token counts
+            (``PayloadRef.rows_problem``; before any I/O).
     """
     return fetch_into(store, ref, num_tokens, {}).arrays
 
@@ -115,13 +122,41 @@ def fetch_into(store: Store, ref: PayloadRef, num_tokens: int | None, out: Mappi
     ref = ref.model_copy(update={"uri": store.uri(ref.key)})  # errors name the chunk read, not where it was kept
     n = ref.num_tokens if num_tokens is None else num_tokens
     if not 0 <= n <= ref.num_tokens:
-        raise ValueError(f"num_tokens={n} for chunk {ref.uri}: expected 0..{ref.num_tokens}")
+        raise RefError(f"num_tokens={n} for chunk {ref.uri}: expected 0..{ref.num_tokens}")
+    problem = ref.rows_problem()  # a step file's refs are validated without it (``REF_ROWS_CHECKED_PER_USE``)
+    if problem:
+        raise RefError(f"chunk {ref.uri}: {problem}: not read")
+    def attempt() -> Fetched | str:
+        try:
+            return _fetch(store, data_key, ref, n, dict(out))
+        except KeyNotFoundError:
+            deleted = _deleted(store, ref)
+            if deleted is None:
+                raise
+            return deleted
+
     try:  # the ref says the chunk was kept: a 404 may be a stale cache or a lagging replica, so read again
-        return store.retrying(f"read {ref.uri}", lambda: _fetch(store, data_key, ref, n, dict(out)),
-                              retry=KeyNotFoundError)
+        fetched = store.retrying(f"read {ref.uri}", attempt, retry=KeyNotFoundError)
     except KeyNotFoundError as e:
         raise ChunkNotFoundError(f"{store.uri(data_key)} does not exist (read {store.config.max_retries + 1} "
-                                 f"times)") from e
+                                 f"times; no delete record)") from e
+    if isinstance(fetched, str):  # final: a deleted chunk never comes back, so it is not read again
+        raise ChunkNotFoundError(f"{store.uri(data_key)} does not exist: {fetched}")
+    return fetched
+
+
+def _deleted(store: Store, ref: PayloadRef) -> str | None:
+    """``chunk <uri> was deleted by <holder> at <time> UTC (<reason>)`` from the chunk's delete record
+    (``storage.ledger.read_delete_record``), or None without one; read only after the chunk was not found."""
+    key = tombstone_key(ref.branch_id)
+    try:
+        record = read_delete_record(store.get(key), store.uri(key))
+    except KeyNotFoundError:
+        return None
+    except DeleteRecordError as e:
+        return f"chunk {ref.uri} was deleted ({e})"
+    when = datetime.datetime.fromtimestamp(record.t, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    return f"chunk {ref.uri} was deleted by {record.holder} at {when} UTC ({record.reason})"
 
 
 def _fetch(store: Store, data_key: str, ref: PayloadRef, n: int, out: dict[str, np.ndarray]) -> Fetched:
@@ -132,6 +167,8 @@ def _fetch(store: Store, data_key: str, ref: PayloadRef, n: int, out: dict[str, 
         got = _cut(ref, n, lambda lay, rows: view_array(payload, lay, rows))
     else:
         got = _cut(ref, n, lambda lay, rows: _read_rows(store, data_key, ref, lay, rows))
+        if not any(a.shape[0] for a in got.values()):
+            _check_stored_checksum(store, data_key, ref)  # nothing was read: the chunk must still be there
     for name, dest in out.items():
         _check_destination(ref, name, dest, got[name].shape)
         dest[...] = got[name]
@@ -169,6 +206,23 @@ def _read_whole_into(store: Store, data_key: str, ref: PayloadRef, out: dict[str
         if name not in out:
             a.flags.writeable = False
     return arrays
+
+
+def _check_stored_checksum(store: Store, data_key: str, ref: PayloadRef) -> None:
+    """Read the chunk's last 4 bytes, its crc32c, and compare them with the ref's: a cut read of no rows.
+
+    Raises:
+        KeyNotFoundError: the chunk does not exist.
+        ChunkCorruptError: fewer than 4 bytes there, or another crc32c than the ref's.
+    """
+    stored = store.get(data_key, ref.nbytes - 4, ref.nbytes)
+    if len(stored) != 4:
+        raise ChunkCorruptError(f"chunk {ref.uri}: bytes [{ref.nbytes - 4}, {ref.nbytes}) read {len(stored)} bytes "
+                                f"(truncated chunk)")
+    crc = int.from_bytes(stored, "little")
+    if crc != ref.checksum:
+        raise ChunkCorruptError(f"chunk {ref.uri}: stored crc32c {crc:#010x}, reference {ref.checksum:#010x} "
+                                f"(another or a corrupted chunk)")
 
 
 def _nbytes(out: Mapping[str, np.ndarray]) -> int:

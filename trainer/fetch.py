@@ -91,9 +91,12 @@ class FetchedStep:
 
 
 def own_requests(header: StepHeader, dp_rank: int) -> dict[int, int]:
-    """ref index -> tokens to fetch: the most any sequence of ``dp_rank``'s micro batches keeps of it."""
+    """ref index -> tokens to fetch: the most any sequence of ``dp_rank``'s micro batches keeps of it, over the
+    micro batches whose refs can be used (``StepHeader.micro_batch_problem``)."""
     need: dict[int, int] = {}
     for mb in header.micro_batches_of(dp_rank):
+        if header.micro_batch_problem(mb):
+            continue
         for seq in mb.sequences:
             if seq.ref is not None:
                 need[seq.ref] = max(need.get(seq.ref, 0), seq.num_tokens)
@@ -107,9 +110,11 @@ def fetch_own(store: Store, step_file: StepFile, dp_rank: int, fields: FieldsCon
     ``buffers``: where the micro batches' arrays are allocated (the rank's pool, reused across
     steps); default: fresh ``np.empty`` arrays.
 
-    Never raises for a failed fetch. A fetch or assembly that ends in a typed error (missing,
-    corrupt, still failing after retries, rows that disagree with the step file) fails the
-    micro batches that use that ref. Any other exception (an I/O error the store does not
+    Never raises for a failed fetch. A micro batch whose refs cannot be used (a slice longer than
+    its chunk, a ref whose rows disagree with its token counts: ``StepHeader.micro_batch_problem``)
+    fails without a read. A fetch or assembly that ends in a typed error (missing, corrupt, still
+    failing after retries, rows that disagree with the step file) fails the micro batches that use
+    that ref. Any other exception (an I/O error the store does not
     classify, a bug) is logged with its traceback and fails every micro batch of the DP
     rank, so this rank still joins the failure all-reduce instead of leaving its peers waiting.
 
@@ -142,8 +147,10 @@ class _OwnFetch:
         self.header = step_file.header
         self.need = own_requests(self.header, dp_rank)
         self.micro_batches = self.header.micro_batches_of(dp_rank)
-        self.users_of_mb = {mb.index: sorted({s.ref for s in mb.sequences if s.ref is not None})
-                            for mb in self.micro_batches}
+        self.unusable = {mb.index: problem for mb in self.micro_batches
+                         if (problem := self.header.micro_batch_problem(mb))}
+        self.users_of_mb = {mb.index: [] if mb.index in self.unusable else
+                            sorted({s.ref for s in mb.sequences if s.ref is not None}) for mb in self.micro_batches}
         self.users_of_ref: dict[int, list[int]] = {i: [] for i in self.need}
         for index, refs in self.users_of_mb.items():
             for ref in refs:
@@ -165,14 +172,19 @@ class _OwnFetch:
         return None, -1, {}
 
     def run(self, max_concurrency: int) -> None:
-        """Plan every micro batch, then fetch every ref on a bounded pool (micro batches without refs finish there)."""
+        """Fail the micro batches whose refs cannot be used, plan the others, then fetch every ref they use on a
+        bounded pool (micro batches without refs finish there)."""
+        for index, problem in self.unusable.items():
+            self._fail([index], problem)
         for mb in self.micro_batches:
+            if mb.index in self.unusable:
+                continue
             try:
                 self.plans[mb.index] = plan_micro_batch(mb, self.header.refs, seq_len=self.header.seq_len,
                                                         fields=self.fields, empty=self.empty)
             except RefpipeError as e:
                 self._fail([mb.index], f"micro batch {mb.index}: {type(e).__name__}: {e}")
-        no_refs = [index for index, refs in self.users_of_mb.items() if not refs]
+        no_refs = [index for index, refs in self.users_of_mb.items() if not refs and index not in self.unusable]
         tasks = [(self.fetch_ref, ref) for ref in sorted(self.need)] + [(self.assemble, i) for i in no_refs]
         bounded_map(lambda task: task[0](task[1]), tasks, max_concurrency)
 

@@ -8,7 +8,7 @@ from refpipe.pipeline.fields import spread_expert_rows
 from refpipe.pipeline.step_file import STREAMS, StepFile
 from refpipe.storage.fetch import fetch_arrays
 from refpipe.storage.ledger import Ledger
-from refpipe.trainer.assemble import assemble_micro_batch
+from refpipe.trainer.assemble import assemble_micro_batch, pad_streams, padded_cu_seqlens
 from test_inspect import FIELDS_CFG, PACKING, SEQ_LEN, invoke, snapshot
 
 COMPLETION_FIELDS = ("topk_ids", "topk_logprobs", "sampling_mask")
@@ -128,12 +128,32 @@ def test_show_bad_selection_is_one_line(local_run, args, message):
     assert result.stderr.startswith(message) and result.stderr.count("\n") == 1
 
 
-def test_show_missing_chunk_names_it_and_its_deleter(run):
-    Ledger(run.store, "trainer_dp1").delete([run.refs["g"]], reason="step 0 trained")
-    result = invoke(["show", run.step_uris[0], "--micro-batch", "1", "--dp-rank", "1", *run.cli_args()])
-    assert result.exit_code == 2 and result.stdout == ""
-    assert result.stderr == (f"error: micro batch dp_rank=1 index=1: chunk {run.refs['g'].uri} is gone (deleted by "
-                             "trainer_dp1 (step 0 trained)); a trainer would drop this micro batch\n")
+def test_show_of_a_deleted_chunk_shows_the_step_files_streams_and_says_which_fields_are_gone(run, tmp_path):
+    """``show STEP --micro-batch 1 --dp-rank 1 --field input_ids`` exited 2 once g's chunk was deleted, though the
+    token streams live in the step file. It shows them now (exit 0) and names the gone fields, the chunk looked at
+    (in the run as opened) and its deleter; asking for a gone field is one error line saying so."""
+    g = run.refs["g"]
+    Ledger(run.store, "trainer_dp1").delete([g], reason="step 0 trained")
+    gone = (f"gone: sampling_mask, topk_ids, topk_logprobs of sequence 0: chunk {run.store.uri(g.key)}: deleted by "
+            "trainer_dp1 (step 0 trained)")
+    args = ["show", run.step_uris[0], "--micro-batch", "1", "--dp-rank", "1", *run.cli_args()]
+    step = StepFile.read(run.store, 0)
+    mb = step.header.micro_batches_of(1)[1]
+    result = invoke([*args, "--field", "input_ids"])
+    assert (result.exit_code, result.stderr) == (0, "")
+    assert result.stdout.splitlines()[:4] == [
+        f"step 0, DP rank 1, micro batch 1: 1 sequences, {mb.num_tokens} tokens + {SEQ_LEN - mb.num_tokens} padding "
+        f"(seq_len {SEQ_LEN})", gone,
+        "shown: the step file's own arrays (cu_seqlens, token streams); a trainer drops this micro batch",
+        f"input_ids  <i4 [{SEQ_LEN}]"]
+    saved = invoke([*args, "--npy", str(tmp_path)])
+    assert saved.exit_code == 0 and saved.stdout.splitlines()[1] == gone
+    got = load_npy(tmp_path, "step00000000.dp1.mb1")
+    want = {"cu_seqlens": padded_cu_seqlens(mb, SEQ_LEN), **pad_streams(step.streams(1, 1), SEQ_LEN)}
+    assert sorted(got) == sorted(want) and all(same_bytes(got[name], want[name]) for name in want)
+    refused = invoke([*args, "--field", "topk_ids"])
+    assert (refused.exit_code, refused.stdout) == (2, "")
+    assert refused.stderr == f"error: --field 'topk_ids' is gone: {gone.removeprefix('gone: ')}\n"
 
 
 def test_show_refuses_npy_inside_the_run(local_run):
@@ -144,3 +164,20 @@ def test_show_refuses_npy_inside_the_run(local_run):
     assert result.stderr == (f"error: --npy {inside!r} is inside run {local_run.store.prefix.uri}: "
                              "inspection never writes there\n")
     assert snapshot(local_run.store) == before
+
+
+@pytest.mark.parametrize("command", [["show", "--micro-batch", "0"], ["inspect"], ["verify"]])
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly(local_run, command):
+    """``refpipe show ... | head`` ended with ``error: [Errno 32] Broken pipe`` (exit 2): the reader is gone, so the
+    command stops as Unix tools do, saying nothing (typer's exit code for it, 1). The pipe is closed before the
+    command writes, so every write meets it."""
+    import os
+    import subprocess
+    import sys
+
+    refpipe = os.path.join(os.path.dirname(sys.executable), "refpipe")
+    proc = subprocess.Popen([refpipe, command[0], local_run.step_uris[0], *command[1:]], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, "COLUMNS": "200"})
+    proc.stdout.close()
+    _, stderr = proc.communicate(timeout=120)
+    assert (proc.returncode, stderr.decode()) == (1, "")

@@ -6,31 +6,29 @@ import io
 import json
 import zipfile
 
-from refpipe.pipeline.step_file import HEADER_MEMBER
+import crc32c
+import pytest
+from refpipe.pipeline.step_file import HEADER_MEMBER, StepFile
 from refpipe.storage.chunks import chunk_keys
+from refpipe.storage.errors import StepFileError
 from refpipe.storage.layout import step_key
 from refpipe.storage.ledger import Ledger
 from test_inspect import invoke, snapshot
 
 
-def rewrite_step_file(store, step: int, edit_header=None, edit_member=None) -> None:
-    """Overwrite a step file in place with its header and/or one member's bytes edited."""
+def rewrite_step_file(store, step: int, edit_header) -> None:
+    """Overwrite a step file in place with its header edited."""
     src = zipfile.ZipFile(io.BytesIO(store.get(step_key(step))))
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as dst:
         for info in src.infolist():
             data = src.read(info.filename)
-            if info.filename == HEADER_MEMBER and edit_header:
+            if info.filename == HEADER_MEMBER:
                 header = json.loads(data)
                 edit_header(header)
                 data = json.dumps(header).encode()
             dst.writestr(info.filename, data)
-    data = bytearray(buf.getvalue())
-    if edit_member:  # flip a byte inside a member's stored bytes, after the zip wrote its CRC
-        info = zipfile.ZipFile(io.BytesIO(bytes(data))).getinfo(edit_member)
-        start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
-        data[start + info.compress_size // 2] ^= 0xFF
-    store.put(step_key(step), bytes(data))
+    store.put(step_key(step), buf.getvalue())
 
 
 def test_verify_passes_an_intact_step(run):
@@ -83,15 +81,61 @@ def test_verify_flags_every_problem_once(run):
     assert snapshot(store) == before
 
 
-def test_verify_flags_a_corrupted_stream_of_the_step_file(local_run):
-    rewrite_step_file(local_run.store, 0, edit_member="dp1.mb0.advantages.npy")
+def _member_crcs(store, step: int, member: str) -> tuple[int, int]:
+    """(crc32c of ``member``'s stored bytes now, the crc32c its step file's header records for it)."""
+    data = store.get(step_key(step))
+    info = zipfile.ZipFile(io.BytesIO(data)).getinfo(member)
+    start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
+    header = json.loads(zipfile.ZipFile(io.BytesIO(data)).read(HEADER_MEMBER))
+    return crc32c.crc32c(data[start:start + info.compress_size]), header["stream_crc32c"][member]
+
+
+def _change_element(store, step: int, member: str, element: int, in_place: bool) -> None:
+    """Flip the low bit of one array element of a stream member: in place in the file (its zip CRC-32 then
+    disagrees too), or rewritten through zipfile (a zip whose CRC-32 matches: what a tool rewriting the .npz
+    writes)."""
+    if in_place:
+        data = bytearray(store.get(step_key(step)))
+        info = zipfile.ZipFile(io.BytesIO(bytes(data))).getinfo(member)
+        data[info.header_offset + 30 + len(info.filename.encode()) + len(info.extra) + 128 + 4 * element] ^= 1
+        store.put(step_key(step), bytes(data))
+        return
+    src, buf = zipfile.ZipFile(io.BytesIO(store.get(step_key(step)))), io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            body = bytearray(src.read(info.filename))
+            if info.filename == member:
+                body[128 + (1 if "loss_mask" in member else 4) * element] ^= 1
+            dst.writestr(info.filename, bytes(body))
+    store.put(step_key(step), buf.getvalue())
+
+
+@pytest.mark.parametrize("member, element", [("dp0.mb1.loss_mask.npy", 3), ("dp1.mb0.input_ids.npy", 0)])
+@pytest.mark.parametrize("in_place", [True, False], ids=["in place", "rewritten"])
+def test_a_changed_stream_member_is_named_by_its_crc32c_and_refused(local_run, member, element, in_place):
+    """A flipped ``loss_mask`` or ``input_ids`` inside a published step file: rewritten with a matching zip CRC-32,
+    ``refpipe verify`` printed ``all intact`` and exited 0, and the trainer trained on it. Each stream member's
+    crc32c is in the header now: verify names the member (exit 1), every reader refuses the file, nothing is
+    deleted."""
+    store = local_run.store
+    _change_element(store, 0, member, element, in_place)
+    now, recorded = _member_crcs(store, 0, member)
+    assert now != recorded
+    damage = (f"step file {local_run.step_uris[0]}: member {member}: crc32c {now:#010x}, the header records "
+              f"{recorded:#010x} (corrupted step file)")
+    before = snapshot(store)
     result = invoke(["verify", local_run.step_uris[0]])
-    assert result.exit_code == 1
     nbytes = sum(ref.nbytes for ref in local_run.refs.values())
-    assert result.stdout == (f"corrupt step file: step file {local_run.step_uris[0]}: member dp1.mb0.advantages.npy "
-                             "unreadable: Bad CRC-32 for file 'dp1.mb0.advantages.npy'\n"
+    assert (result.exit_code, result.stderr) == (1, "")
+    assert result.stdout == (f"corrupt step file: {damage}\n"
                              f"step 0: 7 chunks ({nbytes} bytes), 4 micro batches: 1 problem\n")
-    assert result.stderr == ""
+    for command in (["inspect"], ["show", "--micro-batch", "0"]):
+        refused = invoke([command[0], local_run.step_uris[0], *command[1:]])
+        assert (refused.exit_code, refused.stdout, refused.stderr) == (2, "", f"error: {damage}\n")
+    with pytest.raises(StepFileError) as info:
+        StepFile.read(store, 0)
+    assert str(info.value) == damage
+    assert snapshot(store) == before
 
 
 def test_verify_names_a_corrupt_zarr_json(local_run):

@@ -112,3 +112,23 @@ def test_a_corrupt_chunk_of_a_copied_run_is_named_in_the_copy(local_run, tmp_pat
         result = invoke([command[0], copy.step_uris[1], *command[1:]])
         assert result.exit_code == code and f"chunk {copy.store.uri(ref.key)}: " in result.output, result.output
         assert local_run.config.root not in result.output.replace(str(copy_root), "<copy>")
+
+
+def test_inspect_of_a_copied_run_prints_the_chunks_it_looked_at_in_the_copy(local_run, tmp_path):
+    """On a copied run, inspect resolved chunks in the copy but printed the URIs its writer recorded (the original
+    run's): ``missing file://<original>/run_1/payloads/...``. It prints what it looked at now, ``run_uri`` too."""
+    copy_root = tmp_path / "copy"
+    shutil.copytree(local_run.config.root, copy_root, symlinks=True)
+    copy = _reopen(local_run, str(copy_root))
+    b = local_run.refs["b"]
+    for run in (local_run, copy):
+        run.store.delete_keys(list(chunk_keys(run.store, b)))  # gone from both, without a delete record
+    for args in (["--json"], []):
+        original = invoke(["inspect", local_run.step_uris[1], *args])
+        copied = invoke(["inspect", copy.step_uris[1], *args])
+        assert (original.exit_code, copied.exit_code) == (0, 0), copied.output
+        assert copied.stdout == original.stdout.replace(local_run.config.root, str(copy_root))
+        assert f"{copy.store.uri(b.key)}" in copied.stdout and local_run.config.root not in copied.stdout
+    summary = json.loads(invoke(["inspect", copy.step_uris[1], "--json"]).stdout)
+    assert summary["run_uri"] == copy.store.prefix.uri
+    assert [m["uri"] for m in summary["missing"]] == [copy.store.uri(b.key)]

@@ -10,14 +10,14 @@ PUBLIC = [
     "ConfigError", "DeleteKeysError", "DeleteRecordError", "DeleteResult", "DoubleDeleteError", "Episode",
     "EpisodeError", "FetchError", "FieldDecl", "FieldError", "FieldsConfig", "GroupRollouts", "Keeper",
     "KeyExistsError", "KeyNotFoundError", "Ledger", "LedgerRecordError", "Orchestrator", "OrchestratorConfig",
-    "OutsideRunError", "PackedSequence", "PackingError", "PayloadRef", "PayloadSlice", "Ragged", "RefpipeError",
-    "ReplayMismatchError", "ResumePlan", "RunNotFoundError", "RunPathNotADirectoryError", "RunStillRunningError",
-    "SliceError", "SliceId", "StepDataset", "StepFileError", "StepHeader", "StepMetrics", "StepMicroBatch",
-    "StepOrderError", "StorageConfig", "StorageError", "Store", "TrainMicroBatch", "TrainerConfig", "TrainerRank",
-    "TrainingStep", "TransientStorageError", "TruncatedChunkError", "UnknownRefError", "ValueChecks",
-    "balanced_packer", "engine_routed_experts", "fetch_arrays", "first_fit_packer", "from_episode",
-    "group_normalized", "init_process_group", "new_data_group", "open_store", "publish_step", "rloo",
-    "sglang_routed_experts",
+    "OutsideRunError", "PackedSequence", "PackingError", "PayloadRef", "PayloadSlice", "Ragged", "RefError",
+    "RefpipeError", "ReplayMismatchError", "ResumePlan", "RunNotFoundError", "RunPathNotADirectoryError",
+    "RunStillRunningError", "SliceError", "SliceId", "StepDataset", "StepFile", "StepFileError", "StepHeader",
+    "StepMetrics", "StepMicroBatch", "StepOrderError", "StorageConfig", "StorageError", "Store", "TrainMicroBatch",
+    "TrainerConfig", "TrainerRank", "TrainingStep", "TransientStorageError", "TruncatedChunkError",
+    "UnknownRefError", "ValueChecks", "balanced_packer", "engine_routed_experts", "fetch_arrays",
+    "first_fit_packer", "from_episode", "group_normalized", "init_process_group", "new_data_group", "open_store",
+    "publish_step", "read_step_file", "rloo", "sglang_routed_experts",
 ]
 
 
@@ -47,7 +47,7 @@ def test_every_error_type_is_public():
     import refpipe
 
     types = {n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, errors.RefpipeError)}
-    assert len(types) == 28 and types <= set(refpipe.__all__)
+    assert len(types) == 29 and types <= set(refpipe.__all__)
 
 
 def test_type_checkers_see_every_public_name_where_it_loads_from():

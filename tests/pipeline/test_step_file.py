@@ -7,14 +7,15 @@ import json
 import tracemalloc
 import zipfile
 
+import crc32c
 import numpy as np
 import pytest
 from orchestrator_helpers import FIELDS, chunks, episode, make_keeper, tombstones
 from refpipe.pipeline.packing import pack_step, step_contents
 from refpipe.pipeline.samples import build_sample
-from refpipe.pipeline.step_file import HEADER_MEMBER, STREAMS, StepFile, publish_step_file
+from refpipe.pipeline.step_file import HEADER_MEMBER, STREAMS, StepFile, publish_step_file, read_step_file
 from refpipe.storage.backends import open_store
-from refpipe.storage.errors import KeyNotFoundError, StepFileError
+from refpipe.storage.errors import ConfigError, KeyNotFoundError, StepFileError
 from refpipe.storage.layout import step_key
 
 SEQ_LEN, DP = 24, 3
@@ -40,7 +41,12 @@ def published(storage_config):
 def test_round_trip_equals_what_was_packed_byte_for_byte(published):
     store, packed, header, _ = published
     step = StepFile.read(store, 7)
-    assert step.header == header and step.header.model_dump_json() == header.model_dump_json()
+    with zipfile.ZipFile(io.BytesIO(store.get(step_key(7)))) as zf:
+        members = {name: crc32c.crc32c(zf.read(name)) for name in zf.namelist() if name != HEADER_MEMBER}
+    assert step.header.stream_crc32c == members and len(members) == len(header.micro_batches) * len(STREAMS)
+    assert header.stream_crc32c == {}  # set by encode_step_file when it is published
+    unpublished = step.header.model_copy(update={"stream_crc32c": {}})
+    assert unpublished == header and unpublished.model_dump_json() == header.model_dump_json()
     assert step.header.fields == FIELDS
     assert [(m.dp_rank, m.index) for m in step.header.micro_batches] == [(m.dp_rank, m.index) for m in packed]
     for mb, record in zip(packed, step.header.micro_batches):
@@ -57,7 +63,7 @@ def test_round_trip_equals_what_was_packed_byte_for_byte(published):
 def test_readable_with_numpy_alone(published):
     store, packed, header, streams = published
     with np.load(io.BytesIO(store.get(step_key(7)))) as npz:
-        assert json.loads(npz[HEADER_MEMBER]) == json.loads(header.model_dump_json())
+        assert {**json.loads(npz[HEADER_MEMBER]), "stream_crc32c": {}} == json.loads(header.model_dump_json())
         for (rank, index), arrays in streams.items():
             for name in STREAMS:
                 assert npz[f"dp{rank}.mb{index}.{name}"].tobytes() == arrays[name].tobytes()
@@ -81,7 +87,7 @@ def _ref_naming_another_branch(h: dict) -> dict:
 @pytest.mark.parametrize("corrupt, message", [
     (lambda d: d[: len(d) // 2], "not a readable step file"),
     (lambda d: d[:-10], "not a readable step file"),
-    (lambda d: _rewrite(d, lambda h: {**h, "schema_version": 1}), "schema_version 1, expected 2"),
+    (lambda d: _rewrite(d, lambda h: {**h, "schema_version": 2}), "schema_version 2, expected 3"),
     (lambda d: _rewrite(d, lambda h: {k: v for k, v in h.items() if k != "fields"}), "invalid header"),
     (lambda d: _rewrite(d, _ref_naming_another_branch), r"invalid header[\s\S]*ref uri '[^']*' does not name branch"),
     (lambda d: _rewrite(d, lambda h: {**h, "owners": h["owners"][:-1]}), "invalid header"),
@@ -137,12 +143,19 @@ def test_a_file_holding_another_step_is_refused(published):
     assert str(e.value) == f"step file {store.uri(step_key(2))}: header says step 7, expected step 2"
 
 
-def _with_member(data: bytes, member: str, body: bytes, compression: int = zipfile.ZIP_STORED) -> bytes:
-    """A copy of a step file with ``member``'s bytes replaced by ``body``, every member written with ``compression``."""
+def _with_member(data: bytes, member: str, body: bytes, compression: int = zipfile.ZIP_STORED,
+                 recorded: bool = True) -> bytes:
+    """A copy of a step file with ``member``'s bytes replaced by ``body``, every member written with ``compression``;
+    ``recorded``: the header's ``stream_crc32c`` records the new body's crc32c (as its writer would have)."""
     src, out = zipfile.ZipFile(io.BytesIO(data)), io.BytesIO()
     with zipfile.ZipFile(out, "w", compression) as dst:
         for info in src.infolist():
-            dst.writestr(info.filename, body if info.filename == member else src.read(info))
+            got = body if info.filename == member else src.read(info)
+            if info.filename == HEADER_MEMBER and recorded and member:
+                header = json.loads(got)
+                header["stream_crc32c"][member] = crc32c.crc32c(body)
+                got = json.dumps(header).encode()
+            dst.writestr(info.filename, got)
     return out.getvalue()
 
 
@@ -184,17 +197,16 @@ def test_a_stream_declaring_more_than_it_holds_is_refused_before_allocating(publ
     data = original.streams(0, 0)["input_ids"].tobytes()
     body = _npy((declared or n,), data[:keep_bytes])
     store.put(step_key(7), _with_member(store.get(step_key(7)), "dp0.mb0.input_ids.npy", body))
-    step = StepFile.read(store, 7)
     tracemalloc.start()
     try:
         with pytest.raises(StepFileError) as info:
-            step.streams(0, 0)
+            StepFile.read(store, 7)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
     expected = message.format(n=n, short=4 * n + (keep_bytes or 0), full=4 * n)
     assert str(info.value) == f"step file {store.uri(step_key(7))}: {expected}"
-    assert peak < 64 * 1024, peak  # the member's bytes (< 1 KiB) and small change; not the declared 4 TiB
+    assert peak < 256 * 1024, peak  # the step file (~10 KiB), its header and small change; not the declared 4 TiB
 
 
 @pytest.mark.parametrize("storage_config", ["local"], indirect=True)
@@ -216,7 +228,7 @@ def test_a_step_files_zip_end_records_say_whether_it_is_whole():
     import io
     import zipfile
 
-    from refpipe.pipeline.step_file import TAIL_NBYTES, damage_from_tail
+    from refpipe.pipeline.step_zip import TAIL_NBYTES, damage_from_tail
 
     def whole_and_cut(members: int, comment: bytes = b"") -> tuple:
         buf = io.BytesIO()
@@ -233,3 +245,55 @@ def test_a_step_files_zip_end_records_say_whether_it_is_whole():
         5_810_582, None, "no zip end record in its last 22 bytes (5810581 bytes: truncated or foreign)")  # zip64
     assert whole_and_cut(1, b"hi")[1] == "no zip end record in its last 22 bytes (105 bytes: truncated or foreign)"
     assert damage_from_tail(b"", 0) == "no zip end record in its last 22 bytes (0 bytes: truncated or foreign)"
+
+
+def test_the_public_reader_opens_a_step_file_by_path_or_uri_read_only_without_torch(published, storage_config):
+    """``refpipe.read_step_file``: a user found only ``StepHeader.model_validate_json(np.load(f)["header.json"])``
+    with ``dir()``. The documented reader opens a step file by a relative path, ``file://`` or ``s3://`` URI,
+    validates it, and gives its header, stream names and streams, without importing torch or writing anything."""
+    import os
+    import subprocess
+    import sys
+
+    store, _, header, streams = published
+    uri = store.uri(step_key(7))
+    cwd = os.path.dirname(storage_config.root) if storage_config.s3_endpoint_url is None else None
+    where = [os.path.relpath(store.path(step_key(7)), cwd), uri] if cwd else [uri]
+    code = ("import json, sys, refpipe\n"
+            "sf = refpipe.read_step_file(sys.argv[1], s3_endpoint_url=sys.argv[2] or None)\n"
+            "print(json.dumps({'torch': 'torch' in sys.modules, 'uri': sf.uri, 'step': sf.header.step,\n"
+            "                  'names': list(sf.stream_names), 'ids': sf.streams(1, 0)['input_ids'].tolist()}))\n")
+    for path in where:
+        out = subprocess.run([sys.executable, "-c", code, path, storage_config.s3_endpoint_url or ""],
+                             cwd=cwd, capture_output=True, text=True, check=True).stdout
+        assert json.loads(out) == {"torch": False, "uri": uri, "step": 7, "names": list(STREAMS),
+                                   "ids": streams[(1, 0)]["input_ids"].tolist()}
+    with pytest.raises(ConfigError) as info:
+        read_step_file("runs/run_1/step_00000007.npz")
+    assert str(info.value) == ("step URI 'runs/run_1/step_00000007.npz': expected "
+                               "<root>/<run_id>/steps/step_<N:08d>.npz")
+
+
+@pytest.mark.parametrize("storage_config", ["local"], indirect=True)
+def test_the_step_files_page_lists_every_stream_and_its_python_block_runs(published):
+    """docs/step-files.md: its stream table is ``STREAMS`` (name and dtype), and its Python block runs as written
+    against a published step file (the path is the one thing substituted)."""
+    import contextlib
+    import pathlib
+    import re
+
+    page = (pathlib.Path(__file__).parents[2] / "docs" / "step-files.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \| `([^`]+)` \w+ \|", page, re.M)
+    assert [(name, dtype.replace("\\|", "|")) for name, dtype in rows] == list(STREAMS.items())
+    store, packed, header, streams = published
+    block, = re.findall(r"```python\n(.*?)```", page, re.S)
+    code = block.replace("runs/run_0/steps/step_00000000.npz", store.path(step_key(7)))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(code, {})
+    lines = out.getvalue().splitlines()
+    assert lines[0] == f"7 {SEQ_LEN} {DP} {tuple(STREAMS)}"
+    mbs = header.micro_batches_of(0)
+    assert lines[1:] == [f"micro batch {mb.index}: {mb.num_tokens} tokens "
+                         f"({int(streams[(0, mb.index)]['loss_mask'].sum())} trained), "
+                         f"cu_seqlens {mb.cu_seqlens().tolist()}" for mb in mbs]

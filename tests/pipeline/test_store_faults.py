@@ -116,7 +116,7 @@ def test_publish_step(run, kind):
     header = publish(store, 0, refs, [0, 1])
     proxy.settle()
     _assert_write_recovered(store, proxy, kind)
-    assert StepFile.read(direct, 0).header == header
+    assert StepFile.read(direct, 0).header.model_copy(update={"stream_crc32c": {}}) == header
     assert direct.list_prefix("steps") == [step_key(0)]
 
 

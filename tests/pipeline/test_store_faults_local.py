@@ -84,7 +84,8 @@ def test_publish_step(run, code, after):
     _fault(faults, "link", "step_00000000.npz", code, after)
     header = publish(store, 0, refs, [0, 1])
     _assert_write_recovered(store, faults, "link", "step_00000000.npz", code, after)
-    assert StepFile.read(store, 0).header == header and store.list_prefix("steps") == [step_key(0)]
+    assert StepFile.read(store, 0).header.model_copy(update={"stream_crc32c": {}}) == header
+    assert store.list_prefix("steps") == [step_key(0)]
 
 
 def test_a_failed_publish_whose_put_was_applied_is_done_when_published_again(run):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import re
 
 import google_crc32c
@@ -13,8 +14,8 @@ from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.errors import ChunkCorruptError, ChunkNotFoundError, OutsideRunError
 from refpipe.storage.fetch import fetch_arrays
-from refpipe.storage.layout import DATA_NAME, META_NAME, node_key
-from refpipe.storage.ledger import Ledger
+from refpipe.storage.layout import DATA_NAME, META_NAME, node_key, tombstone_key
+from refpipe.storage.ledger import Ledger, read_delete_record
 from storage_helpers import FIELDS_CFG, Backend, FsOps, S3Requests, make_backend, make_fields
 
 P, C = 4, 6
@@ -255,3 +256,55 @@ def test_untrusted_ref_shapes_are_refused_at_validation(local_config, change, me
     with pytest.raises(ValidationError) as info:
         PayloadRef.model_validate(raw)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize("num_tokens", [None, P + 1, 0])
+def test_a_deleted_chunk_is_answered_at_once_naming_its_deleter(backend, num_tokens):
+    """A fetch of a chunk whose delete record exists read it 5 times with backoff (~0.6 s a chunk) and said only
+    ``.../c.0 does not exist (read 5 times)``. Deleted is final: one read, then the delete record's word."""
+    store = backend.store
+    ref = keep(backend)
+    Ledger(store, "trainer_dp3").delete([ref], reason="step 4 trained")
+    record = read_delete_record(store.get(tombstone_key(ref.branch_id)), "the record")
+    when = datetime.datetime.fromtimestamp(record.t, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    retries = store.retries
+    with pytest.raises(ChunkNotFoundError) as info:
+        fetch_arrays(store, ref, num_tokens)
+    assert str(info.value) == (f"{store.uri(data_key(ref))} does not exist: chunk {store.uri(ref.key)} was deleted "
+                               f"by trainer_dp3 at {when} UTC (step 4 trained)")
+    assert store.retries == retries  # not read again
+
+
+def test_a_missing_chunk_without_a_delete_record_is_read_again_first(backend):
+    store = backend.store
+    ref = keep(backend)
+    backend.raw.remove(data_key(ref))
+    retries = store.retries
+    with pytest.raises(ChunkNotFoundError) as info:
+        fetch_arrays(store, ref)
+    assert str(info.value) == (f"{store.uri(data_key(ref))} does not exist (read {store.config.max_retries + 1} "
+                               "times; no delete record)")
+    assert store.retries == retries + store.config.max_retries
+
+
+def test_a_fetch_of_no_tokens_checks_the_chunk_is_there(backend):
+    """``fetch_arrays(store, ref, 0)`` returned empty arrays without touching the store, for a missing chunk too.
+    It reads the chunk's last 4 bytes (its crc32c) and compares them with the ref's now."""
+    store = backend.store
+    ref = keep(backend)
+    got = fetch_arrays(store, ref, 0)
+    assert {name: a.shape for name, a in got.items()} == {
+        name: (0, *spec.shape[1:]) for name, spec in ref.arrays.items()}
+    stored = bytearray(backend.raw.get(data_key(ref)))
+    stored[-1] ^= 0x01  # the last byte of the chunk's crc32c
+    backend.raw.put(data_key(ref), bytes(stored))
+    with pytest.raises(ChunkCorruptError) as info:
+        fetch_arrays(store, ref, 0)
+    crc = int.from_bytes(stored[-4:], "little")
+    assert str(info.value) == (f"chunk {store.uri(ref.key)}: stored crc32c {crc:#010x}, reference "
+                               f"{ref.checksum:#010x} (another or a corrupted chunk)")
+    backend.raw.remove(data_key(ref))
+    with pytest.raises(ChunkNotFoundError) as info:
+        fetch_arrays(store, ref, 0)
+    assert str(info.value) == (f"{store.uri(data_key(ref))} does not exist (read {store.config.max_retries + 1} "
+                               "times; no delete record)")

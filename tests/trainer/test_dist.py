@@ -22,7 +22,17 @@ from refpipe.storage.backends import open_store
 from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.layout import tombstone_key
-from trainer_helpers import FIELDS, Seq, assert_same, build_step, expected_micro_batch, keep_all, make_branch
+from trainer_helpers import (
+    FIELDS,
+    Seq,
+    assert_same,
+    build_step,
+    expected_micro_batch,
+    forge_header,
+    forge_rows,
+    keep_all,
+    make_branch,
+)
 
 SEQ_LEN = 24
 WORKER = Path(__file__).with_name("dist_worker.py")
@@ -243,14 +253,15 @@ def test_two_ranks_on_s3_retry_throttled_reads_and_failed_background_deletes(tmp
     m1 = _check_trained(built[1], results, 1, 2, 1, set(), {})
     final = results[("finish", 0)]
     assert results[("finish", 1)] == final
-    # one 503 per chunk read: DP 0 and DP 1 both read a (only the first read is throttled); e is kept to
-    # 3 of its 6 prompt tokens and carries no routing, so it has no rows to read and gets no GET
-    assert proxy.hits == {"slowdown": 20, "key_error": 1}
+    # one 503 per chunk read: DP 0 and DP 1 both read a (only the first read is throttled); e is kept to 3 of its 6
+    # prompt tokens and carries no routing, so it has no rows to read: its one GET is of its last 4 bytes, its crc32c
+    # (a read of no rows still checks the chunk is there), one per step
+    assert proxy.hits == {"slowdown": 22, "key_error": 1}
     assert all((m["dropped_micro_batches"], m["fetched_chunks"]) == (0, 12) for m in (m0, m1))
     assert m1["prefetched_ranks"] == 2
     # the 503s were retried by the store, in whichever step's window they fell: step 1's reads are prefetched
     # while step 0 trains; a permanent per-key DeleteObjects error is not retried by the store but by the release
-    assert m0["retries"] + m1["retries"] + final["retries"] == 20
+    assert m0["retries"] + m1["retries"] + final["retries"] == 22
     assert (m0["deletes"], m0["delete_failures"]) == (0, 0)
     assert (m1["deletes"], m1["delete_failures"], m1["delete_problems"]) == (0, 0, 0)  # step 0's release: pending
     # step 0's release (10 deleted, 1 failed), then step 1's (step 0's failed one retried first, then its 11)
@@ -375,3 +386,32 @@ def test_a_restart_after_one_dp_rank_released_a_step_trains_none_of_it_again(tmp
     assert _release_events(store) == sorted([(0, 0, "trainer_dp0"), (0, 1, "trainer_dp1")] * 2 + [
         (s, dp, f"trainer_dp{dp}") for s in (1, 2, 3) for dp in range(2)])
     assert all(store.exists(tombstone_key(r.branch_id)) == (s > 0) for s in range(4) for r in built[s].header.refs)
+
+
+def test_one_inconsistent_ref_drops_only_its_micro_batch_on_every_rank(tmp_path, local_config):
+    """2 ranks (2 DP x 1). Step 0: DP 1's micro batch 2 keeps 12 tokens of k, which holds 11 (a slice longer than
+    its chunk); step 1: h declares 6 routing rows against its 7 tokens (DP 0's micro batch 1). Each made its whole
+    step file a ``StepFileError`` on every rank; now that micro batch alone is dropped on every rank and counted,
+    the others train byte for byte, and every chunk (the inconsistent ones too) is released once."""
+    store = open_store(local_config)
+    rng = np.random.default_rng(13)
+    built = {}
+    for s in range(2):
+        layout = _layout(s)
+        if s == 0:
+            layout[1][2] = [Seq("s0_k", 12), Seq(None, 4)]
+        branches = _branches(s, rng)
+        built[s] = build_step(store, s, SEQ_LEN, layout, branches, keep_all(store, local_config, branches), rng)
+    h = next(i for i, ref in enumerate(built[1].header.refs) if ref.branch_id == "s1_h")
+    forge_header(store, 1, lambda header: forge_rows(header, h, "routed_experts", 6))
+    results = run_world(tmp_path, local_config, 2, 1, [0, 1])
+    m0 = _check_trained(built[0], results, 0, 2, 1, {(1, 2)}, {})
+    assert (m0["dropped_micro_batches"], m0["failed_fetches"], m0["fetched_chunks"]) == (1, 1, 8 + 3)  # k unread
+    mb0_rows = np.concatenate([_routing(built[1], f"s1_{x}", n) for x, n in (("a", 11), ("b", 9), ("f", 4))])
+    m1 = _check_trained(built[1], results, 1, 2, 1, {(0, 1)}, {(0, 1): mb0_rows})
+    assert (m1["dropped_micro_batches"], m1["failed_fetches"], m1["fetched_chunks"]) == (1, 1, 6 + 4)  # g, h unread
+    assert m1["micro_batch_hashes"][0][1] == "" and all(m1["micro_batch_hashes"][1])
+    final = results[("finish", 0)]
+    assert m0["deletes"] + m1["deletes"] + final["deletes"] == 2 * 11 and final["delete_problems"] == 0
+    assert store.list_prefix("payloads") == []
+    assert all(store.exists(tombstone_key(r.branch_id)) for s in range(2) for r in built[s].header.refs)

@@ -2,18 +2,35 @@
 
 from __future__ import annotations
 
+import io
+import json
 import threading
+import zipfile
 
+import crc32c
 import numpy as np
 import pytest
-from refpipe.pipeline.step_file import StepFile
+from refpipe.pipeline.step_file import HEADER_MEMBER, StepFile
 from refpipe.storage.backends import open_store
 from refpipe.storage.chunks import chunk_keys
+from refpipe.storage.errors import StepFileError
+from refpipe.storage.layout import step_key
 from refpipe.storage.local_store import LocalStore
 from refpipe.trainer.buffers import BufferPool
-from refpipe.trainer.fetch import fetch_own
+from refpipe.trainer.fetch import fetch_own, wait_for_step
 from refpipe.trainer.tensors import to_torch
-from trainer_helpers import FIELDS, Seq, assert_same, build_step, expected_micro_batch, flatten, keep_all, make_branch
+from trainer_helpers import (
+    FIELDS,
+    Seq,
+    assert_same,
+    build_step,
+    expected_micro_batch,
+    flatten,
+    forge_header,
+    forge_rows,
+    keep_all,
+    make_branch,
+)
 
 SEQ_LEN = 30
 
@@ -137,3 +154,55 @@ def test_a_fetch_reads_into_the_pools_buffers_of_an_earlier_step_unless_somethin
     assert kept.numpy().tobytes() == kept_bytes
     for index, mb in again.assembled.items():
         assert_same(flatten(mb.streams, mb.cu_seqlens, mb.fields), expected_micro_batch(step, 0, index))
+
+
+@pytest.mark.parametrize("problem", ["slice longer than its chunk", "routing rows N-1", "routing rows N+1"])
+def test_one_inconsistent_ref_fails_only_the_micro_batch_using_it(local_config, problem):
+    """A slice longer than its chunk, or a ref whose routing has N-1 or N+1 rows against its N tokens, made the
+    whole step file a ``StepFileError`` on every rank. Only the micro batch using it fails now (nothing is read
+    from it); its DP rank's other micro batch and the other DP rank's are assembled byte for byte."""
+    store = open_store(local_config)
+    rng = np.random.default_rng(8)
+    branches = {"a": make_branch(rng, 5, 9, "a"), "b": make_branch(rng, 3, 6, "b"), "g": make_branch(rng, 2, 4, "g"),
+                "e": make_branch(rng, 6, 4, "e", routing=False)}
+    refs = keep_all(store, local_config, branches)
+    e_tokens = {"slice longer than its chunk": 11}.get(problem, 10)  # e holds 10 tokens
+    layout = [[[Seq("a", 14), Seq("b", 6)], [Seq(None, 5)]],
+              [[Seq("a", 14, borrowed=True), Seq("g", 6)], [Seq("e", e_tokens), Seq(None, 2)]]]
+    step = build_step(store, 0, SEQ_LEN, layout, branches, refs, rng)
+    if problem != "slice longer than its chunk":  # g holds 6 tokens
+        forge_header(store, 0, lambda h: forge_rows(h, 2, "routed_experts", 6 + (1 if problem.endswith("+1") else -1)))
+    step_file = StepFile.read(store, 0)
+    assert [ref.branch_id for ref in step_file.header.refs] == ["a", "b", "g", "e"]
+    fetched = {dp: fetch_own(store, step_file, dp, FIELDS, max_concurrency=2) for dp in (0, 1)}
+    bad = 1 if problem == "slice longer than its chunk" else 0
+    rows = {"routing rows N-1": 5, "routing rows N+1": 7}.get(problem)
+    assert fetched[1].errors == [
+        "micro batch dp_rank=1 index=1: sequence 0 keeps 11 tokens of ref 3 (branch 'e'), which holds 10"
+        if rows is None else f"micro batch dp_rank=1 index=0: sequence 1: ref 2 (branch 'g'): array 'routed_experts': "
+                             f"{rows} rows: expected 6 (tokens domain)"]
+    assert (fetched[0].failed, fetched[1].failed, fetched[0].errors) == (set(), {bad}, [])
+    assert (sorted(fetched[1].assembled), fetched[1].chunks) == ([1 - bad], 2 if bad else 1)  # never the bad use
+    for dp, index in ((0, 0), (0, 1), (1, 1 - bad)):
+        mb = fetched[dp].assembled[index]
+        assert_same(flatten(mb.streams, mb.cu_seqlens, mb.fields), expected_micro_batch(step, dp, index))
+
+
+def test_the_trainers_load_refuses_a_step_file_whose_stream_changed(built):
+    """The trainer's load (``wait_for_step``, every rank) checks each stream member's crc32c: a flipped
+    ``loss_mask`` byte refuses the whole step, naming the member; nothing is deleted."""
+    store, step = built
+    data = bytearray(store.get(step_key(0)))
+    info = zipfile.ZipFile(io.BytesIO(bytes(data))).getinfo("dp1.mb1.loss_mask.npy")
+    start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
+    data[start + 128] ^= 1  # the first token's loss_mask
+    store.put(step_key(0), bytes(data))
+    now = crc32c.crc32c(bytes(data[start:start + info.compress_size]))
+    recorded = json.loads(zipfile.ZipFile(io.BytesIO(bytes(data))).read(HEADER_MEMBER))["stream_crc32c"]
+    payloads = store.list_prefix("payloads")
+    with pytest.raises(StepFileError) as info_:
+        wait_for_step(store, 0, timeout_s=1, poll_s=0.1)
+    assert str(info_.value) == (f"step file {store.uri(step_key(0))}: member dp1.mb1.loss_mask.npy: crc32c "
+                                f"{now:#010x}, the header records {recorded['dp1.mb1.loss_mask.npy']:#010x} "
+                                "(corrupted step file)")
+    assert store.list_prefix("payloads") == payloads
