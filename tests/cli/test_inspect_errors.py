@@ -126,7 +126,7 @@ def test_commands_do_not_import_torch(local_run, tmp_path):
     step = local_run.step_uris[0]
     commands = [["inspect", step, "--plot", str(tmp_path / "p.png")], ["ls", local_run.store.prefix.uri],
                 ["verify", step], ["show", step, "--micro-batch", "0"]]
-    script = ("import sys\nfrom cli.main import app\n"
+    script = ("import sys\nfrom refpipe.cli.main import app\n"
               f"codes = [app(c, standalone_mode=False) for c in {commands!r}]\n"
               "print('RESULT', codes, sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n")
     result = subprocess.run([sys.executable, "-X", "importtime", "-c", script], capture_output=True, text=True,

@@ -99,7 +99,8 @@ def test_a_failed_publish_whose_put_was_applied_is_done_when_published_again(run
     with pytest.raises(TransientStorageError, match="gave up after 3 attempts"):
         publish(store, 0, refs, [0, 1])
     header = publish(store, 0, refs, [0, 1])
-    assert StepFile.read(store, 0).header == header and store.list_prefix("steps") == [step_key(0)]
+    assert StepFile.read(store, 0).header.model_copy(update={"stream_crc32c": {}}) == header  # crcs: set by the publish
+    assert store.list_prefix("steps") == [step_key(0)]
     with pytest.raises(KeyExistsError):  # other contents for the same step
         publish(store, 0, refs[:1], [0])
 

@@ -356,7 +356,8 @@ def test_a_restart_after_one_dp_rank_released_a_step_trains_none_of_it_again(tmp
     for s in range(4):
         branches = _branches(s, rng)
         built[s] = build_step(store, s, SEQ_LEN, _layout(s), branches, keep_all(store, local_config, branches), rng)
-    trainer = {"step_timeout_s": 30, "step_poll_s": 0.1, "collective_timeout_s": 20, "retain_steps": [0]}
+    trainer = {"step_timeout_s": 30, "step_poll_s": 0.1, "collective_timeout_s": 20, "retain_steps": [0],
+               "release": "after_step"}
     (tmp_path / "life1").mkdir()
     out, procs = start_world(tmp_path / "life1", local_config, 2, 1, [], worker=PULL_WORKER, stop=4,
                              data_loader=False, pause=[1, 1], trainer=trainer)
