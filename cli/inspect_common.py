@@ -17,6 +17,9 @@ from typing import TypeVar
 
 import click
 import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
 from refpipe.job.text import printable
 from refpipe.pipeline.step_file import StepFile, locate_step_file
 from refpipe.storage.backends import open_store
@@ -28,8 +31,6 @@ from refpipe.storage.errors import ConfigError, DeleteRecordError, KeyNotFoundEr
 from refpipe.storage.layout import step_key, tombstone_key
 from refpipe.storage.ledger import read_delete_record
 from refpipe.storage.store import Store
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 T = TypeVar("T")
 R = TypeVar("R")

@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from rich.progress import Progress
+
 from refpipe.pipeline.step_file import StepFile, StepHeader, check_step
 from refpipe.storage.chunk import read_writer
 from refpipe.storage.concurrency import bounded_map
@@ -47,7 +49,6 @@ from refpipe.storage.layout import (
 )
 from refpipe.storage.ledger import read_segment
 from refpipe.storage.store import Store
-from rich.progress import Progress
 
 T = TypeVar("T")
 R = TypeVar("R")

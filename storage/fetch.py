@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import crc32c
 import numpy as np
+
 from refpipe.storage.chunk import (
     ArrayLayout,
     PayloadRef,

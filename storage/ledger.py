@@ -44,6 +44,7 @@ from typing import NamedTuple
 
 import crc32c
 from pydantic import BaseModel, ConfigDict, ValidationError
+
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.concurrency import bounded_map

@@ -8,6 +8,7 @@ import zipfile
 
 import pytest
 from audit_helpers import chunks, fetch_step, keep, make_keeper, publish, release_step, snapshot, train
+
 from refpipe.pipeline.audit import audit, sweep
 from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.backends import open_store
