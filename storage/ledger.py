@@ -172,6 +172,19 @@ def read_delete_record(data: bytes, uri: str) -> DeleteRecord:
         raise DeleteRecordError(f"delete record {uri} is unreadable: {validation_problems(e)}") from None
 
 
+def delete_record_of(store: Store, branch_id: str) -> DeleteRecord | DeleteRecordError | None:
+    """The delete record of ``branch_id``'s chunk, the error that makes it unreadable, or None when there is none:
+    how a missing chunk is explained (``storage.fetch`` after a not-found; the CLI's ``show``, ``verify``,
+    ``inspect``). One ``Store.get``."""
+    key = tombstone_key(branch_id)
+    try:
+        return read_delete_record(store.get(key), store.uri(key))
+    except KeyNotFoundError:
+        return None
+    except DeleteRecordError as e:
+        return e
+
+
 @dataclass
 class DeleteResult:
     """Outcome of one ``Ledger.delete`` call: each ref in exactly one outcome (``outcome``)."""
