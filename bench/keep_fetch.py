@@ -55,6 +55,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np  # noqa: E402
 from _args import positive_int  # noqa: E402  (bench/ is sys.path[0] when run as a script)
+
 from refpipe.pipeline.fields import FieldsConfig, validate_branch  # noqa: E402
 from refpipe.pipeline.keep import Branch, Keeper  # noqa: E402
 from refpipe.storage.backends import open_store

@@ -74,6 +74,7 @@ def base_arrays(args):
 def episode_of(i: int, args, ref):
     """Episode ``i`` (one branch; groups of ``group_size``) with random tokens and reward."""
     import numpy as np
+
     from refpipe.pipeline.samples import BranchResult, Episode
 
     rng = np.random.default_rng(1000 + i)
@@ -149,6 +150,7 @@ def run_refpipe(args) -> dict:
 def run_inline(args) -> dict:
     """Baseline orchestrator process: samples carry their arrays into the step file."""
     import numpy as np
+
     from refpipe.pipeline.advantages import group_advantages
     from refpipe.pipeline.packing import pack_step
     from refpipe.pipeline.samples import build_sample
@@ -176,6 +178,7 @@ def run_inline(args) -> dict:
 def write_inline_step(path: str, packed, arrays) -> None:
     """An npz like a step file, with every side-channel array inline per micro batch (streamed to disk)."""
     import numpy as np
+
     from refpipe.pipeline.step_file import STREAMS
 
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:

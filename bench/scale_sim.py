@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+
 from refpipe.pipeline.audit import audit
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.keep import Branch, Keeper

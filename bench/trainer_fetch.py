@@ -56,6 +56,7 @@ from pathlib import Path
 import crc32c
 import numpy as np
 from _args import positive_int  # noqa: E402  (bench/ is sys.path[0] when run as a script)
+
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.pipeline.step_file import (
@@ -155,6 +156,7 @@ def peak_rss_mib() -> float:
 def limit_world(trainer, store, storage: StorageConfig, rounds: int) -> dict:
     """Paired rounds on step 0: the physical limit, then refpipe's fetch + assembly (no deletes)."""
     import torch.distributed as dist
+
     from refpipe.trainer.fetch import own_requests
 
     step_file = StepFile.read(store, 0)

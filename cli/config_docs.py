@@ -13,6 +13,7 @@ import sys
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
+
 from refpipe.job.config import RunConfig
 
 INTRO = """\

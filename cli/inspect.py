@@ -13,6 +13,9 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.console import Console
+from rich.table import Table
+
 from refpipe.cli.inspect_common import (
     S3_ENDPOINT_HELP,
     ChunkState,
@@ -28,8 +31,6 @@ from refpipe.cli.inspect_verify import verify_step
 from refpipe.job.text import markup_safe
 from refpipe.pipeline.step_file import MicroBatchRecord, StepHeader
 from refpipe.storage.errors import ConfigError
-from rich.console import Console
-from rich.table import Table
 
 __all__ = ["inspect_step", "ls_run", "show_arrays", "summarize", "verify_step"]
 

@@ -17,6 +17,9 @@ from typing import TypeVar
 
 import click
 import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
 from refpipe.job.text import printable
 from refpipe.pipeline.step_file import StepFile, locate_step_file
 from refpipe.storage.backends import open_store
@@ -24,12 +27,10 @@ from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.concurrency import bounded_map
 from refpipe.storage.config import run_storage
-from refpipe.storage.errors import ConfigError, DeleteRecordError, KeyNotFoundError, RefpipeError
-from refpipe.storage.layout import step_key, tombstone_key
-from refpipe.storage.ledger import read_delete_record
+from refpipe.storage.errors import ConfigError, DeleteRecordError, RefpipeError
+from refpipe.storage.layout import step_key
+from refpipe.storage.ledger import delete_record_of
 from refpipe.storage.store import Store
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -183,15 +184,11 @@ def chunk_state(store: Store, ref: PayloadRef) -> ChunkState:
 
 
 def deleted_by(store: Store, ref: PayloadRef) -> str | None:
-    """``deleted by <holder> (<reason>)`` from the chunk's delete record (``storage.ledger.read_delete_record``),
+    """``deleted by <holder> (<reason>)`` from the chunk's delete record (``storage.ledger.delete_record_of``),
     ``deleted (delete record <uri> is unreadable: ...)``, or None without one."""
-    key = tombstone_key(ref.branch_id)
-    try:
-        record = read_delete_record(store.get(key), store.uri(key))
-    except KeyNotFoundError:
-        return None
-    except DeleteRecordError as e:
-        return f"deleted ({e})"
+    record = delete_record_of(store, ref.branch_id)
+    if record is None or isinstance(record, DeleteRecordError):
+        return record and f"deleted ({record})"
     return f"deleted by {record.holder} ({record.reason})"
 
 

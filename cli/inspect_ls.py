@@ -17,6 +17,10 @@ from collections import Counter, defaultdict
 from typing import Annotated, Optional
 
 import typer
+from rich.console import Console
+from rich.filesize import decimal
+from rich.table import Table
+
 from refpipe.cli.inspect_common import S3_ENDPOINT_HELP, clean_errors, fail, open_run, parallel_map, progress
 from refpipe.job.text import markup_safe
 from refpipe.pipeline.step_zip import TAIL_NBYTES, damage_from_tail
@@ -38,9 +42,6 @@ from refpipe.storage.layout import (
 )
 from refpipe.storage.ledger import read_segment
 from refpipe.storage.store import Store
-from rich.console import Console
-from rich.filesize import decimal
-from rich.table import Table
 
 _TEMP_MARK = ".tmp-"
 CORRUPT_WRITER = "(corrupt zarr.json)"

@@ -19,6 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (after selecting the backend)
 import numpy as np  # noqa: E402
 from matplotlib.collections import PolyCollection  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
+
 from refpipe.pipeline.packing import PADDING_ENV_NAME  # noqa: E402
 
 _BAR_HEIGHT = 0.8

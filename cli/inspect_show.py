@@ -23,6 +23,7 @@ from typing import Annotated, Optional
 
 import numpy as np
 import typer
+
 from refpipe.cli.inspect_common import (
     S3_ENDPOINT_HELP,
     clean_errors,

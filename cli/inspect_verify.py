@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Annotated, Optional
 
 import typer
+
 from refpipe.cli.inspect_common import (
     EXIT_PROBLEMS,
     S3_ENDPOINT_HELP,

@@ -11,11 +11,12 @@ from __future__ import annotations
 from typing import Annotated, Optional
 
 import typer
+from rich.console import Console
+from rich.table import Table
+
 from refpipe.cli.inspect_common import EXIT_PROBLEMS, S3_ENDPOINT_HELP, clean_errors, open_run, progress
 from refpipe.job.text import markup_safe
 from refpipe.pipeline.audit import AuditReport, SweepResult, audit, sweep
-from rich.console import Console
-from rich.table import Table
 
 RunArg = Annotated[str, typer.Argument(metavar="RUN_URI", help="Run: path, file:// or s3:// URI of <root>/<run_id>.")]
 StoppedOpt = Annotated[bool, typer.Option(

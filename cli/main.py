@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import typer
-from refpipe.cli.inspect_common import EXIT_ERROR, USAGE_ERRORS, one_line
 from typer.core import TyperGroup
+
+from refpipe.cli.inspect_common import EXIT_ERROR, USAGE_ERRORS, one_line
 
 
 class OneLineUsageErrors(TyperGroup):

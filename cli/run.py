@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.console import Console
+
 from refpipe.cli.inspect_common import fail
 from refpipe.storage.errors import RefpipeError
-from rich.console import Console
 
 DEFAULT_CONFIG = Path("configs/local.toml")
 

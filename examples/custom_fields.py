@@ -18,8 +18,6 @@ import tempfile
 
 import numpy as np
 import torch
-from refpipe.pipeline.audit import audit
-from refpipe.pipeline.step_file import StepFile
 
 from refpipe import (
     Branch,
@@ -38,6 +36,8 @@ from refpipe import (
     init_process_group,
     open_store,
 )
+from refpipe.pipeline.audit import audit
+from refpipe.pipeline.step_file import StepFile
 
 P, C, IMAGE_DIM = 6, 10, 16
 DECLARED = (

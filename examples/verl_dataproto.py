@@ -34,6 +34,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 import verl
+from tokenizers import Tokenizer, models
+from transformers import PreTrainedTokenizerFast
+from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput, AgentLoopWorker
+
 from refpipe.integrations.verl import PAYLOAD_KEY, keep_output, materialize, release
 from refpipe.pipeline.audit import audit
 from refpipe.pipeline.fields import FieldsConfig
@@ -41,9 +45,6 @@ from refpipe.pipeline.keep import Keeper
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.ledger import Ledger
-from tokenizers import Tokenizer, models
-from transformers import PreTrainedTokenizerFast
-from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput, AgentLoopWorker
 
 
 class Shape(NamedTuple):

@@ -27,13 +27,14 @@ import secrets
 from typing import NamedTuple
 
 import numpy as np
+from verifiers.v1 import graph
+from verifiers.v1.trace import Branch as TraceBranch
+from verifiers.v1.trace import Trace
+
 from refpipe.pipeline.fields import Ragged
 from refpipe.pipeline.keep import Branch
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.errors import EpisodeError, FieldError
-from verifiers.v1 import graph
-from verifiers.v1.trace import Branch as TraceBranch
-from verifiers.v1.trace import Trace
 
 INFO_KEY = "refpipe"
 """Key of the refs record in ``Trace.info``: ``{"branches": [{"leaf": int, "ref": PayloadRef JSON}]}``."""

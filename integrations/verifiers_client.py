@@ -12,16 +12,17 @@ when the episode cannot be handed to the orchestrator.
 from __future__ import annotations
 
 import numpy as np
-from refpipe.integrations.verifiers_branches import num_prompt_tokens, read_refs, trainable_branches
-from refpipe.pipeline.samples import BranchResult, Episode
-from refpipe.storage.chunk import PayloadRef
-from refpipe.storage.errors import EpisodeError
-from refpipe.storage.ledger import Ledger
 from verifiers.v1.configs.client import BaseClientConfig
 from verifiers.v1.episode import EvalRunInfo, EvalWorkInfo, WireEpisode
 from verifiers.v1.serve.client import EnvClient
 from verifiers.v1.trace import Trace
 from verifiers.v1.types import SamplingConfig
+
+from refpipe.integrations.verifiers_branches import num_prompt_tokens, read_refs, trainable_branches
+from refpipe.pipeline.samples import BranchResult, Episode
+from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.errors import EpisodeError
+from refpipe.storage.ledger import Ledger
 
 DEFAULT_TEMPERATURE = 1.0
 """Sampling temperature when the request leaves it unset (the engines' default)."""

@@ -33,6 +33,12 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
+from verifiers.v1.configs.env import EnvConfig
+from verifiers.v1.serve.delta import DeltaStreamer, TraceSummary, dump, pack
+from verifiers.v1.serve.server import EnvServer
+from verifiers.v1.serve.types import RunRequest, RunResponse
+from verifiers.v1.trace import Trace
+
 from refpipe.integrations.verifiers_branches import (
     INFO_KEY,
     BranchRef,
@@ -47,11 +53,6 @@ from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import RefpipeError
 from refpipe.storage.ledger import Ledger
-from verifiers.v1.configs.env import EnvConfig
-from verifiers.v1.serve.delta import DeltaStreamer, TraceSummary, dump, pack
-from verifiers.v1.serve.server import EnvServer
-from verifiers.v1.serve.types import RunRequest, RunResponse
-from verifiers.v1.trace import Trace
 
 logger = logging.getLogger(__name__)
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
 from refpipe.pipeline.fields import FIELDS, FieldsConfig, as_numpy, spread_expert_rows
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.pipeline.samples import PayloadSlice

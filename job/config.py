@@ -14,6 +14,7 @@ import tomllib
 from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
+
 from refpipe.job.model import ModelConfig
 from refpipe.job.rollout import SamplingConfig
 from refpipe.job.task import TaskConfig

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import AuthenticationError, Connection, Listener
 
 import torch
+
 from refpipe.job.config import RunConfig
 from refpipe.job.model import EOS_ID, MoELM
 from refpipe.job.report import peak_rss_bytes

@@ -28,6 +28,8 @@ from collections import Counter
 from dataclasses import replace
 
 import torch
+from rich.console import Console
+
 from refpipe.job.config import RunConfig
 from refpipe.job.env_worker import GroupRequest, GroupResult
 from refpipe.job.fleet import Fleet, connect_fleet, stop_fleet
@@ -63,7 +65,6 @@ from refpipe.storage.layout import (
 )
 from refpipe.storage.store import Store
 from refpipe.trainer.resume import ResumePlan, read_plan
-from rich.console import Console
 
 MAX_GROUP_ATTEMPTS = 3
 """Sends of one group (the first and its re-sends after a failed keep or a dead worker) before the run fails."""

@@ -19,9 +19,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, Field, model_validator
+from torch import nn
+
 from refpipe.storage.config import CONFIG
 from refpipe.storage.errors import ConfigError, FieldError
-from torch import nn
 
 BOS_ID = 256
 """Begins every prompt."""

@@ -5,13 +5,14 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, replace
 
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
 from refpipe.job.text import markup_safe
 from refpipe.pipeline.audit import AuditReport
 from refpipe.pipeline.step_file import StepHeader
 from refpipe.storage.layout import env_worker_actor
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 COLUMNS = ("step", "reward", "tokens", "kept", "kept MiB", "step KiB", "exposed s", "dropped", "del o/t/e",
            "align err")

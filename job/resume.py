@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import ValidationError
+
 from refpipe.job.config import RunConfig
 from refpipe.pipeline.audit_scan import scan_run
 from refpipe.storage.checkpoints import newest_checkpoint

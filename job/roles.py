@@ -31,6 +31,7 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection
 
 from pydantic import ValidationError
+
 from refpipe.job.config import RunConfig
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import run_storage

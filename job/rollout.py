@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from pydantic import BaseModel, Field
+
 from refpipe.job.model import EOS_ID, MoELM
 from refpipe.storage.config import CONFIG
 from refpipe.storage.errors import ConfigError

@@ -32,6 +32,7 @@ from typing import NoReturn
 import numpy as np
 import torch
 import torch.distributed as dist
+
 from refpipe.job.config import RunConfig
 from refpipe.job.loss import policy_loss
 from refpipe.job.model import MoELM

@@ -16,6 +16,7 @@ import io
 import json
 
 import torch
+
 from refpipe.storage.errors import KeyNotFoundError, ReplayMismatchError
 from refpipe.storage.layout import LATEST_WEIGHTS_KEY, weights_key
 from refpipe.storage.store import Store

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
+
 from refpipe.pipeline.samples import BranchResult
 from refpipe.storage.errors import EpisodeError
 

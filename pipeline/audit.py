@@ -63,6 +63,8 @@ import socket
 from collections import Counter
 
 from pydantic import BaseModel, ConfigDict, computed_field
+from rich.progress import Progress
+
 from refpipe.pipeline.audit_scan import RunScan, StaleSummaryError, committed, scan_run
 from refpipe.pipeline.audit_summary import load_summary, seed_scan, settle, write_summary
 from refpipe.storage.checkpoints import newest_checkpoint
@@ -78,7 +80,6 @@ from refpipe.storage.layout import CONFIG_KEY, ORCHESTRATOR_ACTOR, SWEEP_ACTOR
 from refpipe.storage.ledger import DeleteResult, Ledger
 from refpipe.storage.liveness import live_sessions
 from refpipe.storage.store import Store
-from rich.progress import Progress
 
 SWEEP_REASON = "sweep: no live holder (left behind by a crash)"
 RETAINED_REASON = "sweep --retained: retained for inspection, no longer wanted"

@@ -24,7 +24,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from refpipe.pipeline.step_file import StepFile, StepHeader
+from rich.progress import Progress
+
+from refpipe.pipeline.step_file import StepFile, StepHeader, check_step
 from refpipe.storage.chunk import read_writer
 from refpipe.storage.concurrency import bounded_map
 from refpipe.storage.errors import ConfigError, KeyNotFoundError, RunNotFoundError, StepFileError
@@ -47,7 +49,6 @@ from refpipe.storage.layout import (
 )
 from refpipe.storage.ledger import read_segment
 from refpipe.storage.store import Store
-from rich.progress import Progress
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -200,8 +201,10 @@ def _scan_steps(store: Store, scan: RunScan, progress: Progress | None) -> None:
         step = parse_step_key(key)
         if step_key(step) != key:
             return f"{store.uri(key)}: not a step file name (expected {step_key(step)})"
-        try:
-            return StepFile.read(store, step).header
+        try:  # parse: a damaged stream member does not hide which chunks the header holds
+            step_file = StepFile.parse(store.get(key), store.uri(key))
+            check_step(step_file.header, step, step_file.uri)
+            return step_file.header
         except (StepFileError, KeyNotFoundError) as e:
             return f"{store.uri(key)}: {e}"
 

@@ -29,6 +29,7 @@ from collections import Counter
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
+
 from refpipe.pipeline.audit_scan import RunScan
 from refpipe.storage.errors import KeyNotFoundError
 from refpipe.storage.layout import AUDIT_SUMMARY_KEY

@@ -19,6 +19,7 @@ import base64
 import binascii
 
 import numpy as np
+
 from refpipe.pipeline.fields import as_numpy
 from refpipe.storage.errors import FieldError
 

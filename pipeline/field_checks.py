@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
 from refpipe.pipeline.field_decl import Dims, ValueChecks, value_bounds
 
 

@@ -15,6 +15,7 @@ from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, Field, field_validator, model_validator
+
 from refpipe.storage.chunk import STORED_DTYPES
 from refpipe.storage.config import CONFIG
 

@@ -18,6 +18,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 from pydantic import BaseModel, Field, model_validator
+
 from refpipe.pipeline.field_checks import check_values
 from refpipe.pipeline.field_decl import Dims, FieldDecl, ValueChecks, narrow_dtype, padding_rows, strided_rows
 from refpipe.storage.chunk import ArraySpec, domain_rows

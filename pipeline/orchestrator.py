@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 from pydantic import BaseModel, Field, field_validator
+
 from refpipe.pipeline.advantages import (
     AdvantageEstimator,
     GroupRollouts,

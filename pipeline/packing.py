@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.publish import PackedSequence, StepMicroBatch
 from refpipe.pipeline.publish import step_contents as publish_contents

@@ -22,6 +22,7 @@ from numbers import Integral
 
 import numpy as np
 from pydantic import ValidationError
+
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.slices import PayloadSlice, check_in_run
 from refpipe.pipeline.step_file import (

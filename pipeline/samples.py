@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
 from refpipe.pipeline.slices import PayloadSlice, check_in_run
 from refpipe.pipeline.step_file import STREAMS, has_token_rows
 from refpipe.storage.chunk import PayloadRef

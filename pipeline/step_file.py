@@ -30,6 +30,7 @@ from typing import Annotated
 import crc32c
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.step_zip import npy_header_bytes, stream_member
 from refpipe.storage.backends import open_store

@@ -30,12 +30,13 @@ import crc32c  # CRC-32C like zarr's codec (google-crc32c); releases the GIL and
 import numcodecs
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
-from refpipe.storage.errors import ChunkCorruptError, ConfigError, OutsideRunError
-from refpipe.storage.layout import META_NAME, node_key
 from zarr.codecs import BytesCodec, Crc32cCodec, ZstdCodec
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.dtype import parse_dtype
 from zarr.core.metadata.v3 import ArrayV3Metadata
+
+from refpipe.storage.errors import ChunkCorruptError, ConfigError, OutsideRunError
+from refpipe.storage.layout import META_NAME, node_key
 
 FORMAT_VERSION = 2
 """2: per-array block crc32c (``block_rows``, ``block_crcs``)."""

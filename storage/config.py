@@ -6,6 +6,7 @@ import os
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from refpipe.storage.errors import ConfigError
 from refpipe.storage.uri import RunPrefix
 

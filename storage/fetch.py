@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import crc32c
 import numpy as np
+
 from refpipe.storage.chunk import (
     ArrayLayout,
     PayloadRef,
@@ -41,8 +42,7 @@ from refpipe.storage.errors import (
     RefError,
     TruncatedChunkError,
 )
-from refpipe.storage.layout import tombstone_key
-from refpipe.storage.ledger import read_delete_record
+from refpipe.storage.ledger import delete_record_of
 from refpipe.storage.store import Store
 
 
@@ -147,14 +147,10 @@ def fetch_into(store: Store, ref: PayloadRef, num_tokens: int | None, out: Mappi
 
 def _deleted(store: Store, ref: PayloadRef) -> str | None:
     """``chunk <uri> was deleted by <holder> at <time> UTC (<reason>)`` from the chunk's delete record
-    (``storage.ledger.read_delete_record``), or None without one; read only after the chunk was not found."""
-    key = tombstone_key(ref.branch_id)
-    try:
-        record = read_delete_record(store.get(key), store.uri(key))
-    except KeyNotFoundError:
-        return None
-    except DeleteRecordError as e:
-        return f"chunk {ref.uri} was deleted ({e})"
+    (``storage.ledger.delete_record_of``), or None without one; read only after the chunk was not found."""
+    record = delete_record_of(store, ref.branch_id)
+    if record is None or isinstance(record, DeleteRecordError):
+        return record and f"chunk {ref.uri} was deleted ({record})"
     when = datetime.datetime.fromtimestamp(record.t, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
     return f"chunk {ref.uri} was deleted by {record.holder} at {when} UTC ({record.reason})"
 

@@ -44,6 +44,7 @@ from typing import NamedTuple
 
 import crc32c
 from pydantic import BaseModel, ConfigDict, ValidationError
+
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.concurrency import bounded_map
@@ -169,6 +170,19 @@ def read_delete_record(data: bytes, uri: str) -> DeleteRecord:
         return DeleteRecord.model_validate_json(data)
     except ValidationError as e:
         raise DeleteRecordError(f"delete record {uri} is unreadable: {validation_problems(e)}") from None
+
+
+def delete_record_of(store: Store, branch_id: str) -> DeleteRecord | DeleteRecordError | None:
+    """The delete record of ``branch_id``'s chunk, the error that makes it unreadable, or None when there is none:
+    how a missing chunk is explained (``storage.fetch`` after a not-found; the CLI's ``show``, ``verify``,
+    ``inspect``). One ``Store.get``."""
+    key = tombstone_key(branch_id)
+    try:
+        return read_delete_record(store.get(key), store.uri(key))
+    except KeyNotFoundError:
+        return None
+    except DeleteRecordError as e:
+        return e
 
 
 @dataclass

@@ -25,6 +25,7 @@ import asyncio
 
 import aiohttp
 import botocore.exceptions
+
 from refpipe.storage.errors import KeyExistsError, KeyNotFoundError, StorageError, TransientStorageError
 
 TRANSIENT_CODES = frozenset({

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import fsspec
+
 from refpipe.storage.concurrency import bounded_map
 from refpipe.storage.errors import KeyNotFoundError, StorageError, TransientStorageError
 from refpipe.storage.s3_errors import classify, error_code, is_transient_code

@@ -24,10 +24,11 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+from typing_extensions import Buffer
+
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import DeleteKeysError, KeyExistsError, StorageError, TransientStorageError
 from refpipe.storage.uri import RunPrefix
-from typing_extensions import Buffer
 
 Data = Buffer | list[Buffer] | tuple[Buffer, ...]
 """What ``put`` writes: one bytes-like object (bytes, memoryview, a C-contiguous ndarray), or a list/tuple of them."""

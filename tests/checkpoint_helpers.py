@@ -7,6 +7,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+
 from refpipe.storage.checkpoints import newest_checkpoint
 from refpipe.storage.layout import checkpoint_key
 from refpipe.trainer.checkpoint import apply_training_state, load_checkpoint, save_checkpoint, training_state

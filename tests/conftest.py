@@ -14,9 +14,10 @@ import uuid
 
 import boto3
 import pytest
+from s3_servers import WeedServer, weed_binary
+
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
-from s3_servers import WeedServer, weed_binary
 
 os.environ.update(
     AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
+
 from refpipe.pipeline.field_checks import check_bounds
 from refpipe.pipeline.field_decl import FieldDecl, narrow_dtype
 from refpipe.pipeline.fields import FieldsConfig

@@ -28,6 +28,7 @@ import random
 import numpy as np
 import torch
 import torch.distributed as dist
+
 from refpipe.storage.errors import CheckpointError
 from refpipe.storage.layout import CHECKPOINT_MARKER_NAME, checkpoint_key
 from refpipe.storage.store import Store

@@ -26,10 +26,11 @@ import logging
 from collections.abc import Callable
 from contextlib import contextmanager
 
+from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
+
 from refpipe.storage.errors import KeyExistsError, KeyNotFoundError
 from refpipe.storage.layout import CHECKPOINT_MARKER_NAME, CHECKPOINTS_PREFIX
 from refpipe.storage.store import Store
-from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
 
 log = logging.getLogger(__name__)
 _TEMP_SUFFIX = ".tmp"

@@ -23,6 +23,7 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
+
 from refpipe.storage.errors import ConfigError
 from refpipe.trainer.config import TrainerConfig
 

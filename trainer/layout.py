@@ -9,6 +9,7 @@ import functools
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+
 from refpipe.pipeline.field_decl import FieldDecl, padding_rows
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.step_file import STREAMS, MicroBatchRecord

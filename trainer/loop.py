@@ -14,11 +14,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+from torch.utils.data import IterableDataset, get_worker_info
+
 from refpipe.pipeline.step_file import StepHeader
 from refpipe.storage.errors import ConfigError, StepOrderError
 from refpipe.trainer.resume import ResumePlan
 from refpipe.trainer.tensors import TrainMicroBatch
-from torch.utils.data import IterableDataset, get_worker_info
 
 if TYPE_CHECKING:
     from refpipe.trainer.metrics import StepMetrics

@@ -36,6 +36,7 @@ import logging
 from dataclasses import dataclass
 
 import torch.distributed as dist
+
 from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.checkpoints import newest_checkpoint
 from refpipe.storage.errors import ConfigError

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch.distributed as dist
+
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.step_file import StepFile, StepHeader
 from refpipe.storage.config import StorageConfig

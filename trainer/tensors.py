@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from refpipe.pipeline.step_file import MicroBatchRecord
 from refpipe.trainer.assemble import AssembledMicroBatch
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import fsspec
 import numpy as np
 import pytest
+from typer.testing import CliRunner
+
 from refpipe.cli.main import app
 from refpipe.pipeline.fields import FieldsConfig, Ragged
 from refpipe.pipeline.keep import Branch, Keeper
@@ -37,7 +39,6 @@ from refpipe.storage.layout import step_key
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.s3_store import S3Store
 from refpipe.storage.store import Store
-from typer.testing import CliRunner
 
 FIELDS_CFG = FieldsConfig(num_layers=2, top_k=2, num_experts=8, logprobs_k=3, sampling_mask=True)
 SEQ_LEN = 40

@@ -8,12 +8,13 @@ import zipfile
 
 import crc32c
 import pytest
+from test_inspect import invoke, snapshot
+
 from refpipe.pipeline.step_file import HEADER_MEMBER, StepFile
 from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.errors import StepFileError
 from refpipe.storage.layout import step_key
 from refpipe.storage.ledger import Ledger
-from test_inspect import invoke, snapshot
 
 
 def rewrite_step_file(store, step: int, edit_header) -> None:

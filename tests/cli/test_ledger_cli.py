@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "pipeline"))
 from audit_helpers import chunks, keep, make_keeper, publish  # noqa: E402
+
 from refpipe.cli.main import app  # noqa: E402
 from refpipe.storage.backends import open_store  # noqa: E402
 from refpipe.storage.errors import DoubleDeleteError  # noqa: E402

@@ -15,6 +15,8 @@ import shutil
 
 import pytest
 from pydantic import ValidationError
+from test_inspect import Run, invoke, snapshot
+
 from refpipe.integrations.verifiers_branches import INFO_KEY, read_refs
 from refpipe.pipeline.step_file import StepFile, StepHeader, step_key
 from refpipe.storage.backends import open_store
@@ -22,7 +24,6 @@ from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.errors import EpisodeError, OutsideRunError
 from refpipe.storage.fetch import chunk_keys, fetch_arrays
 from refpipe.storage.ledger import Ledger
-from test_inspect import Run, invoke, snapshot
 
 
 def _reopen(run: Run, root: str) -> Run:

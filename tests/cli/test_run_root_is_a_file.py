@@ -5,8 +5,9 @@ sweep). Nothing is written, and the file is untouched."""
 from __future__ import annotations
 
 import pytest
-from refpipe.cli.main import app
 from typer.testing import CliRunner
+
+from refpipe.cli.main import app
 
 STEP = "steps/step_00000000.npz"
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import typer
-from refpipe.cli.main import app
 from typer.testing import CliRunner
+
+from refpipe.cli.main import app
 
 COMMANDS = sorted(c.name for c in typer.main.get_command(app).commands.values())
 

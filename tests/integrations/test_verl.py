@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import verl
+
 from refpipe.integrations.verl import PAYLOAD_KEY, RolloutPayload, keep_output, materialize, release
 from refpipe.pipeline.audit import audit
 from refpipe.pipeline.fields import FieldsConfig

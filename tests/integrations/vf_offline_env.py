@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 from typing import Literal
 
-from refpipe.integrations.verifiers_branches import INFO_KEY
 from verifiers.v1.configs.agent import AgentConfig
 from verifiers.v1.configs.env import EnvConfig
 from verifiers.v1.env import Env
@@ -31,6 +30,8 @@ from verifiers.v1.task import Task, TaskData
 from verifiers.v1.taskset import Taskset
 from verifiers.v1.trace import Error, TraceTask
 from vf_traces import Engine, complete, multi_turn, new_trace
+
+from refpipe.integrations.verifiers_branches import INFO_KEY
 
 
 class OfflineData(TaskData):

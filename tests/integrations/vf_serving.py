@@ -8,9 +8,6 @@ import json
 from collections.abc import Callable
 
 import numpy as np
-from refpipe.integrations.verifiers_server import RefpipeEnvServer, RefpipeServeConfig
-from refpipe.storage.layout import tombstone_key
-from refpipe.storage.store import Store
 from verifiers.v1.configs.client import EvalClientConfig
 from verifiers.v1.episode import EnvInfo, Episode, WireEpisode
 from verifiers.v1.serve import EnvClient, EnvServer
@@ -19,6 +16,10 @@ from verifiers.v1.task import TaskData
 from verifiers.v1.trace import Trace, TraceTask
 from verifiers.v1.types import SamplingConfig
 from verifiers.v1.utils.loaders import resolve_env_config
+
+from refpipe.integrations.verifiers_server import RefpipeEnvServer, RefpipeServeConfig
+from refpipe.storage.layout import tombstone_key
+from refpipe.storage.store import Store
 
 TEMPERATURE = 0.7
 

@@ -8,6 +8,7 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 import torch
+
 from refpipe.job.model import ModelConfig, MoELM
 from refpipe.job.rollout import SampledBranch
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from refpipe.job.config import RunConfig
 from refpipe.job.model import MoELM
 from refpipe.job.train_rank import PolicyTrainer

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from refpipe.job.model import MoELM, MoEMLP
 
 # Packed and alone forwards run different matmul shapes, so router logits differ by ~1e-6 between them

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+
 from refpipe.job.config import RunConfig, load_config
 from refpipe.storage.errors import ConfigError
 

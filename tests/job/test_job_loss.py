@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+
 from refpipe.job.loss import policy_loss
 from refpipe.job.rollout import SamplingConfig, sample_branches
 from refpipe.job.task import TaskConfig, make_problems, reward, warm_start

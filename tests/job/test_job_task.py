@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pydantic
 import pytest
+
 from refpipe.job.model import BOS_ID, EOS_ID, MoELM
 from refpipe.job.rollout import SamplingConfig, sample_branches
 from refpipe.job.task import TaskConfig, make_problems, reward, warm_start

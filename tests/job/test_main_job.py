@@ -16,6 +16,8 @@ import time
 
 import pytest
 from fault_proxy import Fault, FaultProxy
+from rich.console import Console
+
 from refpipe.job.config import JobConfig, RunConfig
 from refpipe.job.launcher import Launcher
 from refpipe.pipeline.orchestrator import OrchestratorConfig
@@ -24,7 +26,6 @@ from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.layout import SUMMARY_KEY, address_key, step_key
 from refpipe.trainer.config import TrainerConfig
-from rich.console import Console
 
 
 def small_config(storage: StorageConfig, **job) -> RunConfig:
@@ -168,8 +169,9 @@ def write_config(tmp_path, root, run_id: str, num_steps: int = 3, warm_start_ste
 
 
 def test_an_existing_run_id_is_refused_and_the_run_is_untouched(tmp_path):
-    from refpipe.cli.main import app
     from typer.testing import CliRunner
+
+    from refpipe.cli.main import app
 
     store = open_store(StorageConfig(root=str(tmp_path / "root"), run_id="fixed"))
     store.put("config.json", b"{}")
@@ -180,8 +182,9 @@ def test_an_existing_run_id_is_refused_and_the_run_is_untouched(tmp_path):
 
 
 def test_config_that_cannot_train_is_refused_before_anything_starts(tmp_path):
-    from refpipe.cli.main import app
     from typer.testing import CliRunner
+
+    from refpipe.cli.main import app
 
     for override, expected in (({"seq_len": 8}, "orchestrator.seq_len=8"), ({"group_size": 1}, "group_size=1")):
         result = CliRunner().invoke(app, ["run", "--config", write_config(tmp_path, tmp_path / "root", "bad",
@@ -347,8 +350,9 @@ def test_a_stopped_runs_delete_rows_sum_to_the_deleted_total(tmp_path):
     import subprocess
     import sys
 
-    from refpipe.trainer.pause import ENV
     from test_resume import released_by
+
+    from refpipe.trainer.pause import ENV
 
     root = tmp_path / "root"
     path = write_config(tmp_path, root, "stop", num_steps=6)

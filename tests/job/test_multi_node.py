@@ -17,6 +17,9 @@ import time
 
 import pytest
 from ports import free_port
+from test_main_job import write_config
+from typer.testing import CliRunner
+
 from refpipe.cli.main import app
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
@@ -30,8 +33,6 @@ from refpipe.storage.layout import (
 )
 from refpipe.storage.ledger import Ledger
 from refpipe.trainer.pause import ENV
-from test_main_job import write_config
-from typer.testing import CliRunner
 
 BIN = os.path.dirname(sys.executable)
 

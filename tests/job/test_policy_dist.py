@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+
 from refpipe.job.config import RunConfig
 from refpipe.job.model import MoELM
 

@@ -24,6 +24,8 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from typer.testing import CliRunner
+
 from refpipe.cli.main import app
 from refpipe.job.train_rank import check_replay, policy_masks
 from refpipe.job.weights import check_same_weights, publish_weights
@@ -33,7 +35,6 @@ from refpipe.storage.errors import ReplayMismatchError
 from refpipe.storage.layout import SUMMARY_KEY, address_key, metrics_key, step_key, weights_key
 from refpipe.trainer.pause import ENV
 from refpipe.trainer.resume import ResumePlan
-from typer.testing import CliRunner
 
 REFPIPE = os.path.join(os.path.dirname(sys.executable), "refpipe")
 

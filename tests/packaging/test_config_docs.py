@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from pydantic import BaseModel
+
 from refpipe.cli.config_docs import render, section
 
 PAGE = Path(__file__).parents[2] / "docs" / "configuration.md"

@@ -42,9 +42,8 @@ def test_an_unknown_name_is_an_attribute_error():
 
 
 def test_every_error_type_is_public():
-    from refpipe.storage import errors
-
     import refpipe
+    from refpipe.storage import errors
 
     types = {n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, errors.RefpipeError)}
     assert len(types) == 29 and types <= set(refpipe.__all__)

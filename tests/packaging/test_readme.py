@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+
 from refpipe.pipeline.audit import audit
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig

@@ -16,6 +16,7 @@ import sys
 import time
 
 import numpy as np
+
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.pipeline.step_file import (

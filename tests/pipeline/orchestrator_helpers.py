@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+
 from refpipe.pipeline.fields import FieldsConfig, spread_expert_rows
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.pipeline.samples import BranchResult, Episode

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+
 from refpipe.pipeline.advantages import group_advantages, reward_in_range, stale, zero_advantage
 
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import io
 import json
+import zipfile
 
 import pytest
 from audit_helpers import chunks, fetch_step, keep, make_keeper, publish, release_step, snapshot, train
+
 from refpipe.pipeline.audit import audit, sweep
+from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.backends import open_store
 from refpipe.storage.errors import DoubleDeleteError, LedgerRecordError, StepFileError, UnknownRefError
-from refpipe.storage.layout import EVENTS_PREFIX, node_key, parse_segment_key, tombstone_key
+from refpipe.storage.layout import EVENTS_PREFIX, node_key, parse_segment_key, step_key, tombstone_key
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.local_store import LocalStore
 
@@ -189,6 +193,27 @@ def test_an_unreadable_step_file_is_a_violation_and_blocks_the_sweep(run):
     with pytest.raises(StepFileError, match="refusing to sweep"):
         sweep(store)
     assert store.list_prefix("") == before
+
+
+def test_a_step_file_with_a_damaged_stream_still_holds_its_chunks(run):
+    """A flipped byte in a stream member fails the step file's crc32c (every trainer rank and ``refpipe verify``
+    refuse it), but its header still says which chunks it holds: the audit counts them held by the step, not
+    leaked, and names no unreadable step file."""
+    store, keeper, orchestrator, trainers = run
+    refs = [keep(keeper, seed) for seed in range(2)]
+    orchestrator.record("receive", episode_id="e", group_id="g", branch_ids=[r.branch_id for r in refs])
+    publish(store, 0, refs, [0, 1])
+    close_all(keeper, orchestrator, trainers)
+    data = bytearray(store.get(step_key(0)))
+    info = zipfile.ZipFile(io.BytesIO(bytes(data))).getinfo("dp0.mb0.loss_mask.npy")
+    data[info.header_offset + 30 + len(info.filename) + len(info.extra) + info.file_size - 1] ^= 0x01
+    store.put(step_key(0), bytes(data))
+    with pytest.raises(StepFileError, match=r"member dp0.mb0.loss_mask.npy: crc32c 0x[0-9a-f]{8}, the header "
+                                            r"records 0x[0-9a-f]{8} \(corrupted step file\)$"):
+        StepFile.read(store, 0)
+    report = audit(store)
+    assert (report.unreadable_step_files, report.leaked, report.outstanding_by_holder) == (
+        [], 0, {"trainer step 0": 2})
 
 
 def test_a_chunk_deleted_outside_the_ledger_is_missing(run):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from audit_helpers import chunks, snapshot, train
+
 from refpipe.pipeline.audit import audit, sweep
 from refpipe.storage.backends import open_store
 from refpipe.storage.chunk import PayloadRef

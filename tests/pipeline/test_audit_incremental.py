@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from audit_helpers import keep, make_keeper, publish, train
+
 from refpipe.pipeline.audit import audit
 from refpipe.storage.backends import open_store
 from refpipe.storage.layout import AUDIT_SUMMARY_KEY, EVENTS_PREFIX, meta_key, step_key

@@ -12,6 +12,7 @@ import multiprocessing
 from collections import Counter
 
 import pytest
+
 from refpipe.storage.backends import open_store
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.config import StorageConfig
@@ -40,6 +41,7 @@ def _deleter(config: StorageConfig, index: int, refs_json: list[str], barrier, r
 @pytest.mark.timeout(300)
 def test_eight_processes_delete_each_chunk_exactly_once(storage_config):
     from audit_helpers import chunks, keep, make_keeper
+
     from refpipe.pipeline.audit import audit
 
     store = open_store(storage_config)

@@ -12,6 +12,8 @@ import json
 import google_crc32c
 import pytest
 from audit_helpers import keep, make_keeper, publish
+from typer.testing import CliRunner
+
 from refpipe.cli.main import app
 from refpipe.pipeline.audit import audit, sweep
 from refpipe.storage.backends import open_store
@@ -20,7 +22,6 @@ from refpipe.storage.store import Store
 from refpipe.trainer.background import BackgroundRelease, ReleaseCounts
 from refpipe.trainer.config import TrainerConfig
 from refpipe.trainer.release import ReleasePolicy
-from typer.testing import CliRunner
 
 AWAITING = "trainer_dp{} (trained, awaiting checkpoint)"
 REPLAYED = "trainer step {} (after the newest checkpoint: a resume replays it)"

@@ -7,6 +7,7 @@ import base64
 import numpy as np
 import pytest
 import torch
+
 from refpipe.pipeline.engines import engine_routed_experts, sglang_routed_experts
 from refpipe.pipeline.fields import FieldsConfig, validate_branch
 from refpipe.storage.errors import FieldError

@@ -6,6 +6,7 @@ import re
 
 import numpy as np
 import pytest
+
 from refpipe.pipeline.fields import FIELDS, FieldsConfig, Ragged, spread_expert_rows, trailing_shape, validate_branch
 from refpipe.storage.errors import FieldError
 

@@ -11,6 +11,7 @@ import boto3
 import numpy as np
 import psutil
 import pytest
+
 from refpipe.pipeline.fields import FieldsConfig, Ragged
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.storage.backends import open_store

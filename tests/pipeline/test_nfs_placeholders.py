@@ -18,6 +18,7 @@ import os
 import pytest
 from audit_helpers import keep, make_keeper
 from fault_os import NfsClient, refusing
+
 from refpipe.pipeline.audit import SweepResult, audit, sweep
 from refpipe.storage import local_store
 from refpipe.storage.backends import open_store

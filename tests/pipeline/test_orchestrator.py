@@ -8,6 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from orchestrator_helpers import FIELDS, chunks, counting_store, episode, make_keeper, tombstones
+
 from refpipe.pipeline.orchestrator import Orchestrator, OrchestratorConfig
 from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.backends import open_store

@@ -8,6 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from orchestrator_helpers import FIELDS, branch, chunks, counting_store, episode, make_keeper, tombstones
+
 from refpipe.pipeline.orchestrator import Orchestrator, OrchestratorConfig
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig

@@ -8,6 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from orchestrator_helpers import FIELDS, chunks, episode, make_keeper, tombstones
+
 from refpipe.pipeline.advantages import from_episode, rloo
 from refpipe.pipeline.audit import audit
 from refpipe.pipeline.orchestrator import Orchestrator, OrchestratorConfig

@@ -7,6 +7,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.packing import (
     PADDING_ENV_NAME,

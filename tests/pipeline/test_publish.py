@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from orchestrator_helpers import FIELDS, branch, make_keeper
 from pydantic import ValidationError
+
 from refpipe.pipeline.audit import audit
 from refpipe.pipeline.publish import PackedSequence, StepMicroBatch, publish_step
 from refpipe.pipeline.slices import PayloadSlice

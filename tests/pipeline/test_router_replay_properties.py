@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from refpipe.pipeline.field_decl import strided_rows
 from refpipe.pipeline.fields import FieldsConfig, validate_branch
 from refpipe.pipeline.step_file import MicroBatchRecord, SequenceRecord

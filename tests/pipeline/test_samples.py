@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+
 from refpipe.pipeline.samples import (
     BranchResult,
     Episode,

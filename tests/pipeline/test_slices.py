@@ -8,6 +8,7 @@ import pickle
 import numpy as np
 import pytest
 from orchestrator_helpers import FIELDS, branch, make_keeper
+
 from refpipe.pipeline.slices import PayloadSlice, SliceId, ref_digest
 from refpipe.storage.backends import open_store
 from refpipe.storage.chunk import ArraySpec, PayloadRef, layout_arrays

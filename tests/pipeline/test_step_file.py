@@ -11,6 +11,7 @@ import crc32c
 import numpy as np
 import pytest
 from orchestrator_helpers import FIELDS, chunks, episode, make_keeper, tombstones
+
 from refpipe.pipeline.packing import pack_step, step_contents
 from refpipe.pipeline.samples import build_sample
 from refpipe.pipeline.step_file import HEADER_MEMBER, STREAMS, StepFile, publish_step_file, read_step_file

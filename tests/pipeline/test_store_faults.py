@@ -21,6 +21,7 @@ import torch
 from audit_helpers import NUM_COMPLETION, NUM_PROMPT, keep, make_keeper, publish
 from checkpoint_helpers import FILES, STEP, assert_loads_back, one_rank_world, save, trained
 from fault_proxy import Fault, FaultProxy
+
 from refpipe.job.weights import publish_weights
 from refpipe.pipeline.audit import audit
 from refpipe.pipeline.step_file import StepFile

@@ -19,6 +19,7 @@ import torch
 from audit_helpers import NUM_COMPLETION, NUM_PROMPT, keep, make_keeper, publish
 from checkpoint_helpers import FILES, assert_loads_back, one_rank_world, save, trained
 from fault_os import OsFault, OsFaults, read_only, refusing, tmpfs
+
 from refpipe.job.weights import publish_weights
 from refpipe.pipeline.audit import audit
 from refpipe.pipeline.keep import Branch

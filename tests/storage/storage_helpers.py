@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import boto3
 import numpy as np
+
 from refpipe.pipeline.fields import FieldsConfig, Ragged
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig

@@ -10,12 +10,6 @@ import json
 import numpy as np
 import pytest
 import zarr
-from refpipe.pipeline.fields import FieldsConfig
-from refpipe.pipeline.keep import Branch, Keeper
-from refpipe.storage.chunk import BLOCK_ROWS, PayloadRef, layout_arrays, read_attributes
-from refpipe.storage.fetch import fetch_arrays
-from refpipe.storage.layout import DATA_NAME, META_NAME, node_key
-from refpipe.storage.ledger import Ledger
 from storage_helpers import (
     FIELDS_CFG,
     Backend,
@@ -30,6 +24,13 @@ from zarr.codecs import BytesCodec, Crc32cCodec, ZstdCodec
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.dtype import parse_dtype
 from zarr.core.metadata.v3 import ArrayV3Metadata
+
+from refpipe.pipeline.fields import FieldsConfig
+from refpipe.pipeline.keep import Branch, Keeper
+from refpipe.storage.chunk import BLOCK_ROWS, PayloadRef, layout_arrays, read_attributes
+from refpipe.storage.fetch import fetch_arrays
+from refpipe.storage.layout import DATA_NAME, META_NAME, node_key
+from refpipe.storage.ledger import Ledger
 
 P, C = 5, 7
 WIDE_CFG = FieldsConfig(num_layers=2, top_k=3, num_experts=300, logprobs_k=3, support_width=4, sampling_mask=True)

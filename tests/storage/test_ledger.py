@@ -8,6 +8,7 @@ import os
 import google_crc32c
 import numpy as np
 import pytest
+
 from refpipe.storage.chunk import ArraySpec, PayloadRef, encode_chunk
 from refpipe.storage.chunks import put_chunk
 from refpipe.storage.errors import (

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from refpipe.pipeline.audit import audit, sweep
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig

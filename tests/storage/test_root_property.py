@@ -10,6 +10,7 @@ import tempfile
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.storage.backends import open_store

@@ -6,6 +6,7 @@ import os
 import re
 
 import pytest
+
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import ConfigError, OutsideRunError
 from refpipe.storage.uri import RunPrefix

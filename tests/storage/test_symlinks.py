@@ -7,6 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
+
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.storage.backends import open_store

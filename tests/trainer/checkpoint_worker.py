@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from refpipe.storage.backends import open_store
 from refpipe.storage.checkpoints import newest_checkpoint
 from refpipe.storage.config import StorageConfig

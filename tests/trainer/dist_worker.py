@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch.distributed as dist
+
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+from torch.utils.data import DataLoader
+
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
@@ -28,7 +30,6 @@ from refpipe.trainer.config import TrainerConfig
 from refpipe.trainer.dist import init_process_group
 from refpipe.trainer.loop import StepDataset
 from refpipe.trainer.step import TrainerRank
-from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).parent))
 from trainer_helpers import flatten  # noqa: E402

@@ -10,6 +10,8 @@ import threading
 import numpy as np
 import pytest
 import torch
+from trainer_helpers import FIELDS, Seq, assert_same, build_step, expected_micro_batch, flatten, keep_all, make_branch
+
 from refpipe.pipeline.fields import FieldsConfig, spread_expert_rows
 from refpipe.pipeline.keep import Branch
 from refpipe.pipeline.step_file import StepFile, publish_step_file
@@ -20,7 +22,6 @@ from refpipe.storage.fetch import fetch_arrays
 from refpipe.trainer.assemble import assemble_dropped_micro_batch, assemble_micro_batch, micro_batch_hash
 from refpipe.trainer.fetch import fetch_own, own_requests, wait_for_step
 from refpipe.trainer.tensors import to_torch
-from trainer_helpers import FIELDS, Seq, assert_same, build_step, expected_micro_batch, flatten, keep_all, make_branch
 
 SEQ_LEN = 24
 

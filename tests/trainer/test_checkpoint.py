@@ -17,6 +17,7 @@ import pytest
 import torch
 from checkpoint_helpers import FILES, assert_loads_back, one_rank_world, save, trained
 from ports import free_port
+
 from refpipe.storage.backends import open_store
 from refpipe.storage.checkpoints import newest_checkpoint
 from refpipe.storage.errors import CheckpointError

@@ -8,6 +8,9 @@ import json
 import numpy as np
 import pytest
 import torch
+from trainer_helpers import Seq, build_step, keep_all
+from typer.testing import CliRunner
+
 from refpipe.cli.main import app
 from refpipe.pipeline.field_decl import FieldDecl, ValueChecks
 from refpipe.pipeline.fields import FieldsConfig, Ragged, validate_branch
@@ -18,8 +21,6 @@ from refpipe.storage.errors import FieldError
 from refpipe.storage.layout import step_key
 from refpipe.trainer.assemble import micro_batch_hash
 from refpipe.trainer.fetch import fetch_own
-from trainer_helpers import Seq, build_step, keep_all
-from typer.testing import CliRunner
 
 DECLARED = (
     FieldDecl(name="value_targets", dtypes=["float32"], domain="tokens", padding="zeros",

@@ -17,11 +17,6 @@ from pathlib import Path
 import numpy as np
 from fault_proxy import Fault, FaultProxy
 from ports import free_port
-from refpipe.pipeline.fields import spread_expert_rows
-from refpipe.storage.backends import open_store
-from refpipe.storage.chunks import chunk_keys
-from refpipe.storage.config import StorageConfig
-from refpipe.storage.layout import tombstone_key
 from trainer_helpers import (
     FIELDS,
     Seq,
@@ -33,6 +28,12 @@ from trainer_helpers import (
     keep_all,
     make_branch,
 )
+
+from refpipe.pipeline.fields import spread_expert_rows
+from refpipe.storage.backends import open_store
+from refpipe.storage.chunks import chunk_keys
+from refpipe.storage.config import StorageConfig
+from refpipe.storage.layout import tombstone_key
 
 SEQ_LEN = 24
 WORKER = Path(__file__).with_name("dist_worker.py")

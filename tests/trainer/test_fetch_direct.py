@@ -10,15 +10,6 @@ import zipfile
 import crc32c
 import numpy as np
 import pytest
-from refpipe.pipeline.step_file import HEADER_MEMBER, StepFile
-from refpipe.storage.backends import open_store
-from refpipe.storage.chunks import chunk_keys
-from refpipe.storage.errors import StepFileError
-from refpipe.storage.layout import step_key
-from refpipe.storage.local_store import LocalStore
-from refpipe.trainer.buffers import BufferPool
-from refpipe.trainer.fetch import fetch_own, wait_for_step
-from refpipe.trainer.tensors import to_torch
 from trainer_helpers import (
     FIELDS,
     Seq,
@@ -31,6 +22,16 @@ from trainer_helpers import (
     keep_all,
     make_branch,
 )
+
+from refpipe.pipeline.step_file import HEADER_MEMBER, StepFile
+from refpipe.storage.backends import open_store
+from refpipe.storage.chunks import chunk_keys
+from refpipe.storage.errors import StepFileError
+from refpipe.storage.layout import step_key
+from refpipe.storage.local_store import LocalStore
+from refpipe.trainer.buffers import BufferPool
+from refpipe.trainer.fetch import fetch_own, wait_for_step
+from refpipe.trainer.tensors import to_torch
 
 SEQ_LEN = 30
 

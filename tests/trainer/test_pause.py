@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from refpipe.storage.errors import ConfigError
 from refpipe.trainer.pause import ENV, PauseAt, parse_pause_at, pause_point
 

@@ -12,6 +12,7 @@ import zipfile
 from dataclasses import dataclass
 
 import numpy as np
+
 from refpipe.pipeline.fields import FieldsConfig, Ragged, spread_expert_rows
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.pipeline.step_file import (
