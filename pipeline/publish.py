@@ -24,6 +24,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from refpipe.pipeline.fields import FieldsConfig
+from refpipe.pipeline.samples import logprob_problem, token_id_problem
 from refpipe.pipeline.slices import PayloadSlice, check_in_run
 from refpipe.pipeline.step_file import (
     MAX_SEQ_LEN,
@@ -122,7 +123,7 @@ def step_contents(micro_batches: Sequence[Sequence[StepMicroBatch]], *, step: in
                   fields: FieldsConfig, extra_streams: Mapping[str, str], metrics: Mapping[str, float]
                   ) -> tuple[StepHeader, Streams]:
     """The validated header and streams ``publish_step`` writes (see there; no I/O)."""
-    _check_shape(micro_batches, step, seq_len, extra_streams)
+    _check_shape(micro_batches, step, seq_len, extra_streams, fields)
     refs, owners, index_of = _ref_table(micro_batches, step)
     records = [_record(rank, i, mb, index_of, step, seq_len)
                for rank, batches in enumerate(micro_batches) for i, mb in enumerate(batches)]
@@ -162,8 +163,9 @@ def _ref_table(micro_batches: Sequence[Sequence[StepMicroBatch]], step: int
 
 
 def _check_shape(micro_batches: Sequence[Sequence[StepMicroBatch]], step: int, seq_len: int,
-                 extra_streams: Mapping[str, str]) -> None:
-    """DP ranks with equal, non-zero counts of micro batches within ``seq_len``, each with exactly the streams."""
+                 extra_streams: Mapping[str, str], fields: FieldsConfig) -> None:
+    """DP ranks with equal, non-zero counts of micro batches within ``seq_len``, each with exactly the streams, and
+    their values trainable (``_check_values``)."""
     if not 1 <= seq_len <= MAX_SEQ_LEN:
         raise PackingError(f"step {step}: seq_len {seq_len}: expected 1..{MAX_SEQ_LEN} tokens")
     for name, dtype in extra_streams.items():
@@ -191,6 +193,37 @@ def _check_shape(micro_batches: Sequence[Sequence[StepMicroBatch]], step: int, s
                 raise PackingError(f"{what}: streams {unknown} are neither STREAMS nor named in extra_streams")
             for name, dtype in expected.items():
                 _check_stream(mb.streams.get(name), f"{what} stream {name!r}", dtype, num_tokens)
+            _check_values(mb.streams, what, fields.vocab_size)
+            _check_required(mb, what, fields)
+
+
+def _check_values(streams: Mapping[str, np.ndarray], what: str, vocab_size: int | None) -> None:
+    """Token ids in ``[0, vocab_size)``, inference logprobs finite and <= 0, advantages finite: the rules an
+    episode meets at ``Orchestrator.submit`` (``pipeline.samples``), so no bad value trains silently."""
+    advantages = streams["advantages"]
+    problem = (token_id_problem(streams["input_ids"], "input_ids", vocab_size)
+               or logprob_problem(streams["inference_logprobs"], "inference_logprobs"))
+    if problem is None and not np.isfinite(advantages).all():
+        bad = int(np.argmin(np.isfinite(advantages)))
+        problem = f"advantages[{bad}] = {float(advantages[bad])}: expected a finite float"
+    if problem:
+        raise PackingError(f"{what} stream {problem}")
+
+
+def _check_required(mb: StepMicroBatch, what: str, fields: FieldsConfig) -> None:
+    """Every sequence with loss tokens carries each of ``fields.required`` (the trainer would drop its micro batch,
+    ``trainer.assemble``): refused here, before anything is written."""
+    if not fields.required:
+        return
+    registry, start = fields.registry(), 0
+    for j, seq in enumerate(mb.sequences):
+        loss_tokens = int(mb.streams["loss_mask"][start:start + seq.num_tokens].sum())
+        start += seq.num_tokens
+        stored = () if seq.payload is None else seq.payload.ref.arrays
+        missing = [name for name in fields.required if registry[name].names()[0] not in stored]
+        if loss_tokens and missing:
+            raise PackingError(f"{what} sequence {j}: {loss_tokens} loss tokens without required fields {missing} "
+                               f"(FieldsConfig.required): expected every trained sequence to carry them")
 
 
 def _check_stream(a: object, what: str, dtype: str, num_tokens: int) -> None:

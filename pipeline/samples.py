@@ -244,15 +244,27 @@ def _check_branch(branch: BranchResult, what: str, prefix: RunPrefix) -> None:
 
 def _check_values(branch: BranchResult, what: str, vocab_size: int | None) -> None:
     """Token ids in ``[0, vocab_size)``, inference logprobs finite and <= 0: else one line naming the index."""
-    for name in ("prompt_ids", "completion_ids"):
-        ids = getattr(branch, name)
-        if ids.size and (int(ids.min()) < 0 or (vocab_size is not None and int(ids.max()) >= vocab_size)):
-            bad = int(np.argmax((ids < 0) | (ids >= (vocab_size or np.iinfo(np.int32).max))))
-            limit = "" if vocab_size is None else f" and < vocab_size={vocab_size}"
-            raise EpisodeError(f"{what}: {name}[{bad}] = {int(ids[bad])}: expected a token id >= 0{limit}")
-    logprobs = branch.inference_logprobs
+    problem = (token_id_problem(branch.prompt_ids, "prompt_ids", vocab_size)
+               or token_id_problem(branch.completion_ids, "completion_ids", vocab_size)
+               or logprob_problem(branch.inference_logprobs, "inference_logprobs"))
+    if problem:
+        raise EpisodeError(f"{what}: {problem}")
+
+
+def token_id_problem(ids: np.ndarray, name: str, vocab_size: int | None) -> str | None:
+    """``<name>[i] = v: expected a token id >= 0 (and < vocab_size)`` for the first bad id, or None: the rule for
+    token ids wherever they enter (episodes, ``publish_step``'s ``input_ids``)."""
+    if ids.size and (int(ids.min()) < 0 or (vocab_size is not None and int(ids.max()) >= vocab_size)):
+        bad = int(np.argmax((ids < 0) | (ids >= (vocab_size or np.iinfo(np.int32).max))))
+        limit = "" if vocab_size is None else f" and < vocab_size={vocab_size}"
+        return f"{name}[{bad}] = {int(ids[bad])}: expected a token id >= 0{limit}"
+    return None
+
+
+def logprob_problem(logprobs: np.ndarray, name: str) -> str | None:
+    """``<name>[i] = v: expected a finite logprob <= 0`` for the first bad value, or None."""
     top = logprobs.max() if logprobs.size else 0.0  # NaN and +inf propagate into the max, -inf into the min
     if not top <= 0 or (logprobs.size and np.isneginf(logprobs.min())):
         bad = int(np.argmax(~(np.isfinite(logprobs) & (logprobs <= 0))))
-        raise EpisodeError(f"{what}: inference_logprobs[{bad}] = {float(logprobs[bad])}: expected a finite "
-                           "logprob <= 0")
+        return f"{name}[{bad}] = {float(logprobs[bad])}: expected a finite logprob <= 0"
+    return None

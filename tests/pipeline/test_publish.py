@@ -12,6 +12,7 @@ from orchestrator_helpers import FIELDS, branch, make_keeper
 from pydantic import ValidationError
 
 from refpipe.pipeline.audit import audit
+from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.publish import PackedSequence, StepMicroBatch, publish_step
 from refpipe.pipeline.slices import PayloadSlice
 from refpipe.pipeline.step_file import HEADER_MEMBER, STREAMS, StepFile, StepHeader
@@ -120,17 +121,49 @@ def _bad(kept, plain, rng):
         "empty": ([[other], [replace(good, sequences=[])]], at + r": expected a StepMicroBatch with at least one"),
         "policy": ([[other], [replace(good, sequences=[replace(seqs[0], policy_version=-1), seqs[1]])]],
                    at + r" sequence 0: num_tokens 8, policy_version -1, env_name 'reverse': expected num_tokens >= 1"),
+        "nan logprob": ([[other], [replace(good, streams=_with(good.streams, "inference_logprobs", 5, np.nan))]],
+                        at + r" stream inference_logprobs\[5\] = nan: expected a finite logprob <= 0$"),
+        "positive logprob": ([[other], [replace(good, streams=_with(good.streams, "inference_logprobs", 0, 3.0))]],
+                             at + r" stream inference_logprobs\[0\] = 3.0: expected a finite logprob <= 0$"),
+        "nan advantage": ([[other], [replace(good, streams=_with(good.streams, "advantages", 16, np.nan))]],
+                          at + r" stream advantages\[16\] = nan: expected a finite float$"),
+        "negative id": ([[other], [replace(good, streams=_with(good.streams, "input_ids", 2, -1))]],
+                        at + r" stream input_ids\[2\] = -1: expected a token id >= 0$"),
     }
 
 
+def _with(streams: dict, name: str, index: int, value) -> dict:
+    """``streams`` with ``streams[name][index] = value`` (a copy)."""
+    a = streams[name].copy()
+    a[index] = value
+    return {**streams, name: a}
+
+
 @pytest.mark.parametrize("kind", ["unequal", "none", "dtype", "length", "missing", "unknown", "too long", "slice",
-                                  "mixed", "twice", "unowned", "empty", "policy"])
+                                  "mixed", "twice", "unowned", "empty", "policy", "nan logprob", "positive logprob",
+                                  "nan advantage", "negative id"])
 def test_bad_input_is_a_packing_error_naming_where_and_nothing_is_written(run, kind):
     store, ledger, kept, plain, rng = run
     batches, message = _bad(kept, plain, rng)[kind]
     with pytest.raises(PackingError, match=message):
         publish_step(store, ledger, 1, batches, seq_len=SEQ_LEN, fields=FIELDS, extra_streams={"values": "<f4"})
     assert not store.exists(step_key(1))
+
+
+def test_token_ids_past_the_vocabulary_and_trained_sequences_without_a_required_field_are_refused(run):
+    store, ledger, kept, plain, rng = run
+    good = _micro_batch(rng, kept[:1], extra=False)
+    with pytest.raises(PackingError, match=r"^step 1 dp_rank=0 micro batch 0 stream input_ids\[\d+\] = \d+: expected "
+                                           r"a token id >= 0 and < vocab_size=2$"):
+        publish_step(store, ledger, 1, [[good]], seq_len=SEQ_LEN, fields=FIELDS.model_copy(update={"vocab_size": 2}))
+    unrouted = _micro_batch(rng, [plain], extra=False)
+    trained = int(unrouted.streams["loss_mask"].sum())
+    required = FieldsConfig(**{**FIELDS.model_dump(), "required": ("routed_experts",)})
+    at = "^step 1 dp_rank=0 micro batch 0 sequence 0"
+    with pytest.raises(PackingError, match=rf"{at}: {trained} loss tokens without "
+                                           r"required fields \['routed_experts'\] \(FieldsConfig.required\)"):
+        publish_step(store, ledger, 1, [[unrouted]], seq_len=SEQ_LEN, fields=required)
+    assert trained > 0 and not store.exists(step_key(1))
 
 
 def test_bad_slices_extra_streams_and_foreign_refs(run, tmp_path):
