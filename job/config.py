@@ -91,7 +91,7 @@ class RunConfig(BaseModel):
 
     model_config = {**CONFIG, "validate_by_name": True, "serialize_by_alias": True}
 
-    storage: StorageConfig = StorageConfig()
+    storage: StorageConfig = Field(default_factory=StorageConfig)  # built per config: a relative root resolves then
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
     sampling: SamplingConfig = SamplingConfig()

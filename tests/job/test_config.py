@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from refpipe.job.config import RunConfig, load_config
@@ -92,3 +95,16 @@ def test_the_default_release_needs_checkpoints_and_says_how_to_run_without(tmp_p
         '"after_step"')
     assert _load(tmp_path, '[job]\ncheckpoint_every_steps = 0\n[trainer]\nrelease = "after_step"\n').trainer.release \
         == "after_step"
+
+
+def test_a_working_directory_with_a_hash_needs_no_relative_root(tmp_path):
+    """RunConfig's storage default is built per config, not at import: ``refpipe init`` of a config with an absolute
+    root works from a directory whose path holds ``#`` (it printed a ValidationError traceback at import)."""
+    cwd = tmp_path / "job#42"
+    cwd.mkdir()
+    config = tmp_path / "run.toml"
+    config.write_text(f'[storage]\nroot = "{tmp_path / "root"}"\nrun_id = "x"\n')
+    result = subprocess.run([sys.executable, "-m", "refpipe.cli.main", "init", "--config", str(config)], cwd=cwd,
+                            capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert f"file://{tmp_path / 'root'}/x" in result.stdout and (tmp_path / "root" / "x" / "config.json").is_file()
