@@ -111,10 +111,11 @@ class DirectoryHandles:
             for k in [k for k in self._handles if k == key or k.startswith(f"{key}/") or not key]:
                 self._drop(k, self._handles.pop(k))
 
-    def __del__(self) -> None:
-        if self._pid == os.getpid():  # the store is gone: its handles are not leased any more
+    def __del__(self, _getpid=os.getpid, _close=os.close) -> None:
+        # bound at definition: at interpreter exit this module's globals (``os``) may already be cleared
+        if self._pid == _getpid():  # the store is gone: its handles are not leased any more
             for handle in [*self._handles.values(), *self._orphans.values()]:
-                os.close(handle.fd)
+                _close(handle.fd)
 
     def _drop(self, key: str, handle: _Handle) -> None:
         handle.dropped = True

@@ -120,3 +120,20 @@ def test_handles_evicted_while_other_threads_use_them_stay_open_until_released(l
     store._handles().forget("")
     gc.collect()
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_handles_close_at_interpreter_exit_after_the_module_globals_are_cleared(tmp_path, monkeypatch):
+    """Finalization can clear ``storage.local_dirs``' globals before a store's handles are collected (an adopter's
+    script printed ``Exception ignored in: DirectoryHandles.__del__ ... 'NoneType' object has no attribute 'getpid'``
+    at exit): ``__del__`` still closes every fd."""
+    from refpipe.storage import local_dirs
+
+    handles = local_dirs.DirectoryHandles(limit=8)
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    handles.release("", handles.add("", fd))
+    monkeypatch.setattr(local_dirs, "os", None)
+    handles.__del__()
+    monkeypatch.undo()
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed
+    handles._handles.clear()  # nothing left for the collector's own __del__ to close again
