@@ -27,7 +27,11 @@ def put_chunk(store: Store, branch_id: str, chunk: EncodedChunk) -> str:
     """
     key = node_key(branch_id)
     data_key, meta_key = node_chunk_keys(key)
-    store.put(data_key, chunk.parts, exclusive=True)
+    try:
+        store.put(data_key, chunk.parts, exclusive=True)
+    except KeyExistsError as e:
+        raise KeyExistsError(f"branch {branch_id!r} was already kept in run {store.prefix.uri} ({e}): branch ids "
+                             f"are unique per run; keep a new branch under a new id") from e
     try:
         store.put(meta_key, chunk.metadata, exclusive=True)
     except KeyExistsError:
