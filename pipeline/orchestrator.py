@@ -174,7 +174,10 @@ class Orchestrator:
             self.eval_rewards += [(episode.env_name, float(r)) for r in episode.branch_rewards()]
             self._delete("eval", episode.refs(), f"{what} is an eval episode")
         elif episode.group_id in self._closed:
-            self._delete("late", episode.refs(), f"{what} arrived after its group was {self._closed[episode.group_id]}")
+            reason = f"{what} arrived after its group was {self._closed[episode.group_id]}"
+            log.warning("orchestrator: %s: its chunks are deleted, never trained (a group id names one group per "
+                        "run: give each group of each step its own id)", reason)
+            self._delete("late", episode.refs(), reason)
         else:
             self._delete("untrained", [b.ref for b in episode.branches if not b.trainable and b.ref],
                          f"{what}: branch not trainable")

@@ -74,13 +74,17 @@ def test_untrained_branches_are_deleted_and_trainable_ones_shipped(env):
     assert sorted(r.branch_id for r in header.refs) == ["e0-b0", "e1-b0"]
 
 
-def test_late_episode_of_a_completed_group_is_deleted(env):
+def test_late_episode_of_a_completed_group_is_deleted_and_said(env, caplog):
     orch, keeper, store, rng = env
     orch.submit(episode(keeper, rng, "e0", "g0", 1.0))
     orch.submit(episode(keeper, rng, "e1", "g0", 0.0))
-    orch.submit(episode(keeper, rng, "e2", "g0", 0.5))
+    with caplog.at_level("WARNING", logger="refpipe.pipeline.orchestrator"):
+        orch.submit(episode(keeper, rng, "e2", "g0", 0.5))
     assert chunks(store) == {"e0-b0", "e1-b0"} and orch.deleted == {"late": 1}
     assert "arrived after its group was completed" in _reason(store, "e2-b0")
+    assert caplog.messages == ["orchestrator: episode e2 of group g0 arrived after its group was completed: its chunks "
+                               "are deleted, never trained (a group id names one group per run: give each group of "
+                               "each step its own id)"]
 
 
 def test_truncated_away_branch_is_deleted_and_long_ones_keep_their_first_tokens(env):
