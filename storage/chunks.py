@@ -6,12 +6,13 @@ Reading is ``storage.fetch``; the key layout is ``storage.layout``; the bytes ar
 from __future__ import annotations
 
 import contextlib
+from typing import cast
 
 from refpipe.storage.chunk import EncodedChunk, PayloadRef
 from refpipe.storage.errors import KeyExistsError, StorageError
 from refpipe.storage.layout import chunk_keys as node_chunk_keys
 from refpipe.storage.layout import node_key
-from refpipe.storage.store import Store
+from refpipe.storage.store import Bytes, Store
 
 
 def put_chunk(store: Store, branch_id: str, chunk: EncodedChunk) -> str:
@@ -27,7 +28,7 @@ def put_chunk(store: Store, branch_id: str, chunk: EncodedChunk) -> str:
     """
     key = node_key(branch_id)
     data_key, meta_key = node_chunk_keys(key)
-    store.put(data_key, chunk.parts, exclusive=True)
+    store.put(data_key, cast("list[Bytes]", chunk.parts), exclusive=True)  # list is invariant; put only reads it
     try:
         store.put(meta_key, chunk.metadata, exclusive=True)
     except KeyExistsError:

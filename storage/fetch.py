@@ -18,7 +18,7 @@ declaring or expanding to more is refused without allocating it (``chunk.decode_
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import crc32c
@@ -201,7 +201,7 @@ def _read_whole_into(store: Store, data_key: str, ref: PayloadRef, out: dict[str
     crc = 0
     for b in buffers[:-1]:
         if b.nbytes:
-            crc = crc32c.crc32c(b, crc)
+            crc = crc32c.crc32c(b, crc)  # type: ignore[arg-type]  # numpy stubs: an ndarray is a Buffer only from Python 3.12
     check_checksum(ref, crc, int(buffers[-1].view("<u4")[0]), ref.uri)
     for name, a in arrays.items():
         if name not in out:
@@ -244,7 +244,7 @@ def _check_destination(ref: PayloadRef, name: str, dest: np.ndarray, shape: tupl
                          f"{dtype.str} {list(shape)}")
 
 
-def _cut(ref: PayloadRef, n: int, read) -> dict[str, np.ndarray]:
+def _cut(ref: PayloadRef, n: int, read: Callable[[ArrayLayout, int], np.ndarray]) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     layouts = ref.layout()
     by_name = {lay.name: lay for lay in layouts}

@@ -309,7 +309,7 @@ class Ledger:
                            f"of a ledger segment succeeded; a proxy dropping If-None-Match?): refusing to run "
                            f"without delete-exactly-once")
 
-    def record(self, event: str, **fields) -> None:
+    def record(self, event: str, **fields: object) -> None:
         """Append an event (JSON-serialisable fields) to this session's log; no I/O unless a segment is due."""
         with self._lock:
             self._events.append({"event": event, "actor": self.actor, "t": round(time.time(), 3), **fields})
@@ -473,7 +473,8 @@ class Ledger:
     def _delete_targets(self, targets: list[_Target], reason: str, max_concurrency: int) -> DeleteResult:
         result = DeleteResult()
         seen: set[str] = set()
-        firsts, repeats = [], []
+        firsts: list[_Target] = []
+        repeats: list[_Target] = []
         for t in targets:
             (repeats if t.branch_id in seen else firsts).append(t)
             seen.add(t.branch_id)
