@@ -200,6 +200,7 @@ def validate_branch(
                              "(declare it: FieldsConfig(declare=[FieldDecl(...)]) or [[fields.declare]] in the "
                              "run's TOML)"))
         trailing = decl.trailing(dims)
+        assert trailing is not None  # FieldsConfig validates that every configured field's dimensions are set
         rows = domain_rows(decl.domain, num_prompt_tokens, num_prompt_tokens + num_completion_tokens)
         if decl.ragged:
             _add_ragged(decl, value, rows, dims, what, arrays, specs)
