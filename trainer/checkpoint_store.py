@@ -140,7 +140,8 @@ class StoreWriter(FileSystemWriter):
 
     def __init__(self, store: Store, key: str):
         super().__init__(key, sync_files=False)
-        self.fs = StoreFileSystem(store)
+        self.fs = StoreFileSystem(store)  # type: ignore[assignment]  # torch annotates fs as its own FileSystem;
+        # the writer only calls FileSystemBase's methods, which StoreFileSystem implements
         self.path = key
 
     def prepare_local_plan(self, plan):
@@ -159,5 +160,5 @@ class StoreReader(FileSystemReader):
 
     def __init__(self, store: Store, key: str):
         super().__init__(key)
-        self.fs = StoreFileSystem(store)
+        self.fs = StoreFileSystem(store)  # type: ignore[assignment]  # as in StoreWriter
         self.path = key
