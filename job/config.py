@@ -12,6 +12,7 @@ import json
 import secrets
 import tomllib
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
@@ -74,8 +75,9 @@ class RunFieldsConfig(BaseModel):
     """Token ids must be below it (``FieldsConfig.vocab_size``); None checks ids >= 0 only."""
 
 
-RUN_DEFAULTS = {"orchestrator": {"seq_len": 256, "dp_world_size": 2, "groups_per_step": 8, "group_size": 8},
-                "trainer": {"step_timeout_s": 300.0, "collective_timeout_s": 300.0}}
+RUN_DEFAULTS: dict[str, dict[str, Any]] = {
+    "orchestrator": {"seq_len": 256, "dp_world_size": 2, "groups_per_step": 8, "group_size": 8},
+    "trainer": {"step_timeout_s": 300.0, "collective_timeout_s": 300.0}}
 """Where the run config's defaults differ from the component's own (docs/configuration.md): a section given
 in part keeps these for the keys it does not set."""
 
