@@ -25,6 +25,7 @@ import io
 import logging
 from collections.abc import Callable
 from contextlib import contextmanager
+from typing import cast
 
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
 
@@ -150,7 +151,7 @@ class StoreWriter(FileSystemWriter):
         return plan
 
     def prepare_global_plan(self, plans):
-        self.fs.clear_unpublished(self.path)
+        cast(StoreFileSystem, self.fs).clear_unpublished(str(self.path))  # both set in __init__
         return super().prepare_global_plan(plans)
 
 
