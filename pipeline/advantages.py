@@ -43,7 +43,7 @@ def group_advantages(rewards: np.ndarray, completion_tokens: np.ndarray, *, std_
     if r.size == 0 or r.max() == r.min():
         return np.zeros(r.shape, np.float32)
     weights = np.asarray(completion_tokens, np.float64) if length_weighted_baseline else np.ones_like(r)
-    adv = r - (r * weights).sum() / weights.sum()
+    adv: np.ndarray = r - (r * weights).sum() / weights.sum()
     if std_normalize:
         adv = adv / r.std()
     return adv.astype(np.float32)
@@ -109,7 +109,8 @@ def rloo(group: GroupRollouts) -> np.ndarray:
     r = np.asarray(group.rewards, np.float64)
     if r.size < 2:
         return np.zeros(r.shape, np.float32)
-    return ((r - r.mean()) * (r.size / (r.size - 1))).astype(np.float32)
+    centred: np.ndarray = r - r.mean()
+    return (centred * (r.size / (r.size - 1))).astype(np.float32)
 
 
 def from_episode(group: GroupRollouts) -> list[np.ndarray]:

@@ -228,7 +228,7 @@ def _replays_after_checkpoint(store: Store, scan: RunScan) -> bool:
     ``config.json`` says ``trainer.release = "after_checkpoint"``; without a readable ``config.json`` (a run
     driven through the library), whether a DP rank recorded ``trained`` (only that policy does)."""
     try:
-        return json.loads(store.get(CONFIG_KEY))["trainer"]["release"] == "after_checkpoint"
+        return bool(json.loads(store.get(CONFIG_KEY))["trainer"]["release"] == "after_checkpoint")
     except (KeyNotFoundError, ValueError, KeyError, TypeError):
         return bool(scan.trained)
 

@@ -273,7 +273,8 @@ def encode_step_file(header: StepHeader, streams: Mapping[tuple[int, int], Mappi
     return buf.getvalue()
 
 
-def publish_step_file(store: Store, header: StepHeader, streams) -> str:
+def publish_step_file(store: Store, header: StepHeader,
+                      streams: Mapping[tuple[int, int], Mapping[str, np.ndarray]]) -> str:
     """Write a step file with one exclusive put; return its URI.
 
     A publish that failed although its put was applied (every answer lost) is done when the same step is
