@@ -35,7 +35,7 @@ from refpipe.storage.layout import heartbeat_key
 from refpipe.storage.store import Store
 
 log = logging.getLogger(__name__)
-_LOCAL: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_LOCAL: weakref.WeakValueDictionary[tuple[str, str], object] = weakref.WeakValueDictionary()
 """(actor, session) -> the live owner object in this process (session ids hold pid and open time)."""
 
 
@@ -118,7 +118,7 @@ def _look(body: bytes | None) -> tuple[bool | None, str]:
     return None, whose
 
 
-def _timing(beat: dict) -> tuple[float, float]:
+def _timing(beat: dict[str, Any]) -> tuple[float, float]:
     """``(timeout_s, interval_s)`` a heartbeat states, within ``StorageConfig``'s bounds.
 
     Raises:
