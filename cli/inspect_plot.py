@@ -57,8 +57,7 @@ def _draw(ax, summary: dict, colours: dict[str, tuple]) -> None:
         verts = np.stack([np.stack([lefts, rows - half], 1), np.stack([rights, rows - half], 1),
                           np.stack([rights, rows + half], 1), np.stack([lefts, rows + half], 1)], 1)
         colour = _PADDING_COLOUR if env is None else colours.get(env, _PADDING_COLOUR)
-        # matplotlib's stubs ask a sequence of vertex arrays; it takes the [N, 4, 2] array as the same
-        ax.add_collection(PolyCollection(verts, facecolors=colour,  # type: ignore[arg-type]
+        ax.add_collection(PolyCollection(verts, facecolors=colour,  # type: ignore[arg-type]  # stubs: a list, not [N,4,2]
                                          hatch="//" if borrowed else None, edgecolors="red" if gone else "white",
                                          linewidths=2 if gone else 0.5))
     ax.set_ylim(len(summary["micro_batches"]) - 0.5, -0.5)

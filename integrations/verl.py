@@ -116,8 +116,8 @@ def _pad_routing(rows: np.ndarray, num_tokens: int, cfg: FieldsConfig) -> np.nda
     wanted = num_tokens - (cfg.routing_rows == "all_but_last")
     if len(rows) >= wanted:
         return rows
-    # num_experts is None in a run without routing: ``% None`` then raises TypeError, not keep's FieldError
-    pad = spread_expert_rows(wanted, rows.shape[1], rows.shape[2], cfg.num_experts,  # type: ignore[arg-type]
+    pad = spread_expert_rows(wanted, rows.shape[1], rows.shape[2],
+                             cfg.num_experts,  # type: ignore[arg-type]  # None without routing: a TypeError, unchecked
                              rows.dtype)
     return np.concatenate([rows, pad[len(rows):]])
 

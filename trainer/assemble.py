@@ -210,9 +210,9 @@ def plan_micro_batch(mb: MicroBatchRecord, refs: Sequence[PayloadRef], *, seq_le
         cu_rows[fdef.name] = mb.cu_seqlens() if fdef.domain == "tokens" else cu
         if fdef.ragged:
             continue
-        # (a sequence with rows has a ref: _num_rows)
-        dtype = _buffer_dtype(fdef, fields, [refs[seq.ref].arrays[fdef.name].dtype  # type: ignore[index]  # ^
-                                             for seq, n in zip(mb.sequences, rows) if n is not None])
+        stored = [refs[seq.ref].arrays[fdef.name].dtype  # type: ignore[index]  # with rows: a ref (_num_rows)
+                  for seq, n in zip(mb.sequences, rows) if n is not None]
+        dtype = _buffer_dtype(fdef, fields, stored)
         buffer = empty((seq_len if fdef.domain == "tokens" else int(cu[-1]), *trailing), dtype)
         buffers[fdef.name] = buffer
         starts = cu_rows[fdef.name]
