@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import cast
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
@@ -69,7 +70,8 @@ def section(name: str, model: type[BaseModel], run_value: BaseModel) -> str:
 def render() -> str:
     """The whole page: the introduction, then one table per section in ``RunConfig``'s order."""
     run = RunConfig()
-    sections = [section(name, field.annotation, getattr(run, name)) for name, field in RunConfig.model_fields.items()]
+    sections = [section(name, cast("type[BaseModel]", field.annotation), getattr(run, name))  # each field: a section
+                for name, field in RunConfig.model_fields.items()]
     return "\n".join([INTRO, *sections])
 
 

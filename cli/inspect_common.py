@@ -57,6 +57,8 @@ def _click_exceptions(name: str) -> tuple[type[Exception], ...]:
 USAGE_ERRORS = _click_exceptions("UsageError")
 """What a command line that does not parse raises (missing or unknown argument, option or command, a bad value)."""
 CLICK_EXCEPTIONS = _click_exceptions("ClickException")
+_PASSED_THROUGH: tuple[type[BaseException], ...] = (typer.Exit, typer.Abort, BrokenPipeError, *CLICK_EXCEPTIONS)
+"""What a command's own errors handler lets through to typer."""
 
 
 def fail(message: str, code: int = EXIT_ERROR) -> None:
@@ -85,7 +87,7 @@ def clean_errors(command: Callable[..., T]) -> Callable[..., T]:
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
-        except (typer.Exit, typer.Abort, BrokenPipeError, *CLICK_EXCEPTIONS):
+        except _PASSED_THROUGH:
             raise
         except RefpipeError as e:
             fail(str(e) or type(e).__name__)
@@ -187,8 +189,10 @@ def deleted_by(store: Store, ref: PayloadRef) -> str | None:
     """``deleted by <holder> (<reason>)`` from the chunk's delete record (``storage.ledger.delete_record_of``),
     ``deleted (delete record <uri> is unreadable: ...)``, or None without one."""
     record = delete_record_of(store, ref.branch_id)
-    if record is None or isinstance(record, DeleteRecordError):
-        return record and f"deleted ({record})"
+    if record is None:
+        return None
+    if isinstance(record, DeleteRecordError):
+        return f"deleted ({record})"
     return f"deleted by {record.holder} ({record.reason})"
 
 

@@ -56,7 +56,8 @@ def _draw(ax, summary: dict, colours: dict[str, tuple]) -> None:
         rows, lefts, rights = b[:, 0], b[:, 1], b[:, 1] + b[:, 2]
         verts = np.stack([np.stack([lefts, rows - half], 1), np.stack([rights, rows - half], 1),
                           np.stack([rights, rows + half], 1), np.stack([lefts, rows + half], 1)], 1)
-        ax.add_collection(PolyCollection(verts, facecolors=colours.get(env, _PADDING_COLOUR),
+        colour = _PADDING_COLOUR if env is None else colours.get(env, _PADDING_COLOUR)
+        ax.add_collection(PolyCollection(verts, facecolors=colour,  # type: ignore[arg-type]  # stubs: a list, not [N,4,2]
                                          hatch="//" if borrowed else None, edgecolors="red" if gone else "white",
                                          linewidths=2 if gone else 0.5))
     ax.set_ylim(len(summary["micro_batches"]) - 0.5, -0.5)

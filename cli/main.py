@@ -37,7 +37,8 @@ def _usage_error(e: Exception) -> None:
     if ctx is not None:
         usage = one_line(ctx.get_usage()).removeprefix("Usage: ")
         hint = f" (usage: {usage}; see {ctx.command_path} --help)"
-    typer.echo(f"error: {one_line(e.format_message()).rstrip('.')}{hint}", err=True)
+    message = e.format_message()  # type: ignore[attr-defined]  # a UsageError of click or of typer's vendored click
+    typer.echo(f"error: {one_line(message).rstrip('.')}{hint}", err=True)
     raise typer.Exit(getattr(e, "exit_code", EXIT_ERROR) or EXIT_ERROR)
 
 

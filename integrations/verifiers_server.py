@@ -143,6 +143,7 @@ class RunKeeps:
             if job.branches is None:
                 continue
             refs: list[BranchRef] = []
+            assert job.fingerprint is not None  # plan sets it with the branches
             self.kept[job.trace_id] = _Kept(job.fingerprint, refs)
             for leaf, branch in job.branches:
                 refs.append(BranchRef(leaf, self.keeper.keep(branch)))

@@ -12,6 +12,7 @@ import json
 import secrets
 import tomllib
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
@@ -74,8 +75,9 @@ class RunFieldsConfig(BaseModel):
     """Token ids must be below it (``FieldsConfig.vocab_size``); None checks ids >= 0 only."""
 
 
-RUN_DEFAULTS = {"orchestrator": {"seq_len": 256, "dp_world_size": 2, "groups_per_step": 8, "group_size": 8},
-                "trainer": {"step_timeout_s": 300.0, "collective_timeout_s": 300.0}}
+RUN_DEFAULTS: dict[str, dict[str, Any]] = {
+    "orchestrator": {"seq_len": 256, "dp_world_size": 2, "groups_per_step": 8, "group_size": 8},
+    "trainer": {"step_timeout_s": 300.0, "collective_timeout_s": 300.0}}
 """Where the run config's defaults differ from the component's own (docs/configuration.md): a section given
 in part keeps these for the keys it does not set."""
 
@@ -109,8 +111,8 @@ class RunConfig(BaseModel):
         latter is given, and ``job.trainer_world_size`` from the DP and model-parallel sizes otherwise."""
         if not isinstance(data, dict):
             return data
-        given = {name: dict(data[name]) if isinstance(data.get(name), dict) else data.get(name)
-                 for name in ("orchestrator", "trainer", "job")}
+        given: dict[str, Any] = {name: dict(data[name]) if isinstance(data.get(name), dict) else data.get(name)
+                                 for name in ("orchestrator", "trainer", "job")}
         data = {**data, **{name: {**RUN_DEFAULTS[name], **given[name]} for name in RUN_DEFAULTS
                            if isinstance(given[name], dict)}}
         orchestrator, trainer, job = data.get("orchestrator", dict(RUN_DEFAULTS["orchestrator"])), \
@@ -124,7 +126,7 @@ class RunConfig(BaseModel):
             return data  # the fields' own validation names the bad value
         if world is not None and "dp_world_size" not in (given["orchestrator"] or {}) and world % mp == 0:
             orchestrator = {**orchestrator, "dp_world_size": world // mp}
-        elif world is None:
+        elif world is None and dp is not None:  # (dp is an int > 0 here: checked above)
             job = {**job, "trainer_world_size": dp * mp}
         return {**data, "orchestrator": orchestrator, "job": job}
 

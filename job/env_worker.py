@@ -22,7 +22,8 @@ import os
 import socket
 from collections import deque
 from dataclasses import dataclass, field
-from multiprocessing.connection import AuthenticationError, Connection, Listener
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, Listener
 
 import torch
 
@@ -36,6 +37,7 @@ from refpipe.job.task import Problem, make_problems, reward
 from refpipe.job.weights import latest_version, load_weights
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.pipeline.samples import BranchResult, Episode
+from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.errors import ConfigError, StorageError
 from refpipe.storage.layout import address_key, env_worker_actor
 from refpipe.storage.ledger import Ledger
@@ -171,7 +173,7 @@ def serve(conn: Connection, cfg: RunConfig, store, ledger: Ledger, replica: int)
         version = _refresh_weights(store, model, version)
         result = run_group(model, keeper, cfg, request, worker=replica, version=version)
         if _drain(conn, pending) or not _send(conn, result):
-            keeper.discard([e.branches[0].ref for e in result.episodes], reason="env server stopping: "
+            keeper.discard(_refs(result.episodes), reason="env server stopping: "
                            f"group {request.group_id} will never reach the orchestrator")
             result = GroupResult(replica, request.request_id, [], version, result.kept_chunks, result.kept_bytes,
                                  discarded=len(result.episodes) + result.discarded)
@@ -225,14 +227,15 @@ def run_group(model: MoELM, keeper: Keeper, cfg: RunConfig, request: GroupReques
     n = cfg.orchestrator.group_size
     seed = cfg.job.seed * 1_000_003 + request.request_id
     branches = sample_branches(model, [problem.prompt_ids] * n, cfg.sampling, seed=seed)
-    episodes, nbytes = [], 0
+    episodes: list[Episode] = []
+    nbytes = 0
     for i, sampled in enumerate(branches):
         try:
             ref = keeper.keep(Branch(len(sampled.prompt_ids), len(sampled.completion_ids), sampled.fields(),
                                      branch_id=f"{request.group_id}-a{request.attempt}-{i}"))
         except StorageError as e:
             log.warning("group %s attempt %d: keep of branch %d failed: %s", request.group_id, request.attempt, i, e)
-            keeper.discard([episode.branches[0].ref for episode in episodes],
+            keeper.discard(_refs(episodes),
                            reason=f"env server: group {request.group_id} attempt {request.attempt} failed: {e}")
             return GroupResult(worker, request.request_id, [], version, len(episodes), nbytes,
                                discarded=len(episodes), failed=f"{type(e).__name__}: {e}")
@@ -240,6 +243,11 @@ def run_group(model: MoELM, keeper: Keeper, cfg: RunConfig, request: GroupReques
         pause_point("keep", request.request_id)
         episodes.append(_episode(request, i, problem, sampled, ref, cfg, version))
     return GroupResult(worker, request.request_id, episodes, version, len(episodes), nbytes)
+
+
+def _refs(episodes: list[Episode]) -> list[PayloadRef]:
+    """The kept chunk of each one-branch episode (every branch here was kept: none lacks a ref)."""
+    return [ref for episode in episodes if (ref := episode.branches[0].ref) is not None]
 
 
 def _episode(request: GroupRequest, i: int, problem: Problem, sampled: SampledBranch, ref, cfg: RunConfig,

@@ -16,6 +16,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
+from typing import cast
 
 from refpipe.job.env_worker import GroupRequest, GroupResult
 from refpipe.job.roles import authkey, connect_replica, exit_reason
@@ -56,17 +57,21 @@ class Fleet:
 
     def send(self, replica: int, request: GroupRequest | None) -> bool:
         """Send one request (``None``: stop); False when the connection is gone."""
+        conn = self.conns[replica]
+        assert conn is not None  # callers send to live replicas only
         try:
-            self.conns[replica].send(request)
+            conn.send(request)
             return True
         except OSError:
             return False
 
     def receive(self, timeout_s: float) -> tuple[list[GroupResult], list[int]]:
         """Results that arrived within ``timeout_s`` and replicas whose connection ended (closed here)."""
-        by_conn = {self.conns[w]: w for w in self.live()}
-        results, ended = [], []
-        for conn in wait(list(by_conn), timeout_s) if by_conn else []:
+        by_conn = {conn: w for w, conn in enumerate(self.conns) if conn is not None}  # the live ones
+        results: list[GroupResult] = []
+        ended: list[int] = []
+        for ready in wait(list(by_conn), timeout_s) if by_conn else []:
+            conn = cast(Connection, ready)  # wait returns some of the connections it was given
             try:
                 while True:
                     results.append(conn.recv())
@@ -93,7 +98,7 @@ def connect_fleet(store: Store, num_replicas: int, deadline_s: float, env_procs:
             started exited first.
     """
     key, deadline = authkey(store), time.monotonic() + deadline_s
-    conns = []
+    conns: list[Connection | None] = []
     for replica in range(num_replicas):
         proc = env_procs[replica] if env_procs else None
         conns.append(connect_replica(store, replica, key, deadline, exit_code=lambda p=proc: p and p.poll()))

@@ -98,7 +98,7 @@ class Launcher:
         get its ``published`` (``--published``), so they replay and skip the same steps."""
         self.stale_lives: dict[int, str | None] = {}
         """Steps to train again -> the ``life`` of their metrics from an earlier life (not this life's)."""
-        self.lives = Counter()
+        self.lives: Counter[str] = Counter()
         """This life's ``replayed`` and ``skipped`` steps so far (of ``plan.replayed`` and ``plan.skipped``, counted as
         their metrics arrive) and ``reclaimed`` chunks (``refpipe run --resume``)."""
         self.costs = RunCosts()
@@ -141,6 +141,12 @@ class Launcher:
             failure = self._wait_for_trainer_finish(fleet)
         return self.finish(fleet, failure=failure)
 
+    @property
+    def running_orchestrator(self) -> Orchestrator:
+        """The orchestrator ``orchestrate`` made; everything after that reads it here."""
+        assert self.orchestrator is not None, "orchestrate() makes the orchestrator first"
+        return self.orchestrator
+
     def drive(self, fleet: Fleet) -> str | None:
         """Loop until done, then stop the fleet and shut the orchestrator down; return why the run failed."""
         failure = None
@@ -154,8 +160,8 @@ class Launcher:
             if failure:
                 self.console.log(f"[red]run stopped: {failure}")
             stop_fleet(fleet, self.collect, failed=failure is not None)
-            self.orchestrator.shutdown()
-            self.deletes.update({f"orchestrator {k}": v for k, v in self.orchestrator.deleted.items()})
+            self.running_orchestrator.shutdown()
+            self.deletes.update({f"orchestrator {k}": v for k, v in self.running_orchestrator.deleted.items()})
         return failure
 
     def prepare(self) -> None:
@@ -216,7 +222,7 @@ class Launcher:
                     deadline = time.monotonic() + self.cfg.job.step_deadline_s
                 elif time.monotonic() > deadline:
                     raise RunError(f"no progress for {self.cfg.job.step_deadline_s:.0f} s at step {self.next_step} "
-                                   f"(trained {self.trained}, ready groups {self.orchestrator.ready_groups})")
+                                   f"(trained {self.trained}, ready groups {self.running_orchestrator.ready_groups})")
 
     def dispatch(self, fleet: Fleet) -> None:
         """Request groups from the live workers with the fewest in flight, as many as the steps that can
@@ -225,7 +231,7 @@ class Launcher:
         orch = self.cfg.orchestrator
         last_step = min(self.trained + orch.max_async_level, self.cfg.job.num_steps - 1)
         limit = (last_step - self.next_step + 1) * orch.groups_per_step
-        while sum(len(f) for f in fleet.in_flight) + self.orchestrator.ready_groups < limit:
+        while sum(len(f) for f in fleet.in_flight) + self.running_orchestrator.ready_groups < limit:
             every = self.cfg.job.eval_every_steps
             is_eval = bool(every) and self.next_request % (every * self.cfg.orchestrator.groups_per_step) == 1
             prefix = f"l{self.life.life}-" if self.life else ""  # a later life never reuses a branch id
@@ -293,7 +299,7 @@ class Launcher:
                              f"{result.worker} ({result.failed}); sending it again")
             self.resend(fleet, request, result.failed)
         for episode in result.episodes:
-            self.orchestrator.submit(episode)
+            self.running_orchestrator.submit(episode)
 
     def build_step(self) -> bool:
         """Publish the next step once enough groups are ready and the trainer is close enough (it published
@@ -301,11 +307,11 @@ class Launcher:
         cfg = self.cfg
         if self.next_step >= cfg.job.num_steps or self.trained < self.next_step - cfg.orchestrator.max_async_level:
             return False
-        self.orchestrator.void_stale(self.next_step)
-        if self.orchestrator.ready_groups < cfg.orchestrator.groups_per_step:
+        self.running_orchestrator.void_stale(self.next_step)
+        if self.running_orchestrator.ready_groups < cfg.orchestrator.groups_per_step:
             return False
         try:
-            header = self.orchestrator.build_step(self.next_step)
+            header = self.running_orchestrator.build_step(self.next_step)
         except TransientStorageError as e:  # its groups stay queued: built again (the same bytes) next round
             self.console.log(f"[yellow]step {self.next_step}: publishing failed ({e}); trying again")
             return False
@@ -333,7 +339,7 @@ class Launcher:
             self.deletes["trainer"] += metrics["deletes"]
             self.alignment_max = max(self.alignment_max, metrics["on_policy_max_abs_diff"])
             self.alignment_tokens += metrics["on_policy_tokens"]
-            deletes = (sum(self.orchestrator.deleted.values()), self.deletes["trainer"],
+            deletes = (sum(self.running_orchestrator.deleted.values()), self.deletes["trainer"],
                        self.deletes["env worker discard"])
             row = self.rows.pop(self.trained)
             self.view.step_done(row.with_trainer(metrics, deletes))
@@ -349,7 +355,7 @@ class Launcher:
         if not after_checkpoint or checkpoint_due(self.cfg, step - 1):
             for released in [s for s in self.shipped_nbytes if s < step]:
                 self.released_nbytes += self.shipped_nbytes.pop(released)
-        in_flight = self.kept_bytes - self.orchestrator.deleted_nbytes - self.released_nbytes
+        in_flight = self.kept_bytes - self.running_orchestrator.deleted_nbytes - self.released_nbytes
         held = sum(n for s, n in self.shipped_nbytes.items() if s <= step) if after_checkpoint else 0
         self.costs.steps.append(StepCost(
             step=step, reward=reward, exposed_data_seconds=metrics["exposed_data_seconds_max"],

@@ -134,7 +134,7 @@ class LifeStart:
             done = [scan.released.get(owner, -1) >= step for owner in set(header.owners)]
             kind = "released" if all(done) else "partly released" if any(done) else "published, not trained"
             classes[kind].append(step)
-        lives = {parse_segment_key(k)[1] for k in store.list_prefix(f"{EVENTS_PREFIX}/{ORCHESTRATOR_ACTOR}")
-                 if parse_segment_key(k)}
+        lives = {parsed[1] for k in store.list_prefix(f"{EVENTS_PREFIX}/{ORCHESTRATOR_ACTOR}")
+                 if (parsed := parse_segment_key(k))}
         return cls(len(lives), checkpoint.step if checkpoint else -1, checkpoint.policy_version if checkpoint else 0,
                    published, classes)

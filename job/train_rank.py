@@ -111,12 +111,14 @@ class PolicyTrainer:
     def _backward(self, mb: TrainMicroBatch, total_tokens: float, stats: StepStats) -> None:
         s = mb.streams
         routing = mb.fields["routed_experts"].padded
+        assert routing is not None  # a token-domain field: assembled with its padded rows
         if self.cfg.job.alignment_shift_rows:
             routing = torch.roll(routing, self.cfg.job.alignment_shift_rows, dims=0)
         # Padding (its own sequence, never in the loss) may count past the model's positions.
         positions = s["position_ids"].clamp(max=self.cfg.model.max_positions - 1)
         logits, _ = self.model(s["input_ids"], positions, mb.cu_seqlens, routing)
         head = mb.fields["topk_ids"]
+        assert head.row_ids is not None  # a completion-domain field: assembled with its row ids
         pos = torch.nonzero(head.row_ids >= 0)[:, 0]
         rows, nxt = head.row_ids[pos], pos + 1
         terms = policy_loss(logits[pos] / s["temperatures"][nxt, None], s["input_ids"][nxt],
@@ -142,6 +144,7 @@ class PolicyTrainer:
     def _all_reduce_gradients(self) -> None:
         scale = 1.0 / self.cfg.trainer.model_parallel_size
         for p in self.model.parameters():
+            assert p.grad is not None  # backward gave every parameter a gradient (all_reduce needs one)
             dist.all_reduce(p.grad)
             p.grad.mul_(scale)
 
@@ -249,6 +252,7 @@ def train_life(store: Store, cfg: RunConfig, *, resume: bool, published: int | N
                             rank.data_group)
             rank.checkpointed(step)
         if dist.get_rank() == 0:
+            assert rank.ledger is not None  # global rank 0 has mp_rank 0, which opens the ledger
             metrics["life"] = rank.ledger.session
             publish_step_metrics(store, step, {**metrics, **asdict(policy.stats)})
     finished = rank.finish()

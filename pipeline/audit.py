@@ -61,6 +61,7 @@ from __future__ import annotations
 import json
 import socket
 from collections import Counter
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, computed_field
 from rich.progress import Progress
@@ -145,7 +146,7 @@ class AuditReport(BaseModel):
     violations: list[str]
     """Broken invariants, one line each; empty when the run is clean."""
 
-    @computed_field
+    @computed_field  # type: ignore[prop-decorator]  # pydantic documents this form; mypy cannot type it
     @property
     def clean(self) -> bool:
         """No invariant is violated."""
@@ -217,7 +218,8 @@ def _step_nodes(scan: RunScan) -> tuple[dict[str, int], dict[str, str], set[str]
                 continue
             held = scan.trained.get(owner, -1) >= step > scan.released.get(owner, -1)
             protected[node] = f"trainer_dp{owner} ({AWAITING_CHECKPOINT})" if held else f"trainer step {step}"
-        borrowed |= {nodes[s.ref] for mb in header.micro_batches for s in mb.sequences if s.borrowed}
+        borrowed |= {nodes[s.ref] for mb in header.micro_batches for s in mb.sequences
+                     if s.borrowed and s.ref is not None}  # (StepHeader: a borrowed sequence has a ref)
     return shipped, protected, borrowed
 
 
@@ -226,7 +228,7 @@ def _replays_after_checkpoint(store: Store, scan: RunScan) -> bool:
     ``config.json`` says ``trainer.release = "after_checkpoint"``; without a readable ``config.json`` (a run
     driven through the library), whether a DP rank recorded ``trained`` (only that policy does)."""
     try:
-        return json.loads(store.get(CONFIG_KEY))["trainer"]["release"] == "after_checkpoint"
+        return bool(json.loads(store.get(CONFIG_KEY))["trainer"]["release"] == "after_checkpoint")
     except (KeyNotFoundError, ValueError, KeyError, TypeError):
         return bool(scan.trained)
 
@@ -307,7 +309,7 @@ def judge(scan: RunScan, store: Store, *, stopped: bool = False, finished: bool 
     doubles = [p for p in scan.problems if p.get("event") == "double_delete"]
     uri = store.uri
     settled = scan.settled
-    report = dict(
+    report: dict[str, Any] = dict(
         run_uri=store.prefix.uri, stopped=stopped, finished=finished,
         kept=sum(committed(k) for n, k in scan.nodes.items() if n not in scan.tombstoned) + len(scan.tombstoned)
         + settled["kept"], shipped=len(shipped) + settled["shipped"], borrowed=len(borrowed) + settled["borrowed"],
@@ -459,4 +461,5 @@ def _delete_nodes(ledger: Ledger, nodes: dict[str, list[str]], reason: str) -> D
     try:
         return ledger.delete_nodes(nodes, reason=reason)
     except (DoubleDeleteError, UnknownRefError) as e:
+        assert e.result is not None  # Ledger.delete_nodes raises these with the call's result
         return e.result

@@ -104,15 +104,16 @@ def committed(keys: Sequence[str]) -> bool:
 
 def _parallel(store: Store, fn: Callable[[T], R], items: Sequence[T], progress: Progress | None,
               description: str) -> list[R]:
-    task = progress.add_task(description, total=len(items)) if progress else None
-    return bounded_map(fn, items, store.config.max_concurrent_fetches,
-                       on_result=(lambda _: progress.advance(task)) if progress else None)
+    if progress is None:
+        return bounded_map(fn, items, store.config.max_concurrent_fetches)
+    task = progress.add_task(description, total=len(items))
+    return bounded_map(fn, items, store.config.max_concurrent_fetches, on_result=lambda _: progress.advance(task))
 
 
 def _list(store: Store, prefix: str, progress: Progress | None) -> list[str]:
     task = progress.add_task(f"listing {prefix}/", total=None) if progress else None
     keys = store.list_prefix(prefix)
-    if progress:
+    if progress and task is not None:
         progress.update(task, total=len(keys), completed=len(keys))
     return keys
 
@@ -170,10 +171,10 @@ def _named(scan: RunScan) -> set[str]:
 
 def _check_deletes(store: Store, scan: RunScan, nodes: set[str], progress: Progress | None) -> None:
     """One ``exists`` of the delete record of each of ``nodes`` (an incremental audit lists none)."""
-    nodes = sorted(nodes)
-    found = _parallel(store, lambda n: store.exists(tombstone_key(branch_id_of(n))), nodes, progress,
+    ordered = sorted(nodes)
+    found = _parallel(store, lambda n: store.exists(tombstone_key(branch_id_of(n))), ordered, progress,
                       "checking delete records")
-    scan.tombstoned.update(n for n, deleted in zip(nodes, found) if deleted)
+    scan.tombstoned.update(n for n, deleted in zip(ordered, found) if deleted)
 
 
 def _recheck_deletes(store: Store, scan: RunScan, progress: Progress | None) -> None:
@@ -199,6 +200,7 @@ def _scan_steps(store: Store, scan: RunScan, progress: Progress | None) -> None:
 
     def read(key: str) -> StepHeader | str:
         step = parse_step_key(key)
+        assert step is not None  # keys holds step file names only (the listing above)
         if step_key(step) != key:
             return f"{store.uri(key)}: not a step file name (expected {step_key(step)})"
         try:  # parse: a damaged stream member does not hide which chunks the header holds
@@ -228,7 +230,9 @@ def _scan_events(store: Store, scan: RunScan, progress: Progress | None) -> None
         raise StaleSummaryError(f"{len(gone)} ledger segments the audit summary covers are gone, e.g. {min(gone)}")
     scan.covered_segments.update(segments)
     for key, data in zip(segments, _parallel(store, store.get, segments, progress, "reading ledger segments")):
-        actor, session, _ = parse_segment_key(key)
+        parsed = parse_segment_key(key)
+        assert parsed is not None  # segments holds segment keys only (the listing above)
+        actor, session, _ = parsed
         scan.sessions[actor].add(session)
         for number, event in read_segment(data):
             _take_event(scan, actor, session, event, f"{store.uri(key)} line {number}")

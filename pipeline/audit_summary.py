@@ -99,7 +99,7 @@ def settle(scan: RunScan) -> AuditSummary:
     closing = sorted(set(step_nodes) - open_steps)
     shipped = set().union(*(step_nodes[s] for s in closing))
     borrowed = {scan.steps[s].refs[q.ref].key for s in closing for mb in scan.steps[s].micro_batches
-                for q in mb.sequences if q.borrowed}
+                for q in mb.sequences if q.borrowed and q.ref is not None}  # (StepHeader: a borrowed one has a ref)
     settled.update(shipped=len(shipped), borrowed=len(borrowed))
     return AuditSummary(
         segments=sorted(scan.covered_segments), settled_steps=sorted(scan.settled_steps | set(closing)),

@@ -79,7 +79,7 @@ def _dtype_max(a: np.ndarray) -> float:
     return np.iinfo(a.dtype).max if a.dtype.kind in "iu" else math.inf
 
 
-def _within(v, lo: float, hi: float, finite: bool, sentinel: float | None) -> bool:
+def _within(v: float, lo: float, hi: float, finite: bool, sentinel: float | None) -> bool:
     v = float(v)
     if sentinel is not None and v == sentinel:
         return True

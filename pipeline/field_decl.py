@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Literal
+from typing import Literal, cast
 
 import numpy as np
 from pydantic import BaseModel, Field, field_validator, model_validator
@@ -125,7 +125,7 @@ class FieldDecl(BaseModel):
     def trailing(self, dims: Dims) -> tuple[int, ...] | None:
         """The resolved trailing shape, or None when it names a dimension ``dims`` leaves unset (or unknown)."""
         out = tuple(d if isinstance(d, int) else dims.get(d) for d in self.shape)
-        return None if any(d is None for d in out) else out
+        return None if any(d is None for d in out) else cast(tuple[int, ...], out)
 
     def names(self) -> tuple[str, ...]:
         """Stored array names: ``(name,)``, ragged ``(name.counts, name.ids)``."""
@@ -171,5 +171,7 @@ def padding_rows(decl: FieldDecl, num_rows: int, trailing: tuple[int, ...], dims
     """[num_rows, *trailing] rows for padding tokens by ``decl.padding`` (``zeros``/``strided_ids``;
     ``repeat_rows`` without real rows to repeat pads with zeros)."""
     if decl.padding == "strided_ids":
-        return strided_rows(num_rows, trailing, dims[decl.checks.below], dtype, first_row)
+        num_ids = dims[decl.checks.below] if decl.checks.below is not None else None
+        assert num_ids is not None  # validated: strided_ids padding names checks.below, a dimension the run sets
+        return strided_rows(num_rows, trailing, num_ids, dtype, first_row)
     return np.zeros((num_rows, *trailing), dtype)

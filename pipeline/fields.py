@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 from pydantic import BaseModel, Field, model_validator
@@ -81,7 +81,7 @@ class FieldsConfig(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _declared_required(cls, data):
+    def _declared_required(cls, data: Any) -> Any:
         if not isinstance(data, dict) or not isinstance(data.get("declare", ()), (list, tuple)):
             return data
         names = [d.name if isinstance(d, FieldDecl) else d.get("name") for d in data.get("declare", ())
@@ -200,6 +200,7 @@ def validate_branch(
                              "(declare it: FieldsConfig(declare=[FieldDecl(...)]) or [[fields.declare]] in the "
                              "run's TOML)"))
         trailing = decl.trailing(dims)
+        assert trailing is not None  # FieldsConfig validates that every configured field's dimensions are set
         rows = domain_rows(decl.domain, num_prompt_tokens, num_prompt_tokens + num_completion_tokens)
         if decl.ragged:
             _add_ragged(decl, value, rows, dims, what, arrays, specs)
@@ -266,7 +267,8 @@ def _rows_rule(decl: FieldDecl, got: tuple[int, ...], want: tuple[int, ...]) -> 
     return f"{decl.domain} domain rows"
 
 
-def _add_ragged(decl, value, rows, dims, what, arrays, specs) -> None:
+def _add_ragged(decl: FieldDecl, value: object, rows: int, dims: Dims, what: str, arrays: dict[str, np.ndarray],
+                specs: dict[str, ArraySpec]) -> None:
     if not isinstance(value, Ragged):
         raise FieldError(f"{what}: field {decl.name!r} is {type(value).__name__}: expected Ragged(ids, counts)")
     counts_name, ids_name = decl.names()

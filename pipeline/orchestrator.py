@@ -292,7 +292,7 @@ class Orchestrator:
         """Why a group with ``rewards`` [G] and zero-advantage mask ``zero`` [G] is filtered, or None."""
         if rewards.size == 0:
             return "no trainable sample"
-        if not reward_in_range(rewards, self.config.reward_range):
+        if self.config.reward_range is not None and not reward_in_range(rewards, self.config.reward_range):
             return f"mean reward {rewards.mean():.4g} outside reward_range {list(self.config.reward_range)}"
         if zero.all():
             return "every advantage is zero"

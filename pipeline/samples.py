@@ -236,9 +236,9 @@ def _check_branch(branch: BranchResult, what: str, prefix: RunPrefix) -> None:
     if branch.ref is None:
         return
     check_in_run(branch.ref, prefix, what)
-    got = (branch.ref.num_prompt_tokens, branch.ref.num_completion_tokens)
-    if got != (len(branch.prompt_ids), c):
-        raise EpisodeError(f"{what}: ref {branch.ref.uri} holds {got[0]} prompt + {got[1]} completion tokens: "
+    held = (branch.ref.num_prompt_tokens, branch.ref.num_completion_tokens)
+    if held != (len(branch.prompt_ids), c):
+        raise EpisodeError(f"{what}: ref {branch.ref.uri} holds {held[0]} prompt + {held[1]} completion tokens: "
                            f"expected {len(branch.prompt_ids)} + {c} (the branch's tokens)")
 
 

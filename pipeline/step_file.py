@@ -259,7 +259,8 @@ def encode_step_file(header: StepHeader, streams: Mapping[tuple[int, int], Mappi
             # the .npy bytes np.lib.format.write_array writes: its 1.0 header, then the array
             members[member_name(mb.dp_rank, mb.index, name)] = (npy_header_bytes(dtype, mb.num_tokens),
                                                                 np.ascontiguousarray(a).view(np.uint8))
-    crcs = {member: crc32c.crc32c(body, crc32c.crc32c(head)) for member, (head, body) in members.items()}
+    crcs = {member: crc32c.crc32c(body, crc32c.crc32c(head))  # type: ignore[arg-type]  # numpy stubs: an ndarray is a Buffer only from Python 3.12
+            for member, (head, body) in members.items()}
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as zf:
         # members dated 1980-01-01 (ZipInfo's default), not now: the same step encodes to the same bytes, so a
@@ -268,11 +269,12 @@ def encode_step_file(header: StepHeader, streams: Mapping[tuple[int, int], Mappi
         for member, (head, body) in members.items():
             with zf.open(zipfile.ZipInfo(member), "w") as f:
                 f.write(head)
-                f.write(body)
+                f.write(body)  # type: ignore[call-overload]  # numpy stubs: ndarray a Buffer only from 3.12
     return buf.getvalue()
 
 
-def publish_step_file(store: Store, header: StepHeader, streams) -> str:
+def publish_step_file(store: Store, header: StepHeader,
+                      streams: Mapping[tuple[int, int], Mapping[str, np.ndarray]]) -> str:
     """Write a step file with one exclusive put; return its URI.
 
     A publish that failed although its put was applied (every answer lost) is done when the same step is

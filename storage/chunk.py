@@ -24,12 +24,13 @@ import functools
 import json
 import math
 from collections.abc import Mapping
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import crc32c  # CRC-32C like zarr's codec (google-crc32c); releases the GIL and ran ~2x faster here
 import numcodecs
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from zarr.abc.codec import Codec
 from zarr.codecs import BytesCodec, Crc32cCodec, ZstdCodec
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.dtype import parse_dtype
@@ -211,7 +212,8 @@ STORED_DTYPES = {"|u1", "<u2", "<i4", "<f4", "|b1", "<i8", "<u4", "<f8", "<i2", 
 """Stored dtypes a ref may declare: little-endian fixed-size numbers (no objects, strings or structs)."""
 
 
-def _check_spec(ref: "PayloadRef", name: str, dtype: str, shape, domain: str, crcs, names: set[str]) -> None:
+def _check_spec(ref: "PayloadRef", name: str, dtype: str, shape: tuple[int, ...], domain: str, crcs: tuple[int, ...],
+                names: set[str]) -> None:
     """Raise ``ValueError`` (pydantic turns it into a ``ValidationError``) unless one declared array is sane."""
     what = f"array {name!r}"
     if dtype not in STORED_DTYPES:
@@ -244,7 +246,8 @@ def block_crcs(a: np.ndarray, block_rows: int) -> tuple[int, ...]:
     """crc32c of each block of ``block_rows`` rows of a C-contiguous array ``[rows, ...]`` (its stored bytes)."""
     flat = a.reshape(-1).view(np.uint8)
     step = block_rows * a.itemsize * math.prod(a.shape[1:])
-    return tuple(crc32c.crc32c(flat[i * step : (i + 1) * step]) for i in range(-(-a.shape[0] // block_rows)))
+    return tuple(crc32c.crc32c(flat[i * step : (i + 1) * step])  # type: ignore[arg-type]  # numpy stubs: an ndarray is a Buffer only from Python 3.12
+                 for i in range(-(-a.shape[0] // block_rows)))
 
 
 def check_ref_uri(uri: str, branch_id: str) -> str:
@@ -306,18 +309,18 @@ def encode_chunk(
     if written < payload_nbytes:
         parts.append(np.zeros(payload_nbytes - written, np.uint8))
     if compression == "zstd":
-        parts = [np.frombuffer(numcodecs.Zstd(level=zstd_level).encode(b"".join(parts)), np.uint8)]
+        parts = [np.frombuffer(numcodecs.Zstd(level=zstd_level).encode(b"".join(parts)), np.uint8)]  # type: ignore[arg-type]  # numpy stubs: an ndarray is a Buffer only from Python 3.12
     crc = 0
     for p in parts:
-        crc = crc32c.crc32c(p, crc)
+        crc = crc32c.crc32c(p, crc)  # type: ignore[arg-type]  # numpy stubs: an ndarray is a Buffer only from Python 3.12
     parts.append(np.array([crc], "<u4").view(np.uint8))
     metadata = _metadata_json(branch_id, crcs, payload_nbytes, num_prompt_tokens, num_completion_tokens,
                               compression, zstd_level, writer)
     return EncodedChunk(parts, metadata, sum(len(p) for p in parts), crc, crcs)
 
 
-def _metadata_json(branch_id, arrays: Mapping[str, ArraySpec], payload_nbytes, num_prompt_tokens, num_completion_tokens,
-                   compression, zstd_level, writer) -> bytes:
+def _metadata_json(branch_id: str, arrays: Mapping[str, ArraySpec], payload_nbytes: int, num_prompt_tokens: int,
+                   num_completion_tokens: int, compression: str, zstd_level: int, writer: str) -> bytes:
     """``zarr.json`` of the branch array: zarr's own document for the codecs, with this branch's shape and attributes.
 
     Equal (as JSON) to ``ArrayV3Metadata(...).to_buffer_dict()``, which takes ~0.5 ms per call
@@ -348,7 +351,7 @@ def _metadata_json(branch_id, arrays: Mapping[str, ArraySpec], payload_nbytes, n
 @functools.lru_cache(maxsize=4)
 def _metadata_template(compression: str, zstd_level: int) -> str:
     """zarr's ``zarr.json`` of a one-chunk uint8 array with our codecs (one per compression setting)."""
-    codecs = [BytesCodec()]
+    codecs: list[Codec] = [BytesCodec()]
     if compression == "zstd":
         codecs.append(ZstdCodec(level=zstd_level, checksum=False))
     codecs.append(Crc32cCodec())
@@ -374,7 +377,8 @@ def decode_payload(ref: PayloadRef, stored: bytes, what: str) -> np.ndarray | by
     """
     check_length(ref, len(stored), what)
     body = np.frombuffer(stored, np.uint8, len(stored) - 4)
-    check_checksum(ref, crc32c.crc32c(body), int(np.frombuffer(stored, "<u4", 1, len(stored) - 4)[0]), what)
+    crc = crc32c.crc32c(body)  # type: ignore[arg-type]  # numpy stubs: an ndarray is a Buffer only from Python 3.12
+    check_checksum(ref, crc, int(np.frombuffer(stored, "<u4", 1, len(stored) - 4)[0]), what)
     if ref.compression == "none":
         return body
     expected = layout_arrays(ref.arrays)[1]
@@ -443,6 +447,7 @@ def read_writer(metadata: bytes) -> str | None:
     return writer if isinstance(writer, str) else None
 
 
-def read_attributes(metadata: bytes) -> dict:
+def read_attributes(metadata: bytes) -> dict[str, Any]:
     """The ``refpipe`` attributes of a branch's ``zarr.json`` (offline readers and the audit)."""
-    return json.loads(metadata)["attributes"]["refpipe"]
+    attributes: dict[str, Any] = json.loads(metadata)["attributes"]["refpipe"]
+    return attributes

@@ -6,12 +6,13 @@ Reading is ``storage.fetch``; the key layout is ``storage.layout``; the bytes ar
 from __future__ import annotations
 
 import contextlib
+from typing import cast
 
 from refpipe.storage.chunk import EncodedChunk, PayloadRef
 from refpipe.storage.errors import KeyExistsError, StorageError
 from refpipe.storage.layout import chunk_keys as node_chunk_keys
 from refpipe.storage.layout import node_key
-from refpipe.storage.store import Store
+from refpipe.storage.store import Bytes, Store
 
 
 def put_chunk(store: Store, branch_id: str, chunk: EncodedChunk) -> str:
@@ -28,7 +29,7 @@ def put_chunk(store: Store, branch_id: str, chunk: EncodedChunk) -> str:
     key = node_key(branch_id)
     data_key, meta_key = node_chunk_keys(key)
     try:
-        store.put(data_key, chunk.parts, exclusive=True)
+        store.put(data_key, cast("list[Bytes]", chunk.parts), exclusive=True)  # list is invariant; put only reads it
     except KeyExistsError as e:
         raise KeyExistsError(f"branch {branch_id!r} was already kept in run {store.prefix.uri} ({e}): branch ids "
                              f"are unique per run; keep a new branch under a new id") from e

@@ -7,7 +7,7 @@ GIL released, and crc32c and numpy copies release it too.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -46,7 +46,7 @@ def bounded_map(fn: Callable[[T], R], items: Iterable[T], max_concurrency: int, 
         return _collect([pool.submit(fn, x) for x in items], on_result)
 
 
-def _collect(futures: list, on_result: Callable | None) -> list:
+def _collect(futures: list[Future[R]], on_result: Callable[[R], None] | None) -> list[R]:
     """Every future's result in order; the first exception in order is raised once all have finished."""
     out, first_error = [], None
     for future in futures:

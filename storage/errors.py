@@ -6,6 +6,13 @@ expected and what was found.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+
+    from refpipe.storage.ledger import DeleteResult
+
 
 class RefpipeError(Exception):
     """Root of every error refpipe raises on purpose."""
@@ -94,7 +101,7 @@ class DoubleDeleteError(StorageError):
     """
 
     def __init__(self, message: str, *, first_holder: str | None = None, second_holder: str | None = None,
-                 result=None):
+                 result: DeleteResult | None = None):
         super().__init__(message)
         self.first_holder = first_holder
         self.second_holder = second_holder
@@ -117,7 +124,7 @@ class UnknownRefError(StorageError, LookupError):
         result: set when ``Ledger.delete`` raises it for a whole call: that call's ``DeleteResult``.
     """
 
-    def __init__(self, message: str, *, result=None):
+    def __init__(self, message: str, *, result: DeleteResult | None = None):
         super().__init__(message)
         self.result = result
 
@@ -164,7 +171,7 @@ class StepOrderError(RefpipeError, RuntimeError):
     before the previous one was released (``TrainerRank.steps``)."""
 
 
-def validation_problems(error: Exception) -> str:
+def validation_problems(error: ValidationError) -> str:
     """One line naming each problem of a pydantic ``ValidationError``: ``<field path>: <message> (got <value>)``,
     joined by ``; `` (the field path is left out where the model itself is wrong; the value only where it
     is a scalar, cut at 60 characters). The one way a validation error becomes a refpipe error's

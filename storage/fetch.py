@@ -18,7 +18,7 @@ declaring or expanding to more is refused without allocating it (``chunk.decode_
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import crc32c
@@ -149,8 +149,10 @@ def _deleted(store: Store, ref: PayloadRef) -> str | None:
     """``chunk <uri> was deleted by <holder> at <time> UTC (<reason>)`` from the chunk's delete record
     (``storage.ledger.delete_record_of``), or None without one; read only after the chunk was not found."""
     record = delete_record_of(store, ref.branch_id)
-    if record is None or isinstance(record, DeleteRecordError):
-        return record and f"chunk {ref.uri} was deleted ({record})"
+    if record is None:
+        return None
+    if isinstance(record, DeleteRecordError):
+        return f"chunk {ref.uri} was deleted ({record})"
     when = datetime.datetime.fromtimestamp(record.t, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
     return f"chunk {ref.uri} was deleted by {record.holder} at {when} UTC ({record.reason})"
 
@@ -196,7 +198,7 @@ def _read_whole_into(store: Store, data_key: str, ref: PayloadRef, out: dict[str
     crc = 0
     for b in buffers[:-1]:
         if b.nbytes:
-            crc = crc32c.crc32c(b, crc)
+            crc = crc32c.crc32c(b, crc)  # type: ignore[arg-type]  # numpy stubs: an ndarray is a Buffer only from Python 3.12
     check_checksum(ref, crc, int(buffers[-1].view("<u4")[0]), ref.uri)
     for name, a in arrays.items():
         if name not in out:
@@ -239,7 +241,7 @@ def _check_destination(ref: PayloadRef, name: str, dest: np.ndarray, shape: tupl
                          f"{dtype.str} {list(shape)}")
 
 
-def _cut(ref: PayloadRef, n: int, read) -> dict[str, np.ndarray]:
+def _cut(ref: PayloadRef, n: int, read: Callable[[ArrayLayout, int], np.ndarray]) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     layouts = ref.layout()
     by_name = {lay.name: lay for lay in layouts}

@@ -40,7 +40,7 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import crc32c
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -82,12 +82,12 @@ CRC_FIELD = "crc"
 """The field each ledger line ends with: crc32c (8 hex digits) of ``canonical_record`` of the rest of the line."""
 
 
-def canonical_record(event: Mapping) -> bytes:
+def canonical_record(event: Mapping[str, Any]) -> bytes:
     """The bytes a ledger line's crc covers: the event without its crc, as compact JSON with sorted keys."""
     return json.dumps(event, separators=(",", ":"), sort_keys=True).encode()
 
 
-def encode_record(event: Mapping) -> bytes:
+def encode_record(event: Mapping[str, Any]) -> bytes:
     """One ledger line: ``event`` as compact JSON with its ``crc`` appended, then a line end (the one encoder;
     ``read_segment`` checks it).
 
@@ -100,7 +100,7 @@ def encode_record(event: Mapping) -> bytes:
     return json.dumps({**event, CRC_FIELD: f"{crc:08x}"}, separators=(",", ":")).encode() + b"\n"
 
 
-def _decode_record(line: bytes) -> dict:
+def _decode_record(line: bytes) -> dict[str, Any]:
     """The event of one complete ledger line, its crc checked and removed.
 
     Raises:
@@ -118,14 +118,14 @@ def _decode_record(line: bytes) -> dict:
     return event
 
 
-def read_segment(data: bytes) -> list[tuple[int, dict | ValueError]]:
+def read_segment(data: bytes) -> list[tuple[int, dict[str, Any] | ValueError]]:
     """Every record of a ledger segment, tolerantly: ``(line number, event)`` per non-empty line, or
     ``(line number, ValueError)`` for a line that is not a JSON object with an ``event`` name, whose
     crc32c is missing or does not match (``encode_record``), or a last line without its line end. Never
     raises: the one reader of segments, shared by the audit and sweep, ``refpipe ls`` and the trainer's
     resume. Callers decide what a bad record means (the audit: a violation that blocks the sweep)."""
     lines = data.split(b"\n")
-    out: list[tuple[int, dict | ValueError]] = []
+    out: list[tuple[int, dict[str, Any] | ValueError]] = []
     for number, line in enumerate(lines, 1):
         if not line:
             continue
@@ -277,7 +277,7 @@ class Ledger:
         self.store = store
         self.actor = actor
         self.ledger_seconds = 0.0
-        self._events: list[dict] = []
+        self._events: list[dict[str, Any]] = []
         self._seq = 0
         self._flushed_at = time.monotonic()
         self._lock = threading.Lock()
@@ -322,7 +322,7 @@ class Ledger:
                            f"of a ledger segment succeeded; a proxy dropping If-None-Match?): refusing to run "
                            f"without delete-exactly-once")
 
-    def record(self, event: str, **fields) -> None:
+    def record(self, event: str, **fields: object) -> None:
         """Append an event (JSON-serialisable fields) to this session's log; no I/O unless a segment is due."""
         with self._lock:
             self._events.append({"event": event, "actor": self.actor, "t": round(time.time(), 3), **fields})
@@ -354,7 +354,7 @@ class Ledger:
             with self._lock:
                 self._seq, self._flush_failed = seq, False
 
-    def _put_next_segment(self, seq: int, events: list[dict]) -> int:
+    def _put_next_segment(self, seq: int, events: list[dict[str, Any]]) -> int:
         """Put ``events`` as segment ``seq``; return the next segment number. After a failed flush, segment ``seq``
         may exist although its put failed (applied, its answer lost): when it holds exactly the first events
         buffered, only the rest are put, from ``seq + 1``.
@@ -375,7 +375,7 @@ class Ledger:
                 raise
         return self._put_next_segment(seq + 1, events[written:]) if written < len(events) else seq + 1
 
-    def _put_segment(self, session: str, seq: int, events: list[dict]) -> None:
+    def _put_segment(self, session: str, seq: int, events: list[dict[str, Any]]) -> None:
         body = b"".join(map(encode_record, events))
         started = time.perf_counter()
         try:
@@ -486,7 +486,8 @@ class Ledger:
     def _delete_targets(self, targets: list[_Target], reason: str, max_concurrency: int) -> DeleteResult:
         result = DeleteResult()
         seen: set[str] = set()
-        firsts, repeats = [], []
+        firsts: list[_Target] = []
+        repeats: list[_Target] = []
         for t in targets:
             (repeats if t.branch_id in seen else firsts).append(t)
             seen.add(t.branch_id)

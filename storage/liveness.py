@@ -28,13 +28,14 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable
+from typing import Any
 
 from refpipe.storage.errors import KeyNotFoundError, RefpipeError
 from refpipe.storage.layout import heartbeat_key
 from refpipe.storage.store import Store
 
 log = logging.getLogger(__name__)
-_LOCAL: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_LOCAL: weakref.WeakValueDictionary[tuple[str, str], object] = weakref.WeakValueDictionary()
 """(actor, session) -> the live owner object in this process (session ids hold pid and open time)."""
 
 
@@ -49,9 +50,9 @@ class Heartbeat:
     def __init__(self, store: Store, actor: str, session: str, owner: object):
         self.store, self.key, self._owner = store, heartbeat_key(actor, session), weakref.ref(owner)
         self.interval_s = store.config.heartbeat_interval_s
-        self._body = {"actor": actor, "session": session, "pid": os.getpid(), "host": socket.gethostname(),
-                      "interval_s": self.interval_s, "timeout_s": store.config.heartbeat_timeout_s, "beat": 0,
-                      "closed": False}
+        self._body: dict[str, Any] = {
+            "actor": actor, "session": session, "pid": os.getpid(), "host": socket.gethostname(),
+            "interval_s": self.interval_s, "timeout_s": store.config.heartbeat_timeout_s, "beat": 0, "closed": False}
         self._stop = threading.Event()
         _LOCAL[(actor, session)] = owner
 
@@ -117,7 +118,7 @@ def _look(body: bytes | None) -> tuple[bool | None, str]:
     return None, whose
 
 
-def _timing(beat: dict) -> tuple[float, float]:
+def _timing(beat: dict[str, Any]) -> tuple[float, float]:
     """``(timeout_s, interval_s)`` a heartbeat states, within ``StorageConfig``'s bounds.
 
     Raises:
@@ -157,7 +158,7 @@ def live_sessions(store: Store, sessions: Iterable[tuple[str, str]]) -> set[tupl
         verdict = _verdict_now(body)
         if verdict:
             live.add(s)
-        elif verdict is None:
+        elif verdict is None and body is not None:  # (a missing body is dead: verdict False)
             pending[s] = _timing(json.loads(body))
     started = time.monotonic()
     while pending:
@@ -195,7 +196,7 @@ class SessionWatch:
         for s in sessions:
             body = _read(self.store, heartbeat_key(*s))
             verdict, why = _look(body)
-            if verdict is False:
+            if verdict is False or body is None:  # (a missing body is dead: verdict False)
                 dead[s] = why
                 continue
             body_seen, since = self._seen.get(s, (None, now))

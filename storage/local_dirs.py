@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 
 
 class _Handle:
@@ -111,7 +112,7 @@ class DirectoryHandles:
             for k in [k for k in self._handles if k == key or k.startswith(f"{key}/") or not key]:
                 self._drop(k, self._handles.pop(k))
 
-    def __del__(self, _getpid=os.getpid, _close=os.close) -> None:
+    def __del__(self, _getpid: Callable[[], int] = os.getpid, _close: Callable[[int], None] = os.close) -> None:
         # bound at definition: at interpreter exit this module's globals (``os``) may already be cleared
         if self._pid == _getpid():  # the store is gone: its handles are not leased any more
             for handle in [*self._handles.values(), *self._orphans.values()]:

@@ -18,19 +18,20 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import re
 import resource
 import stat
 import uuid
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 from refpipe.storage.concurrency import bounded_map
 from refpipe.storage.errors import KeyNotFoundError, OutsideRunError, RunPathNotADirectoryError, StorageError
 from refpipe.storage.local_dirs import DirectoryHandles, path_of
 from refpipe.storage.local_errors import classify
-from refpipe.storage.store import WRITE_TOKEN, Store
+from refpipe.storage.store import WRITE_TOKEN, Bytes, Store, byte_view
 
 T = TypeVar("T")
 
@@ -65,7 +66,7 @@ class LocalStore(Store):
 
         return self.retrying(f"{what} {uri}", once)
 
-    def get(self, key, start=None, end=None):
+    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         return self._attempt("cannot read", key, lambda: self._read(key, start, end))
 
     def _read(self, key: str, start: int | None, end: int | None) -> bytes:
@@ -77,14 +78,14 @@ class LocalStore(Store):
         finally:
             os.close(fd)
 
-    def get_into(self, key, buffers):
+    def get_into(self, key: str, buffers: Sequence[Bytes]) -> int:
         return self._attempt("cannot read", key, lambda: self._read_into(key, buffers))
 
-    def _read_into(self, key: str, buffers) -> int:
+    def _read_into(self, key: str, buffers: Sequence[Bytes]) -> int:
         fd = self._open_read(key)
         try:
             size = os.fstat(fd).st_size
-            views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
+            views = [v for v in (byte_view(b) for b in buffers) if v.nbytes]
             wanted = min(size, sum(v.nbytes for v in views))
             got = _readv_all(fd, views, wanted)
             return size if got == wanted else got  # a short read: the file shrank since fstat
@@ -137,9 +138,9 @@ class LocalStore(Store):
             return None
         return fd
 
-    def _at(self, key: str, op: Callable[[int, str | None], T], *, create: bool = False, is_dir: bool = False) -> T:
+    def _at(self, key: str, op: Callable[[int, str], T], *, create: bool = False, is_dir: bool = False) -> T:
         """``op(dir_fd, name)`` with an ``O_PATH`` fd of ``key``'s directory and the key's last name (``is_dir``: the
-        fd of directory ``key`` itself, and None). The directory is reached from the deepest one with a cached
+        fd of directory ``key`` itself, and ``""``). The directory is reached from the deepest one with a cached
         handle (``storage.local_dirs``), the rest one component at a time without following symlinks
         (``create``: making missing ones); the directories opened are cached. When ``op`` or the walk finds a
         name missing (or stale) and the cached directory it started from was removed meanwhile, that handle is
@@ -150,7 +151,7 @@ class LocalStore(Store):
             OutsideRunError: a component below the run prefix is a symlink (or not a directory).
         """
         parts = self.prefix.check_key(key).split("/")
-        parents, name = (parts, None) if is_dir else (parts[:-1], parts[-1])
+        parents, name = (parts, "") if is_dir else (parts[:-1], parts[-1])
         directories = ["/".join(parents[:i]) for i in range(len(parents) + 1)]  # "" (the run prefix) first
         handles = self._handles()
         while True:
@@ -170,12 +171,13 @@ class LocalStore(Store):
         """Open ``directories`` below the leased one (all of them when None), caching each, then ``op(fd)`` of the
         last; every fd this opens is a cached handle, released here."""
         handles = self._handles()
+        fd: int | None
         if leased is None:
             key_here, fd = "", handles.add("", self._open_prefix(key, create))
+            dir_fd = fd
         else:
-            key_here, fd = leased[0], None
+            (key_here, dir_fd), fd = leased, None
         try:
-            dir_fd = leased[1] if fd is None else fd
             for where in directories[directories.index(key_here) + 1:]:
                 child = self._step(dir_fd, where.rpartition("/")[2], key, where, create,
                                    mkdir_first=create and where == directories[-1])
@@ -204,12 +206,12 @@ class LocalStore(Store):
 
     def _handles(self) -> DirectoryHandles:
         """This store's cached directory handles (made on first use; not pickled)."""
-        handles = self.__dict__.get("_directory_handles")
+        handles: DirectoryHandles | None = self.__dict__.get("_directory_handles")
         if handles is None:
             handles = self.__dict__.setdefault("_directory_handles", DirectoryHandles(_CACHED_DIRECTORIES))
         return handles
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state.pop("_directory_handles", None)
         return state
@@ -258,7 +260,7 @@ class LocalStore(Store):
             raise OutsideRunError(f"{context}{self.uri(where)} is a symlink: the local store never follows "
                                   "a symlink below the run prefix") from e
 
-    def _put(self, key, buffers, token, durable):
+    def _put(self, key: str, buffers: list[Bytes] | tuple[Bytes, ...], token: str | None, durable: bool) -> None:
         def op(dir_fd: int, name: str) -> None:
             if token is not None and _HAVE_TMPFILE:
                 self._put_unnamed(dir_fd, name, buffers, token, durable)
@@ -270,7 +272,7 @@ class LocalStore(Store):
         except OSError as e:
             raise classify("cannot write", self.uri(key), e) from e
 
-    def _put_unnamed(self, dir_fd: int, name: str, buffers, token: str, durable: bool) -> None:
+    def _put_unnamed(self, dir_fd: int, name: str, buffers: Sequence[Bytes], token: str, durable: bool) -> None:
         try:
             fd = os.open(".", os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o666, dir_fd=dir_fd)
         except OSError as e:
@@ -283,7 +285,7 @@ class LocalStore(Store):
         finally:
             os.close(fd)
 
-    def _put_named(self, dir_fd: int, name: str, buffers, token: str | None, durable: bool) -> None:
+    def _put_named(self, dir_fd: int, name: str, buffers: Sequence[Bytes], token: str | None, durable: bool) -> None:
         """``token`` None: write a temp name and rename it over ``name``; else set the token and link it exclusively."""
         tmp = f"{name}.tmp-{uuid.uuid4().hex[:12]}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=dir_fd)
@@ -302,7 +304,7 @@ class LocalStore(Store):
         finally:
             os.unlink(tmp, dir_fd=dir_fd)
 
-    def _token(self, key):
+    def _token(self, key: str) -> str | None:
         def read() -> str | None:
             fd = self._open_read(key)
             try:
@@ -319,7 +321,7 @@ class LocalStore(Store):
         except KeyNotFoundError:
             return None
 
-    def _delete_keys(self, keys):
+    def _delete_keys(self, keys: list[str]) -> dict[str, StorageError]:
         by_directory: dict[str, list[str]] = {}
         for key in keys:
             by_directory.setdefault(self.prefix.check_key(key).rpartition("/")[0], []).append(key)
@@ -332,11 +334,11 @@ class LocalStore(Store):
         """Unlink ``keys`` (all in ``directory``) in order, then remove ``directory`` if this emptied a branch
         directory (``payloads/<shard>/<branch_id>``; shards stay). Names are unlinked relative to the
         directory's fd: a symlink is removed itself, never followed. Returns the keys not deleted."""
-        removed, failed = False, {}
+        removed, failed = False, dict[str, StorageError]()
         for key in keys:
-            attempts = []
+            attempts: list[str] = []
             try:
-                self._attempt("cannot delete", key, lambda key=key: self._unlink(key, attempts))
+                self._attempt("cannot delete", key, functools.partial(self._unlink, key, attempts))
             except KeyNotFoundError:
                 removed = removed or len(attempts) > 1  # absent, or removed by an attempt whose answer was lost
                 continue
@@ -353,14 +355,14 @@ class LocalStore(Store):
                 failed.update({key: e for key in keys if key not in failed})
         return failed
 
-    def _unlink(self, key: str, attempts: list) -> None:
+    def _unlink(self, key: str, attempts: list[str]) -> None:
         attempts.append(key)
         self._at(key, lambda dir_fd, name: os.unlink(name, dir_fd=dir_fd))
 
     def _remove_empty_dir(self, directory: str) -> None:
         """``rmdir`` an emptied directory; one that holds entries again stays. A transient error is retried, and an
         attempt applied whose answer was lost (``ESTALE``) is done: the retry finds no directory."""
-        def rmdir(dir_fd: int, name: str | None) -> None:
+        def rmdir(dir_fd: int, name: str) -> None:
             try:
                 os.rmdir(name, dir_fd=dir_fd)
             except OSError as e:
@@ -374,7 +376,7 @@ class LocalStore(Store):
         finally:
             self._handles().forget(directory)
 
-    def remove_empty_directories(self):
+    def remove_empty_directories(self) -> int:
         """Bottom-up ``os.fwalk`` of the run prefix (symlinks never followed: ``rmdir(2)`` of one is ``ENOTDIR``,
         and ``fwalk`` does not descend into them); ``rmdir`` relative to the parent's fd, a non-empty one stays."""
         try:
@@ -403,7 +405,7 @@ class LocalStore(Store):
                 return False
             raise StorageError(f"cannot remove directory {self.uri(key)}: {e.strerror}") from e
 
-    def exists(self, key):
+    def exists(self, key: str) -> bool:
         def stat() -> None:
             self._at(key, lambda dir_fd, name: os.stat(name, dir_fd=dir_fd, follow_symlinks=False))
 
@@ -413,10 +415,10 @@ class LocalStore(Store):
             return False
         return True
 
-    def list_prefix(self, key_prefix):
+    def list_prefix(self, key_prefix: str) -> list[str]:
         return sorted(key for key, _ in self._walk(key_prefix))
 
-    def list_sizes(self, key_prefix):
+    def list_sizes(self, key_prefix: str) -> dict[str, int]:
         sizes = {}
         for key, path in self._walk(key_prefix, strict=True):
             try:
@@ -425,7 +427,7 @@ class LocalStore(Store):
                 continue  # deleted while listing
         return dict(sorted(sizes.items()))
 
-    def _walk(self, key_prefix: str, strict: bool = False):
+    def _walk(self, key_prefix: str, strict: bool = False) -> Iterator[tuple[str, str]]:
         """``(key, path)`` of every file under ``key_prefix/`` (``""``: the whole run), unordered; a symlinked
         directory below the prefix is not descended into (``os.fwalk``), a symlink to a file is listed
         (every access to it is refused); an NFS client's placeholder (``_NFS_PLACEHOLDER``) is not. ``strict``: a
@@ -495,7 +497,7 @@ _WRITE_PIECE_BYTES = 512 << 10
 bytes in <= 1 MiB writes (measured for bench/keep_fetch.py); smaller pieces cost nothing elsewhere."""
 
 
-def _fill(fd: int, buffers, token: str | None, durable: bool) -> None:
+def _fill(fd: int, buffers: Sequence[Bytes], token: str | None, durable: bool) -> None:
     """Write the new file's bytes, set its write token (if any), and ``fsync`` it when ``durable`` (before a name
     makes it visible)."""
     _write_all(fd, buffers)
@@ -514,10 +516,10 @@ def _set_token(fd: int, token: str) -> None:
             raise
 
 
-def _write_all(fd: int, buffers) -> None:
+def _write_all(fd: int, buffers: Sequence[Bytes]) -> None:
     """Write buffers in order, at most ``_WRITE_PIECE_BYTES`` per ``write(2)``, resuming after short writes."""
     for buffer in buffers:
-        view = memoryview(buffer).cast("B")
+        view = byte_view(buffer)
         while view:
             view = view[os.write(fd, view[:_WRITE_PIECE_BYTES]):]
 

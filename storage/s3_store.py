@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import fsspec
 
 from refpipe.storage.concurrency import bounded_map
+from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import KeyNotFoundError, StorageError, TransientStorageError
 from refpipe.storage.s3_errors import classify, error_code, is_transient_code
-from refpipe.storage.store import WRITE_TOKEN, Store
+from refpipe.storage.store import WRITE_TOKEN, Bytes, Store, byte_view
+from refpipe.storage.uri import RunPrefix
 
 T = TypeVar("T")
 _S3_DELETE_BATCH = 1000  # DeleteObjects takes at most 1,000 keys (AWS S3 API reference)
@@ -31,7 +33,8 @@ def _parts(views: list[memoryview], part_size: int) -> list[list[memoryview]]:
     """The body ``views`` (in order) cut into parts of ``part_size`` bytes (the last shorter), grown so that at most
     ``_S3_MAX_PARTS`` parts; each part is the views of its pieces (copied only when it is sent)."""
     part_size = max(part_size, -(-sum(v.nbytes for v in views) // _S3_MAX_PARTS))
-    parts, room = [[]], part_size
+    parts: list[list[memoryview]] = [[]]
+    room = part_size
     for view in views:
         while view.nbytes:
             piece, view = view[:room], view[room:]
@@ -55,28 +58,28 @@ class S3Store(Store):
     refused.
     """
 
-    def __init__(self, prefix, config):
+    def __init__(self, prefix: RunPrefix, config: StorageConfig):
         super().__init__(prefix, config)
-        self._fs = None
+        self._fs: Any = None
         self._pid = -1
 
     @property
-    def fs(self):
+    def fs(self) -> Any:
         """This process's s3fs filesystem (rebuilt after a fork)."""
         if self._fs is None or self._pid != os.getpid():
             self._fs = self._new_fs()
             self._pid = os.getpid()
         return self._fs
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         return {"prefix": self.prefix, "config": self.config, "_fs": None, "_pid": -1, "retries": 0,
                 "idempotent_puts": 0}
 
-    def _new_fs(self):
+    def _new_fs(self) -> Any:
         # One retry layer, ``Store.retrying`` (config.max_retries): s3fs and botocore each retry up to 5x
         # by default, which multiplies into minutes against a dead endpoint and resends writes below us.
         timeout = self.config.s3_timeout_s
-        client_kwargs = {}
+        client_kwargs: dict[str, str] = {}
         if self.config.s3_endpoint_url:
             client_kwargs["endpoint_url"] = self.config.s3_endpoint_url
         if self.config.s3_region:
@@ -100,11 +103,11 @@ class S3Store(Store):
         except Exception as e:
             raise classify(what, uri, e) from e
 
-    def _call(self, what: str, uri: str, method: str, **kwargs):
+    def _call(self, what: str, uri: str, method: str, **kwargs: Any) -> Any:
         """One S3 request through ``call_s3``, classified and retried."""
         return self.retrying(what, lambda: self._once(what, uri, lambda: self.fs.call_s3(method, **kwargs)))
 
-    def get(self, key, start=None, end=None):
+    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         path, uri = self.path(key), self.uri(key)
         if start is not None and end is not None and end <= start:
             if not self.exists(key):  # an empty range needs no GET, but a missing key is still an error
@@ -112,10 +115,12 @@ class S3Store(Store):
             return b""
         what = f"GET {uri}"
 
-        def op():
+        def op() -> bytes:
             try:
                 # max_concurrency=1: one GET; s3fs otherwise sends a HEAD first to split large objects
-                return self._once(what, uri, lambda: self.fs.cat_file(path, start=start, end=end, max_concurrency=1))
+                data: bytes = self._once(what, uri, lambda: self.fs.cat_file(path, start=start, end=end,
+                                                                             max_concurrency=1))
+                return data
             except StorageError as e:
                 if error_code(e.__cause__)[0] == "InvalidRange":
                     return b""  # the range starts at or past the end: no bytes, as a file read returns
@@ -123,22 +128,23 @@ class S3Store(Store):
 
         return self.retrying(what, op)
 
-    def get_into(self, key, buffers):
+    def get_into(self, key: str, buffers: Sequence[Bytes]) -> int:
         data = memoryview(self.get(key))  # one GET, then copied: S3 reads are network-bound, not copy-bound
         done = 0
         for buffer in buffers:
-            view = memoryview(buffer).cast("B")
+            view = byte_view(buffer)
             n = min(view.nbytes, len(data) - done)
             view[:n] = data[done : done + n]
             done += n
         return len(data)
 
-    def _put(self, key, buffers, token, durable):  # a PUT's 200 means stored durably: ``durable`` asks nothing more
+    def _put(self, key: str, buffers: list[Bytes] | tuple[Bytes, ...], token: str | None,
+             durable: bool) -> None:  # a PUT's 200 means stored durably: ``durable`` asks nothing more
         bucket, object_key = self._split(key)
         uri = self.uri(key)
-        exclusive = {} if token is None else {"IfNoneMatch": "*"}
-        metadata = {} if token is None else {"Metadata": {WRITE_TOKEN: token}}
-        views = [memoryview(b).cast("B") for b in buffers]
+        exclusive: dict[str, str] = {} if token is None else {"IfNoneMatch": "*"}
+        metadata: dict[str, dict[str, str]] = {} if token is None else {"Metadata": {WRITE_TOKEN: token}}
+        views = [byte_view(b) for b in buffers]
         if sum(v.nbytes for v in views) > self.config.s3_part_size_bytes:
             self._put_multipart(bucket, object_key, uri, views, exclusive, metadata)
             return
@@ -146,8 +152,8 @@ class S3Store(Store):
         self._once(f"PUT {uri}", uri, lambda: self.fs.call_s3("put_object", Bucket=bucket, Key=object_key, Body=body,
                                                               **exclusive, **metadata))
 
-    def _put_multipart(self, bucket: str, object_key: str, uri: str, views: list[memoryview], exclusive: dict,
-                       metadata: dict) -> None:
+    def _put_multipart(self, bucket: str, object_key: str, uri: str, views: list[memoryview], exclusive: dict[str, str],
+                       metadata: dict[str, dict[str, str]]) -> None:
         """One multipart upload of ``views`` (the body in order): parts of ``s3_part_size_bytes`` sent in parallel
         (``max_concurrent_fetches``; each copied when sent, so at most that many parts are held besides the body),
         each retried by itself; the object appears whole at the completion, which
@@ -161,7 +167,7 @@ class S3Store(Store):
                             **metadata)["UploadId"]
         ids = {"Bucket": bucket, "Key": object_key, "UploadId": upload}
 
-        def send(numbered: tuple[int, list[memoryview]]) -> dict:
+        def send(numbered: tuple[int, list[memoryview]]) -> dict[str, Any]:
             number, pieces = numbered
             body = b"".join(pieces)  # botocore takes bytes, not views: one part per thread in memory at a time
             etag = self._call(f"{what} part {number}", uri, "upload_part", PartNumber=number, Body=body, **ids)["ETag"]
@@ -179,16 +185,17 @@ class S3Store(Store):
                 log.warning("%s: upload %s not aborted (%s); a lifecycle rule reclaims its parts", what, upload, e)
             raise
 
-    def _token(self, key):
+    def _token(self, key: str) -> str | None:
         bucket, object_key = self._split(key)
         uri = self.uri(key)
         try:
             head = self._call(f"HEAD {uri}", uri, "head_object", Bucket=bucket, Key=object_key)
         except FileNotFoundError:
             return None
-        return (head.get("Metadata") or {}).get(WRITE_TOKEN)
+        token: str | None = (head.get("Metadata") or {}).get(WRITE_TOKEN)
+        return token
 
-    def _delete_keys(self, keys):
+    def _delete_keys(self, keys: list[str]) -> dict[str, StorageError]:
         failed: dict[str, StorageError] = {}
         for i in range(0, len(keys), _S3_DELETE_BATCH):
             failed.update(self._delete_batch(keys[i : i + _S3_DELETE_BATCH]))
@@ -202,7 +209,7 @@ class S3Store(Store):
         """
         bucket = self._split(batch[0])[0]
         by_object = {self._split(k)[1]: k for k in batch}
-        pending, failed = list(batch), {}
+        pending, failed = list(batch), dict[str, StorageError]()
         for attempt in range(self.config.max_retries + 1):
             objects = [{"Key": self._split(k)[1]} for k in pending]
             try:
@@ -228,7 +235,7 @@ class S3Store(Store):
 
     def _delete_one_by_one(self, keys: list[str]) -> dict[str, StorageError]:
         """One ``DELETE`` per key (classified and retried each); the keys that failed, with their errors."""
-        failed = {}
+        failed: dict[str, StorageError] = {}
         for key in keys:
             bucket, object_key = self._split(key)
             try:
@@ -239,7 +246,7 @@ class S3Store(Store):
                 failed[key] = e
         return failed
 
-    def exists(self, key):
+    def exists(self, key: str) -> bool:
         bucket, object_key = self._split(key)
         try:
             self._call(f"HEAD {self.uri(key)}", self.uri(key), "head_object", Bucket=bucket, Key=object_key)
@@ -247,7 +254,7 @@ class S3Store(Store):
             return False
         return True
 
-    def list_prefix(self, key_prefix):
+    def list_prefix(self, key_prefix: str) -> list[str]:
         key_prefix = key_prefix.rstrip("/")
         base = self.path(key_prefix) if key_prefix else self.prefix.path
         root = self.prefix.path + "/"
@@ -257,7 +264,7 @@ class S3Store(Store):
             return []
         return sorted(p[len(root):] for p in paths if p.startswith(base + "/"))
 
-    def list_sizes(self, key_prefix):
+    def list_sizes(self, key_prefix: str) -> dict[str, int]:
         key_prefix = key_prefix.rstrip("/")
         base = self.path(key_prefix) if key_prefix else self.prefix.path
         try:
@@ -267,7 +274,7 @@ class S3Store(Store):
         sizes = {e["name"]: e["size"] for e in entries if e["type"] == "file"}
         directories = [e["name"] for e in entries if e["type"] == "directory"]
 
-        def find(directory: str) -> dict:
+        def find(directory: str) -> dict[str, Any]:
             return self._listing(key_prefix, lambda: self.fs.find(directory, detail=True))
 
         # one listing per sub-directory (a shard of payloads/), in parallel: a LIST page holds 1,000 keys

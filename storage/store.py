@@ -22,15 +22,19 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import numpy as np
 from typing_extensions import Buffer
 
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import DeleteKeysError, KeyExistsError, StorageError, TransientStorageError
 from refpipe.storage.uri import RunPrefix
 
-Data = Buffer | list[Buffer] | tuple[Buffer, ...]
+Bytes = Buffer | np.ndarray
+"""One bytes-like object (bytes, memoryview, an ndarray). ``np.ndarray`` is named apart because numpy's stubs declare
+its ``__buffer__`` only from Python 3.12; on 3.11 an ndarray is a buffer all the same."""
+Data = Bytes | list[Bytes] | tuple[Bytes, ...]
 """What ``put`` writes: one bytes-like object (bytes, memoryview, a C-contiguous ndarray), or a list/tuple of them."""
 T = TypeVar("T")
 _RETRIES_LOCK = threading.Lock()
@@ -40,7 +44,12 @@ for that call's retries): S3 user metadata (``x-amz-meta-refpipe-write``), an ex
 (``user.refpipe-write``)."""
 
 
-def buffers_of(data: Data) -> list | tuple:
+def byte_view(buffer: Bytes) -> memoryview:
+    """``buffer``'s bytes as a flat ``memoryview`` (format ``B``; no copy)."""
+    return memoryview(buffer).cast("B")  # type: ignore[arg-type]  # numpy's stubs: ndarray is a Buffer only from 3.12
+
+
+def buffers_of(data: Data) -> list[Bytes] | tuple[Bytes, ...]:
     """``data`` as a list of buffers: a list or tuple is already one; anything else (bytes, an ndarray) is one
     buffer."""
     return data if isinstance(data, (list, tuple)) else [data]
@@ -65,7 +74,7 @@ class Store(abc.ABC):
         self.retries = 0
         self.idempotent_puts = 0
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         for name in ("_writer", "_writer_pid"):  # an unpickled copy is another writer
             state.pop(name, None)
@@ -122,7 +131,7 @@ class Store(abc.ABC):
         """
 
     @abc.abstractmethod
-    def get_into(self, key: str, buffers: Sequence[Buffer]) -> int:
+    def get_into(self, key: str, buffers: Sequence[Bytes]) -> int:
         """Read ``key`` from its first byte into ``buffers`` (writable, C-contiguous; filled in order).
 
         Returns:
@@ -167,7 +176,7 @@ class Store(abc.ABC):
                 self.idempotent_puts += 1
 
     @abc.abstractmethod
-    def _put(self, key: str, buffers: list | tuple, token: str | None, durable: bool) -> None:
+    def _put(self, key: str, buffers: list[Bytes] | tuple[Bytes, ...], token: str | None, durable: bool) -> None:
         """One attempt of ``put`` (errors classified, not retried); ``token``: exclusive, store it as the object's
         write token in the same atomic step; ``durable``: as in ``put``."""
 

@@ -194,9 +194,12 @@ def plan_micro_batch(mb: MicroBatchRecord, refs: Sequence[PayloadRef], *, seq_le
     """
     what = f"micro batch dp_rank={mb.dp_rank} index={mb.index}"
     _check_fits(mb, seq_len, what)
-    buffers, cu_rows, targets = {}, {}, [{} for _ in mb.sequences]
+    buffers: dict[str, np.ndarray] = {}
+    cu_rows: dict[str, np.ndarray] = {}
+    targets: list[dict[str, np.ndarray]] = [{} for _ in mb.sequences]
     for fdef in _laid_out(mb, fields):
         trailing = fdef.trailing(fields.dims)
+        assert trailing is not None  # FieldsConfig validates that every configured field's dimensions are set
         rows = [_num_rows(fdef, seq, refs, trailing, what) for seq in mb.sequences]
         if fdef.domain == "tokens" and None in rows:
             missing = [i for i, n in enumerate(rows) if n is None]
@@ -207,8 +210,9 @@ def plan_micro_batch(mb: MicroBatchRecord, refs: Sequence[PayloadRef], *, seq_le
         cu_rows[fdef.name] = mb.cu_seqlens() if fdef.domain == "tokens" else cu
         if fdef.ragged:
             continue
-        dtype = _buffer_dtype(fdef, fields, [refs[seq.ref].arrays[fdef.name].dtype
-                                             for seq, n in zip(mb.sequences, rows) if n is not None])
+        stored = [refs[seq.ref].arrays[fdef.name].dtype  # type: ignore[index]  # with rows: a ref (_num_rows)
+                  for seq, n in zip(mb.sequences, rows) if n is not None]
+        dtype = _buffer_dtype(fdef, fields, stored)
         buffer = empty((seq_len if fdef.domain == "tokens" else int(cu[-1]), *trailing), dtype)
         buffers[fdef.name] = buffer
         starts = cu_rows[fdef.name]
@@ -238,6 +242,7 @@ def finish_micro_batch(plan: MicroBatchPlan, streams: Mapping[str, np.ndarray],
     registry = plan.fields.registry()
     for s, (seq, targets) in enumerate(zip(mb.sequences, plan.targets)):
         for name, dest in targets.items():
+            assert seq.ref is not None  # a sequence with targets has a ref
             where = f"{what}: ref {seq.ref} ({plan.refs[seq.ref].uri})"
             src = dest if (s, name) in plan.filled else _cut(_fetched(arrays, seq, plan.refs, what), name,
                                                               len(dest), dest.shape[1:], where)
@@ -253,9 +258,10 @@ def finish_micro_batch(plan: MicroBatchPlan, streams: Mapping[str, np.ndarray],
                                                    padded[: mb.num_tokens])
             out[fdef.name] = FieldBatch(padded[: mb.num_tokens], cu, padded=padded)
             continue
-        values, counts = plan.buffers.get(fdef.name), None
         if fdef.ragged:
             values, counts = _ragged_values(fdef, plan, arrays, what)
+        else:
+            values, counts = plan.buffers[fdef.name], None  # every laid-out field that is not ragged has one
         out[fdef.name] = FieldBatch(values, cu, counts=counts,
                                     row_ids=field_row_ids(fdef.domain, mb, plan.refs, cu, plan.seq_len))
     return AssembledMicroBatch(mb, plan.seq_len, pad_streams(streams, plan.seq_len),
@@ -286,6 +292,7 @@ def assemble_dropped_micro_batch(
     num_sequences = len(mb.sequences)
     for fdef in _laid_out(mb, fields):
         trailing = fdef.trailing(fields.dims)
+        assert trailing is not None  # FieldsConfig validates that every configured field's dimensions are set
         if fdef.domain == "tokens":
             real = (token_rows or {}).get(fdef.name)
             dtype = _buffer_dtype(fdef, fields, [] if real is None else [real.dtype.str])
@@ -329,7 +336,7 @@ def micro_batch_hash(mb: AssembledMicroBatch) -> str:
     for name in sorted(arrays):
         a = np.ascontiguousarray(arrays[name])
         digest.update(f"{name}:{a.dtype.str}:{a.shape}".encode())
-        digest.update(a.view(np.uint8).reshape(-1))
+        digest.update(a.view(np.uint8).reshape(-1))  # type: ignore[arg-type]  # numpy stubs: an ndarray is a Buffer only from Python 3.12
     return digest.hexdigest()
 
 
@@ -405,6 +412,7 @@ def _num_rows(fdef: FieldDecl, seq: SequenceRecord, refs: Sequence[PayloadRef], 
 
 def _fetched(arrays: Mapping[int, Mapping[str, np.ndarray]], seq: SequenceRecord, refs: Sequence[PayloadRef],
              what: str) -> Mapping[str, np.ndarray]:
+    assert seq.ref is not None  # called for sequences with targets, which have a ref
     got = arrays.get(seq.ref)
     if got is None:
         raise FieldError(f"{what}: no fetched arrays for ref {seq.ref} ({refs[seq.ref].uri})")

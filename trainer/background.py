@@ -199,6 +199,7 @@ class BackgroundRelease:
             result = self.ledger.delete(refs, reason=f"trained step {step}", max_concurrency=self.max_concurrency)
         except (DoubleDeleteError, UnknownRefError) as e:
             log.error("step %d dp_rank=%d release: %s", step, self.dp_rank, e)
+            assert e.result is not None  # Ledger.delete raises these with the call's result
             result = e.result
         except StorageError as e:  # the ledger could not write its own events
             self._failed_release(step, refs, e, counts)

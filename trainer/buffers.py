@@ -37,7 +37,7 @@ class BufferPool:
     until the next ``reclaim`` after it lets go.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._lent: list[np.ndarray] = []
         self._idle: list[np.ndarray] = []

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -37,7 +38,7 @@ from refpipe.trainer.pause import pause_point
 log = logging.getLogger(__name__)
 
 
-def _dcp():
+def _dcp() -> ModuleType:
     """``torch.distributed.checkpoint``, imported on first use: its import is a large share of a process's start
     (the launcher and ``newest_checkpoint`` never need it, a trainer rank only once it saves or loads)."""
     import torch.distributed.checkpoint as dcp
@@ -46,7 +47,7 @@ def _dcp():
     return dcp
 
 
-def _checkpoint_store():
+def _checkpoint_store() -> ModuleType:
     """``trainer.checkpoint_store`` (it imports DCP: on first use, as ``_dcp``)."""
     from refpipe.trainer import checkpoint_store
 
@@ -82,7 +83,8 @@ def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tu
         for p in params:
             p.grad = None
     try:
-        return _dcp().state_dict.get_state_dict(model, optimizer)
+        states: tuple[dict, dict] = _dcp().state_dict.get_state_dict(model, optimizer)
+        return states
     finally:
         for p, grad in zip(params, grads):
             p.grad = grad

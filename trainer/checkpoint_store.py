@@ -23,14 +23,19 @@ from __future__ import annotations
 
 import io
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING, cast
 
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
 
 from refpipe.storage.errors import KeyExistsError, KeyNotFoundError
 from refpipe.storage.layout import CHECKPOINT_MARKER_NAME, CHECKPOINTS_PREFIX
 from refpipe.storage.store import Store
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.planner import SavePlan
 
 log = logging.getLogger(__name__)
 _TEMP_SUFFIX = ".tmp"
@@ -67,7 +72,7 @@ class StoreFileSystem(FileSystemBase):
         self._held: dict[str, bytes] = {}  # temp files DCP will rename: their bytes until the rename
 
     @contextmanager
-    def create_stream(self, path, mode):
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
         key = str(path)
         if "r" in mode:
             get = lambda: self.store.get(key)  # noqa: E731
@@ -87,27 +92,27 @@ class StoreFileSystem(FileSystemBase):
         else:
             self.store.put(key, data, exclusive=True, durable=True)
 
-    def rename(self, path, new_path) -> None:
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         """The exclusive, durable put of a held temp file's bytes at ``new_path``."""
         self.store.put(str(new_path), self._held.pop(str(path)), exclusive=True, durable=True)
 
-    def concat_path(self, path, suffix: str) -> str:
+    def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
         return f"{path}/{suffix}"
 
-    def init_path(self, path) -> str:
+    def init_path(self, path: str | os.PathLike) -> str:
         return str(path)
 
-    def mkdir(self, path) -> None:
+    def mkdir(self, path: str | os.PathLike) -> None:
         """Nothing: a put makes what its key needs."""
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return str(checkpoint_id).startswith(f"{CHECKPOINTS_PREFIX}/")
 
-    def exists(self, path) -> bool:
+    def exists(self, path: str | os.PathLike) -> bool:
         return self.store.exists(str(path))
 
-    def rm_file(self, path) -> None:
+    def rm_file(self, path: str | os.PathLike) -> None:
         """Never: a checkpoint's files are written once (DCP removes a ``.metadata`` it finds before its rename).
 
         Raises:
@@ -140,16 +145,17 @@ class StoreWriter(FileSystemWriter):
 
     def __init__(self, store: Store, key: str):
         super().__init__(key, sync_files=False)
-        self.fs = StoreFileSystem(store)
+        self.fs = StoreFileSystem(store)  # type: ignore[assignment]  # torch annotates fs as its own FileSystem;
+        # the writer only calls FileSystemBase's methods, which StoreFileSystem implements
         self.path = key
 
-    def prepare_local_plan(self, plan):
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """No directory to make and no overwrite check on a rank: the coordinator's ``prepare_global_plan`` owns
         what is already under ``key``."""
         return plan
 
-    def prepare_global_plan(self, plans):
-        self.fs.clear_unpublished(self.path)
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        cast(StoreFileSystem, self.fs).clear_unpublished(str(self.path))  # both set in __init__
         return super().prepare_global_plan(plans)
 
 
@@ -159,5 +165,5 @@ class StoreReader(FileSystemReader):
 
     def __init__(self, store: Store, key: str):
         super().__init__(key)
-        self.fs = StoreFileSystem(store)
+        self.fs = StoreFileSystem(store)  # type: ignore[assignment]  # as in StoreWriter
         self.path = key

@@ -36,7 +36,7 @@ class Topology:
     world_size: int
     model_parallel_size: int
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.world_size % self.model_parallel_size or not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} of world_size {self.world_size}: expected a rank in the world and "
                               f"world_size a multiple of model_parallel_size={self.model_parallel_size}")
@@ -109,7 +109,8 @@ def new_data_group(config: TrainerConfig) -> dist.ProcessGroup:
     Collective: every rank calls it once, after the default group is initialised (any backend) and in
     the same order as its other ``new_group`` calls (``TrainerRank`` does, at construction).
     """
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=config.collective_timeout_s))
+    group: dist.ProcessGroup = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.collective_timeout_s))
+    return group
 
 
 def agree_failures(failed: set[int], topology: Topology, micro_batches_per_dp_rank: int,

@@ -44,6 +44,7 @@ def padding_rows_of(fdef: FieldDecl, num_rows: int, cfg: FieldsConfig, dtype: np
     """Rows for padding tokens of a token-domain field by its padding rule (read-only: copy before writing);
     ``repeat_rows`` repeats ``real`` [T, *row_shape] cyclically (zeros when there are none)."""
     trailing = fdef.trailing(cfg.dims)
+    assert trailing is not None  # FieldsConfig validates that every configured field's dimensions are set
     if fdef.padding == "repeat_rows" and real is not None and len(real):
         return np.resize(real, (num_rows, *trailing))
     return _cached_padding(fdef, num_rows, trailing, tuple(cfg.dims.items()), np.dtype(dtype).str)
@@ -83,6 +84,7 @@ def completion_row_ids(mb: MicroBatchRecord, refs: Sequence[PayloadRef], cu_rows
         num_rows = int(cu_rows[s + 1] - cu_rows[s])
         if num_rows == 0:
             continue
+        assert seq.ref is not None  # a sequence with rows has a ref
         first = int(starts[s]) + refs[seq.ref].num_prompt_tokens - 1  # position predicting completion row 0
         skip = 1 if first < starts[s] else 0  # no prompt: nothing in this sequence predicts row 0
         row_ids[first + skip : first + num_rows] = np.arange(cu_rows[s] + skip, cu_rows[s] + num_rows)

@@ -3,6 +3,9 @@ per rank (its counters and its micro batches' replay hashes), unpacked into ``St
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TypedDict, cast
+
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
@@ -71,9 +74,19 @@ class ReleaseMetrics(BaseModel):
     delete_failures: int
 
 
-def release_metrics(columns) -> dict[str, int]:
+class ReleaseSums(TypedDict):
+    """``release_metrics``' world sums, by ``ReleaseMetrics`` field name."""
+
+    retries: int
+    deletes: int
+    delete_problems: int
+    delete_failures: int
+
+
+def release_metrics(columns: Iterable[np.ndarray]) -> ReleaseSums:
     """[retries, deletes, problems, failures] per rank (columns) -> their world sums by field name."""
-    return dict(zip(("retries", "deletes", "delete_problems", "delete_failures"), (int(c.sum()) for c in columns)))
+    names = ("retries", "deletes", "delete_problems", "delete_failures")
+    return cast(ReleaseSums, dict(zip(names, (int(c.sum()) for c in columns))))
 
 
 DIGEST_NBYTES = 16

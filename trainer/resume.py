@@ -117,7 +117,9 @@ def plan_resume(store: Store, dp_world_size: int, group: dist.ProcessGroup, publ
     _check_checkpoint_step(checkpoint_step)
     box = [read_plan(store, dp_world_size, published, checkpoint_step) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
+    plan = box[0]
+    assert plan is not None  # rank 0's plan, now on every rank
+    return plan
 
 
 def read_plan(store: Store, dp_world_size: int, published: int | None = None,

@@ -335,4 +335,5 @@ class TrainerRank:
         self.prefetch.take(-1)
         if self.release is not None:
             self.release.shutdown()
+            assert self.ledger is not None  # made with the release, on mp_rank 0
             self.ledger.close()

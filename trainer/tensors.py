@@ -64,7 +64,7 @@ def to_torch(mb: AssembledMicroBatch) -> TrainMicroBatch:
     """Tensors of ``mb``: one widening copy per stream, field arrays shared with ``mb``."""
     streams = {name: torch.from_numpy(a.astype(STREAM_TORCH_DTYPES.get(name, a.dtype)))
                for name, a in mb.streams.items()}
-    fields = {name: FieldTensors(_wrap(f.values), _wrap(f.cu_seqlens), _wrap(f.counts), _wrap(f.padded),
-                                 _wrap(f.row_ids))
+    fields = {name: FieldTensors(torch.from_numpy(f.values), torch.from_numpy(f.cu_seqlens), _wrap(f.counts),
+                                 _wrap(f.padded), _wrap(f.row_ids))
               for name, f in mb.fields.items()}
     return TrainMicroBatch(mb.record, streams, torch.from_numpy(mb.cu_seqlens), fields, mb.dropped)
