@@ -116,9 +116,10 @@ def _pad_routing(rows: np.ndarray, num_tokens: int, cfg: FieldsConfig) -> np.nda
     wanted = num_tokens - (cfg.routing_rows == "all_but_last")
     if len(rows) >= wanted:
         return rows
-    pad = spread_expert_rows(wanted, rows.shape[1], rows.shape[2],
-                             cfg.num_experts,  # type: ignore[arg-type]  # None without routing: a TypeError, unchecked
-                             rows.dtype)
+    if cfg.num_experts is None:
+        raise FieldError(f"{ROUTING}: the engine returned {len(rows)} routing rows but this run carries no routing: "
+                         f"expected FieldsConfig num_layers, top_k and num_experts set to keep them")
+    pad = spread_expert_rows(wanted, rows.shape[1], rows.shape[2], cfg.num_experts, rows.dtype)
     return np.concatenate([rows, pad[len(rows):]])
 
 

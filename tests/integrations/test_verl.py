@@ -171,6 +171,20 @@ def test_bad_engine_rows_are_refused_and_nothing_is_kept(local_config):
     assert audit(keeper.store, finished=True).kept == 0
 
 
+def test_routing_rows_in_a_run_without_routing_are_a_field_error(local_config):
+    """Fewer rows than tokens would be padded by the routing padding rule, which needs num_experts: a run that
+    declares no routing refuses them (it raised a TypeError from ``% None``)."""
+    store = open_store(local_config)
+    keeper = Keeper(store, Ledger(store, "agent_loop_worker_0"), FieldsConfig(logprobs_k=2), local_config)
+    output = example.engine_outputs(SHAPE)[0]
+    output.routed_experts = output.routed_experts[:5]
+    with pytest.raises(FieldError, match=r"^routed_experts: the engine returned 5 routing rows but this run carries no "
+                                         r"routing: expected FieldsConfig num_layers, top_k and num_experts set"):
+        keep_output(keeper, output)
+    keeper.ledger.close()
+    assert audit(store, finished=True).kept == 0
+
+
 def test_a_batch_that_does_not_match_its_payloads_is_refused(local_config):
     keeper = keeper_for(local_config, SHAPE)
     inline, by_ref = both_batches(keeper, SHAPE)
