@@ -8,6 +8,7 @@ import zipfile
 
 import crc32c
 import pytest
+from step_file_helpers import forge_header
 from test_inspect import invoke, snapshot
 
 from refpipe.pipeline.step_file import HEADER_MEMBER, StepFile
@@ -15,21 +16,6 @@ from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.errors import StepFileError
 from refpipe.storage.layout import step_key
 from refpipe.storage.ledger import Ledger
-
-
-def rewrite_step_file(store, step: int, edit_header) -> None:
-    """Overwrite a step file in place with its header edited."""
-    src = zipfile.ZipFile(io.BytesIO(store.get(step_key(step))))
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as dst:
-        for info in src.infolist():
-            data = src.read(info.filename)
-            if info.filename == HEADER_MEMBER:
-                header = json.loads(data)
-                edit_header(header)
-                data = json.dumps(header).encode()
-            dst.writestr(info.filename, data)
-    store.put(step_key(step), buf.getvalue())
 
 
 def test_verify_passes_an_intact_step(run):
@@ -59,7 +45,7 @@ def test_verify_flags_every_problem_once(run):
 
     def point_d_elsewhere(header):
         header["refs"][3]["uri"] = relocated
-    rewrite_step_file(store, 1, point_d_elsewhere)
+    forge_header(store, 1, point_d_elsewhere)
     before = snapshot(store)
 
     result = invoke(["verify", run.step_uris[1], *run.cli_args()])

@@ -17,13 +17,13 @@ from pathlib import Path
 import numpy as np
 from fault_proxy import Fault, FaultProxy
 from ports import free_port
+from step_file_helpers import forge_header
 from trainer_helpers import (
     FIELDS,
     Seq,
     assert_same,
     build_step,
     expected_micro_batch,
-    forge_header,
     forge_rows,
     keep_all,
     make_branch,

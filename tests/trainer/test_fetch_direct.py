@@ -10,6 +10,7 @@ import zipfile
 import crc32c
 import numpy as np
 import pytest
+from step_file_helpers import forge_header
 from trainer_helpers import (
     FIELDS,
     Seq,
@@ -17,7 +18,6 @@ from trainer_helpers import (
     build_step,
     expected_micro_batch,
     flatten,
-    forge_header,
     forge_rows,
     keep_all,
     make_branch,

@@ -6,9 +6,6 @@ from the arrays the test kept, following DESIGN.md (Fields, Alignment).
 
 from __future__ import annotations
 
-import io
-import json
-import zipfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,7 +13,6 @@ import numpy as np
 from refpipe.pipeline.fields import FieldsConfig, Ragged, spread_expert_rows
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.pipeline.step_file import (
-    HEADER_MEMBER,
     SCHEMA_VERSION,
     STREAMS,
     MicroBatchRecord,
@@ -26,7 +22,6 @@ from refpipe.pipeline.step_file import (
 )
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.config import StorageConfig
-from refpipe.storage.layout import step_key
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.store import Store
 
@@ -210,20 +205,6 @@ def assert_same(got: dict[str, np.ndarray], want: dict[str, np.ndarray], widened
             w = w.astype(np.int64)
         assert g.dtype == w.dtype and g.shape == w.shape, (key, g.dtype, g.shape, w.dtype, w.shape)
         assert g.tobytes() == w.tobytes(), key
-
-
-def forge_header(store, step: int, edit) -> None:
-    """Rewrite step ``step``'s file with ``edit(header dict)`` applied to its header (its streams unchanged)."""
-    src, buf = zipfile.ZipFile(io.BytesIO(store.get(step_key(step)))), io.BytesIO()
-    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as dst:
-        for info in src.infolist():
-            body = src.read(info.filename)
-            if info.filename == HEADER_MEMBER:
-                header = json.loads(body)
-                edit(header)
-                body = json.dumps(header).encode()
-            dst.writestr(info.filename, body)
-    store.put(step_key(step), buf.getvalue())
 
 
 def forge_rows(header: dict, ref: int, array: str, rows: int) -> None:
