@@ -242,10 +242,7 @@ def test_two_ranks_on_s3_retry_throttled_reads_and_failed_background_deletes(tmp
     writer_cfg = StorageConfig(root=f"s3://{s3_bucket}/prefix", run_id="run_1", s3_endpoint_url=s3_endpoint)
     store = open_store(writer_cfg)
     rng = np.random.default_rng(5)
-    built = {}
-    for s in range(2):
-        branches = _branches(s, rng)
-        built[s] = build_step(store, s, SEQ_LEN, _layout(s), branches, keep_all(store, writer_cfg, branches), rng)
+    built = _built_steps(store, writer_cfg, rng, 2)
     with FaultProxy(s3_endpoint, Fault("slowdown", "GET", r"/c\.0$"),
                     Fault("key_error", "POST", r"/s0_b/c\.0$", code="AccessDenied")) as proxy:
         trainer_cfg = writer_cfg.model_copy(update={"s3_endpoint_url": proxy.url, "retry_backoff_s": 0.01})
@@ -291,12 +288,18 @@ def test_the_data_path_runs_on_its_own_gloo_group_beside_the_default_group(tmp_p
     assert (m0["dropped_micro_batches"], m0["failed_fetches"], m0["fetched_chunks"]) == (1, 1, 7 + 4)
 
 
-def _three_steps(store, config: StorageConfig, rng) -> dict:
-    """Steps 0-2 of ``_layout``: step 1 without g's chunk (DP 0's micro batch 1), step 2 without any chunk's data."""
+def _built_steps(store, config: StorageConfig, rng, num_steps: int) -> dict:
+    """Steps ``0..num_steps-1`` of ``_layout``, their branches kept and step files published: step -> built step."""
     built = {}
-    for s in range(3):
+    for s in range(num_steps):
         branches = _branches(s, rng)
         built[s] = build_step(store, s, SEQ_LEN, _layout(s), branches, keep_all(store, config, branches), rng)
+    return built
+
+
+def _three_steps(store, config: StorageConfig, rng) -> dict:
+    """Steps 0-2 of ``_layout``: step 1 without g's chunk (DP 0's micro batch 1), step 2 without any chunk's data."""
+    built = _built_steps(store, config, rng, 3)
     store.delete_keys(list(chunk_keys(store, built[1].refs["s1_g"])))
     store.delete_keys([chunk_keys(store, ref)[0] for ref in built[2].header.refs])
     return built
@@ -353,10 +356,7 @@ def test_a_restart_after_one_dp_rank_released_a_step_trains_none_of_it_again(tmp
     times)`` for each of DP 0's chunks, DP 0's micro batches dropped, DP 1's trained again)."""
     store = open_store(local_config)
     rng = np.random.default_rng(8)
-    built = {}
-    for s in range(4):
-        branches = _branches(s, rng)
-        built[s] = build_step(store, s, SEQ_LEN, _layout(s), branches, keep_all(store, local_config, branches), rng)
+    built = _built_steps(store, local_config, rng, 4)
     trainer = {"step_timeout_s": 30, "step_poll_s": 0.1, "collective_timeout_s": 20, "retain_steps": [0],
                "release": "after_step"}
     (tmp_path / "life1").mkdir()
