@@ -32,7 +32,7 @@ import torch
 
 from refpipe.pipeline.fields import FIELDS, FieldsConfig, as_numpy, spread_expert_rows
 from refpipe.pipeline.keep import Branch, Keeper
-from refpipe.pipeline.samples import PayloadSlice
+from refpipe.pipeline.slices import PayloadSlice
 from refpipe.storage.concurrency import bounded_map
 from refpipe.storage.errors import FieldError
 from refpipe.storage.fetch import fetch_arrays
