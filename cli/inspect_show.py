@@ -38,7 +38,8 @@ from refpipe.pipeline.step_file import MicroBatchRecord, StepHeader
 from refpipe.storage.errors import ChunkNotFoundError, ConfigError, RefError
 from refpipe.storage.fetch import fetch_arrays
 from refpipe.storage.store import Store
-from refpipe.trainer.assemble import AssembledMicroBatch, assemble_micro_batch, pad_streams, padded_cu_seqlens
+from refpipe.trainer.assemble import AssembledMicroBatch, assemble_micro_batch
+from refpipe.trainer.layout import pad_streams, padded_cu_seqlens
 
 
 def _micro_batch(header: StepHeader, dp_rank: int, index: int) -> MicroBatchRecord:

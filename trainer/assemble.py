@@ -31,7 +31,7 @@ Layout of a micro batch with ``T`` real tokens in ``S`` sequences, padded to ``s
     token's own position ``start_s + r``; every other position holds -1.
 
 Whatever a ref says is checked before anything trains from it: its stored dtypes and domains against
-the declarations (``plan_micro_batch``) and every row's values against the declared bounds
+the declarations (``trainer.plan.plan_micro_batch``) and every row's values against the declared bounds
 (``finish_micro_batch``: ids below ``num_experts``, finite logprobs, ...); a micro batch failing either
 raises ``FieldError``, which a trainer rank counts as a dropped micro batch on every rank.
 
@@ -42,19 +42,19 @@ rows of its ref's first ``num_tokens`` tokens, for each field its ref carries.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
-import xxhash
 
 from refpipe.pipeline.field_checks import check_bounds
-from refpipe.pipeline.field_decl import FieldDecl, narrow_dtype
+from refpipe.pipeline.field_decl import FieldDecl
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.step_file import MicroBatchRecord, SequenceRecord
-from refpipe.storage.chunk import PayloadRef, domain_rows
-from refpipe.storage.errors import FieldError, PackingError
+from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.errors import FieldError
 from refpipe.trainer.layout import field_row_ids, pad_streams, padded_cu_seqlens, padding_rows_of
+from refpipe.trainer.plan import MicroBatchPlan, buffer_dtype, check_fits, laid_out, plan_micro_batch
 
 
 @dataclass(frozen=True)
@@ -103,45 +103,6 @@ class AssembledMicroBatch:
         return self.record.num_tokens
 
 
-@dataclass
-class MicroBatchPlan:
-    """A micro batch's output arrays, allocated (not yet written) before its chunks are read.
-
-    ``targets[s]`` maps each stored array name whose rows sequence ``s`` contributes to its
-    destination ``[rows, *row_shape]``, a slice of ``buffers`` (token-domain fields:
-    ``padded[start_s : start_s + rows]``; completion fields: ``values[cu_rows[s] : cu_rows[s + 1]]``).
-    Ragged fields have no targets. The plan decides which sequence's targets a ref's chunk is read
-    into (``read_targets``); the reader reports the destinations it filled (``mark_read``), and
-    ``finish_micro_batch`` copies rows only into the others.
-    """
-
-    mb: MicroBatchRecord
-    refs: Sequence[PayloadRef]
-    seq_len: int
-    fields: FieldsConfig
-    buffers: dict[str, np.ndarray]
-    """Field name -> token fields: padded [seq_len, *row_shape]; completion fields: values [rows, *row_shape]."""
-    cu_rows: dict[str, np.ndarray]
-    """Field name -> [S + 1] int32 cumulative rows per sequence."""
-    targets: list[dict[str, np.ndarray]]
-    filled: set[tuple[int, str]] = field(default_factory=set)
-    """``(sequence index, stored array name)`` of targets that already hold their rows."""
-
-    def read_targets(self, ref: int, num_tokens: int) -> tuple[int, dict[str, np.ndarray]] | None:
-        """Where to read ref ``ref`` cut to ``num_tokens`` tokens: ``(s, name -> destination)`` of the first
-        sequence ``s`` that keeps exactly that many of its tokens (destinations whose dtype is the stored one),
-        or None when no sequence of this micro batch does."""
-        specs = self.refs[ref].arrays
-        for s, (seq, targets) in enumerate(zip(self.mb.sequences, self.targets)):
-            if seq.ref == ref and seq.num_tokens == num_tokens:
-                return s, {name: t for name, t in targets.items() if t.dtype == np.dtype(specs[name].dtype)}
-        return None
-
-    def mark_read(self, s: int, names: Iterable[str]) -> None:
-        """Record that sequence ``s``'s targets of ``names`` hold their rows (read straight into them)."""
-        self.filled.update((s, name) for name in names)
-
-
 def assemble_micro_batch(
     mb: MicroBatchRecord,
     streams: Mapping[str, np.ndarray],
@@ -177,51 +138,6 @@ def assemble_micro_batch(
     return finish_micro_batch(plan_micro_batch(mb, refs, seq_len=seq_len, fields=fields), streams, arrays)
 
 
-def plan_micro_batch(mb: MicroBatchRecord, refs: Sequence[PayloadRef], *, seq_len: int,
-                     fields: FieldsConfig, empty: Callable[..., np.ndarray] = np.empty) -> MicroBatchPlan:
-    """Allocate ``mb``'s output arrays (``empty(shape, dtype)``, uninitialised: ``np.empty``, or a trainer
-    rank's ``trainer.buffers.BufferPool.empty``) and each sequence's targets.
-
-    A ``strided_ids`` field's rows (routing) are ``field_decl.narrow_dtype`` (routing: ``fields.routing_dtype``,
-    sized from ``num_experts``, never from the refs); any other field's dtype is the result type of the
-    dtypes its sequences' refs store.
-
-    Raises:
-        FieldError: a ref stores a field in a dtype or domain its declaration does not allow, rows of
-            another trailing shape than ``fields`` says, or fewer rows than its sequence keeps; a micro batch
-            with token-domain rows has a sequence without them.
-        PackingError: ``mb`` has more than ``seq_len`` tokens.
-    """
-    what = f"micro batch dp_rank={mb.dp_rank} index={mb.index}"
-    _check_fits(mb, seq_len, what)
-    buffers: dict[str, np.ndarray] = {}
-    cu_rows: dict[str, np.ndarray] = {}
-    targets: list[dict[str, np.ndarray]] = [{} for _ in mb.sequences]
-    for fdef in _laid_out(mb, fields):
-        trailing = fdef.trailing(fields.dims)
-        assert trailing is not None  # FieldsConfig validates that every configured field's dimensions are set
-        rows = [_num_rows(fdef, seq, refs, trailing, what) for seq in mb.sequences]
-        if fdef.domain == "tokens" and None in rows:
-            missing = [i for i, n in enumerate(rows) if n is None]
-            raise FieldError(f"{what}: sequences {missing} have no {fdef.name} rows in a micro batch with "
-                             "token-domain rows")
-        cu = np.zeros(len(rows) + 1, np.int32)
-        np.cumsum([n or 0 for n in rows], out=cu[1:])
-        cu_rows[fdef.name] = mb.cu_seqlens() if fdef.domain == "tokens" else cu
-        if fdef.ragged:
-            continue
-        stored = [refs[seq.ref].arrays[fdef.name].dtype  # type: ignore[index]  # with rows: a ref (_num_rows)
-                  for seq, n in zip(mb.sequences, rows) if n is not None]
-        dtype = _buffer_dtype(fdef, fields, stored)
-        buffer = empty((seq_len if fdef.domain == "tokens" else int(cu[-1]), *trailing), dtype)
-        buffers[fdef.name] = buffer
-        starts = cu_rows[fdef.name]
-        for s, n in enumerate(rows):
-            if n is not None:
-                targets[s][fdef.name] = buffer[starts[s] : starts[s] + n]
-    return MicroBatchPlan(mb, refs, seq_len, fields, buffers, cu_rows, targets)
-
-
 def finish_micro_batch(plan: MicroBatchPlan, streams: Mapping[str, np.ndarray],
                        arrays: Mapping[int, Mapping[str, np.ndarray]]) -> AssembledMicroBatch:
     """Complete a planned micro batch: copy rows not already read into their targets, pad, lay out.
@@ -250,7 +166,7 @@ def finish_micro_batch(plan: MicroBatchPlan, streams: Mapping[str, np.ndarray],
             if src is not dest:
                 dest[...] = src
     out: dict[str, FieldBatch] = {}
-    for fdef in _laid_out(mb, plan.fields):
+    for fdef in laid_out(mb, plan.fields):
         cu = plan.cu_rows[fdef.name]
         if fdef.domain == "tokens":
             padded = plan.buffers[fdef.name]
@@ -287,15 +203,15 @@ def assemble_dropped_micro_batch(
     Raises:
         PackingError: ``mb`` has more than ``seq_len`` tokens.
     """
-    _check_fits(mb, seq_len, f"micro batch dp_rank={mb.dp_rank} index={mb.index}")
+    check_fits(mb, seq_len, f"micro batch dp_rank={mb.dp_rank} index={mb.index}")
     out: dict[str, FieldBatch] = {}
     num_sequences = len(mb.sequences)
-    for fdef in _laid_out(mb, fields):
+    for fdef in laid_out(mb, fields):
         trailing = fdef.trailing(fields.dims)
         assert trailing is not None  # FieldsConfig validates that every configured field's dimensions are set
         if fdef.domain == "tokens":
             real = (token_rows or {}).get(fdef.name)
-            dtype = _buffer_dtype(fdef, fields, [] if real is None else [real.dtype.str])
+            dtype = buffer_dtype(fdef, fields, [] if real is None else [real.dtype.str])
             if real is None or len(real) == 0:
                 padded = padding_rows_of(fdef, seq_len, fields, dtype, real).copy()
             else:
@@ -316,46 +232,6 @@ def real_token_rows(mb: AssembledMicroBatch) -> dict[str, np.ndarray]:
     """Field name -> real rows ``[T, *row_shape]`` of each token-domain field of ``mb`` (a dropped micro
     batch's ``token_rows``)."""
     return {name: batch.values for name, batch in mb.fields.items() if batch.padded is not None}
-
-
-def micro_batch_hash(mb: AssembledMicroBatch) -> str:
-    """XXH3-128 hex digest of every byte the model gets from ``mb``: its streams, ``cu_seqlens`` and
-    each field's arrays (name, dtype and shape included), in name order; a token-domain field's ``values``
-    is the view ``padded[:T]``, so only ``padded`` is read (its bytes were hashed twice: a third of a
-    routing step's hashing). A replay after a crash must reproduce it exactly (``job.train_rank`` compares
-    it with the first life's step metrics). A check of determinism, not of tampering: non-cryptographic,
-    ~20x faster than BLAKE2b here (it reads every byte of the step), and it releases the GIL, so the fetch
-    threads that call it (``trainer.fetch``) overlap."""
-    digest = xxhash.xxh3_128()
-    arrays = {f"streams.{k}": v for k, v in mb.streams.items()} | {"cu_seqlens": mb.cu_seqlens}
-    for name, batch in mb.fields.items():
-        parts = {k: v for k, v in vars(batch).items() if v is not None}
-        if batch.padded is not None:
-            del parts["values"]
-        arrays |= {f"{name}.{k}": v for k, v in parts.items()}
-    for name in sorted(arrays):
-        a = np.ascontiguousarray(arrays[name])
-        digest.update(f"{name}:{a.dtype.str}:{a.shape}".encode())
-        digest.update(a.view(np.uint8).reshape(-1))  # type: ignore[arg-type]  # numpy stubs: an ndarray is a Buffer only from Python 3.12
-    return digest.hexdigest()
-
-
-def _check_fits(mb: MicroBatchRecord, seq_len: int, what: str) -> None:
-    if mb.num_tokens > seq_len:
-        raise PackingError(f"{what}: {mb.num_tokens} tokens, expected at most seq_len={seq_len}")
-
-
-def _laid_out(mb: MicroBatchRecord, cfg: FieldsConfig) -> list[FieldDecl]:
-    """Fields of the run, in registry order; token-domain ones only when the micro batch has token-domain rows."""
-    return [f for f in cfg.registry().values() if f.domain != "tokens" or mb.has_routing]
-
-
-def _buffer_dtype(fdef: FieldDecl, cfg: FieldsConfig, ref_dtypes: list[str]) -> np.dtype:
-    """``strided_ids``: ``narrow_dtype`` (routing: from ``num_experts``); other fields: the result type of the
-    refs' dtypes."""
-    if fdef.padding == "strided_ids":
-        return narrow_dtype(fdef, cfg.dims)
-    return np.result_type(*ref_dtypes) if ref_dtypes else np.dtype(fdef.dtypes[0])
 
 
 def _check_fetched(a: np.ndarray, fdef: FieldDecl, cfg: FieldsConfig, what: str) -> None:
@@ -381,33 +257,6 @@ def _check_required(plan: MicroBatchPlan, loss_mask: np.ndarray, what: str) -> N
         if missing:
             raise FieldError(f"{what}: sequence {s} (env {seq.env_name!r}, ref {seq.ref}) trains {loss_tokens} "
                              f"loss tokens without required fields {missing} (FieldsConfig.required)")
-
-
-def _num_rows(fdef: FieldDecl, seq: SequenceRecord, refs: Sequence[PayloadRef], trailing: tuple[int, ...],
-              what: str) -> int | None:
-    """Rows ``seq`` contributes to ``fdef`` (ragged: rows of counts), or None when it has none.
-
-    Raises:
-        FieldError: its ref stores the field in a dtype or domain the declaration does not allow, fewer
-            rows, or rows of another trailing shape.
-    """
-    if seq.ref is None or (seq.borrowed and fdef.domain != "tokens"):
-        return None
-    ref = refs[seq.ref]
-    stored = fdef.names()[0]
-    spec = ref.arrays.get(stored)
-    if spec is None:
-        return None
-    values = ref.arrays.get(fdef.names()[-1])
-    if values is None or values.dtype not in fdef.dtypes or spec.domain != fdef.domain:
-        got = None if values is None else f"{np.dtype(values.dtype)} in the {spec.domain} domain"
-        raise FieldError(f"{what}: ref {seq.ref} ({ref.uri}) stores {fdef.name} as {got}: expected one of "
-                         f"{[str(np.dtype(d)) for d in fdef.dtypes]} in the {fdef.domain} domain (its declaration)")
-    num_rows = domain_rows(fdef.domain, ref.num_prompt_tokens, seq.num_tokens)
-    if spec.shape[0] < num_rows or tuple(spec.shape[1:]) != (() if fdef.ragged else trailing):
-        raise FieldError(f"{what}: ref {seq.ref} ({ref.uri}) stores {stored} as {list(spec.shape)}: expected at "
-                         f"least {num_rows} rows of {list(trailing)}")
-    return num_rows
 
 
 def _fetched(arrays: Mapping[int, Mapping[str, np.ndarray]], seq: SequenceRecord, refs: Sequence[PayloadRef],

@@ -7,7 +7,7 @@ tokens any of its sequences keeps, so a truncated slice reads only its kept rows
 threads (``storage.concurrency.bounded_map``); transient store errors are retried inside the
 store (``StorageConfig.max_retries``).
 
-Each micro batch's output arrays are allocated first (``trainer.assemble.plan_micro_batch``)
+Each micro batch's output arrays are allocated first (``trainer.plan.plan_micro_batch``)
 and each whole uncompressed chunk is read straight into them: the chunk's rows land in
 their final place (``storage.fetch.fetch_into``, one ``preadv``, the crc32c
 computed over those arrays). A ref is read once, into the targets the first micro batch
@@ -37,14 +37,10 @@ from refpipe.storage.errors import KeyNotFoundError, RefpipeError, StepFileError
 from refpipe.storage.fetch import fetch_into
 from refpipe.storage.layout import step_key
 from refpipe.storage.store import Store
-from refpipe.trainer.assemble import (
-    AssembledMicroBatch,
-    MicroBatchPlan,
-    finish_micro_batch,
-    micro_batch_hash,
-    plan_micro_batch,
-)
+from refpipe.trainer.assemble import AssembledMicroBatch, finish_micro_batch
 from refpipe.trainer.buffers import BufferPool
+from refpipe.trainer.plan import MicroBatchPlan, plan_micro_batch
+from refpipe.trainer.replay_hash import micro_batch_hash
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +73,7 @@ class FetchedStep:
     failed: set[int] = field(default_factory=set)
     """Indices of micro batches this rank could not fetch or assemble."""
     hashes: dict[int, str] = field(default_factory=dict)
-    """index -> ``trainer.assemble.micro_batch_hash`` of ``assembled[index]``, computed by the thread that
+    """index -> ``trainer.replay_hash.micro_batch_hash`` of ``assembled[index]``, computed by the thread that
     assembled it (off the rank's main thread; the step's replay hashes)."""
     errors: list[str] = field(default_factory=list)
     """One line per failed fetch or assembly (or one for an exception that ended the whole fetch)."""
@@ -131,7 +127,7 @@ def fetch_own(store: Store, step_file: StepFile, dp_rank: int, fields: FieldsCon
                       step_file.header.step, dp_rank)
         run.out.assembled.clear()
         run.out.hashes.clear()
-        run.out.failed = set(run.users_of_mb)
+        run.out.failed = set(run.ref_indices_of_mb)
         run.out.errors.append(f"fetch raised {type(e).__name__}: {e}")
     run.out.seconds = time.monotonic() - started
     for line in run.out.errors:
@@ -150,14 +146,18 @@ class _OwnFetch:
         self.micro_batches = self.header.micro_batches_of(dp_rank)
         self.unusable = {mb.index: problem for mb in self.micro_batches
                          if (problem := self.header.micro_batch_problem(mb))}
-        self.users_of_mb = {mb.index: [] if mb.index in self.unusable else
-                            sorted({s.ref for s in mb.sequences if s.ref is not None}) for mb in self.micro_batches}
-        self.users_of_ref: dict[int, list[int]] = {i: [] for i in self.need}
-        for index, refs in self.users_of_mb.items():
+        # Identities only: a micro batch by its index within the DP rank, a ref by its index in ``header.refs``.
+        self.ref_indices_of_mb: dict[int, list[int]] = {
+            mb.index: [] if mb.index in self.unusable else sorted({s.ref for s in mb.sequences if s.ref is not None})
+            for mb in self.micro_batches}
+        self.mb_indices_of_ref: dict[int, list[int]] = {i: [] for i in self.need}
+        for index, refs in self.ref_indices_of_mb.items():
             for ref in refs:
-                self.users_of_ref[ref].append(index)
-        self.pending = {index: len(refs) for index, refs in self.users_of_mb.items()}
-        self.refs_left = {ref: len(users) for ref, users in self.users_of_ref.items()}
+                self.mb_indices_of_ref[ref].append(index)
+        self.chunks_pending = {index: len(refs) for index, refs in self.ref_indices_of_mb.items()}
+        """micro batch index -> its refs not fetched (or failed) yet; 0: it can be assembled."""
+        self.mbs_pending = {ref: len(indices) for ref, indices in self.mb_indices_of_ref.items()}
+        """ref index -> micro batches using it not yet assembled; 0: its fetched arrays are dropped."""
         self.arrays: dict[int, dict[str, np.ndarray]] = {}
         self.out, self.lock = FetchedStep(), threading.Lock()
         self.plans: dict[int, MicroBatchPlan] = {}
@@ -165,7 +165,7 @@ class _OwnFetch:
     def read_targets(self, ref: int) -> tuple[MicroBatchPlan | None, int, dict[str, np.ndarray]]:
         """``(plan, s, destinations)`` ref ``ref`` is read into: what the first planned micro batch using it
         names (``MicroBatchPlan.read_targets``); ``(None, -1, {})``: fresh arrays."""
-        for index in self.users_of_ref[ref]:
+        for index in self.mb_indices_of_ref[ref]:
             plan = self.plans.get(index)
             found = plan.read_targets(ref, self.need[ref]) if plan else None
             if found:
@@ -185,7 +185,7 @@ class _OwnFetch:
                                                         fields=self.fields, empty=self.empty)
             except RefpipeError as e:
                 self._fail([mb.index], f"micro batch {mb.index}: {type(e).__name__}: {e}")
-        no_refs = [index for index, refs in self.users_of_mb.items() if not refs and index not in self.unusable]
+        no_refs = [index for index, refs in self.ref_indices_of_mb.items() if not refs and index not in self.unusable]
         tasks = [(self.fetch_ref, ref) for ref in sorted(self.need)] + [(self.assemble, i) for i in no_refs]
         bounded_map(lambda task: task[0](task[1]), tasks, max_concurrency)
 
@@ -196,7 +196,7 @@ class _OwnFetch:
             fetched = fetch_into(self.store, self.header.refs[ref], self.need[ref], destinations)
         except RefpipeError as e:
             fetched = None
-            self._fail(self.users_of_ref[ref], f"ref {ref} ({self.header.refs[ref].uri}): {type(e).__name__}: {e}")
+            self._fail(self.mb_indices_of_ref[ref], f"ref {ref} ({self.header.refs[ref].uri}): {type(e).__name__}: {e}")
         ready = []
         with self.lock:
             if fetched is not None:
@@ -206,9 +206,9 @@ class _OwnFetch:
                 self.out.chunks += 1
                 self.out.nbytes += sum(a.nbytes for a in fetched.arrays.values())
                 self.out.chunks_in_place += fetched.in_place
-            for index in self.users_of_ref[ref]:
-                self.pending[index] -= 1
-                if self.pending[index] == 0:
+            for index in self.mb_indices_of_ref[ref]:
+                self.chunks_pending[index] -= 1
+                if self.chunks_pending[index] == 0:
                     ready.append(index)
         for index in ready:
             self.assemble(index)
@@ -217,7 +217,7 @@ class _OwnFetch:
         """Finish micro batch ``index`` unless it failed, then release chunks no one else waits for."""
         with self.lock:
             failed = index in self.out.failed
-            arrays = {ref: self.arrays[ref] for ref in self.users_of_mb[index] if ref in self.arrays}
+            arrays = {ref: self.arrays[ref] for ref in self.ref_indices_of_mb[index] if ref in self.arrays}
         if not failed:
             try:
                 done = finish_micro_batch(self.plans[index], self.step_file.streams(self.dp_rank, index), arrays)
@@ -228,9 +228,9 @@ class _OwnFetch:
                 with self.lock:
                     self.out.assembled[index], self.out.hashes[index] = done, digest
         with self.lock:
-            for ref in self.users_of_mb[index]:
-                self.refs_left[ref] -= 1
-                if self.refs_left[ref] == 0:
+            for ref in self.ref_indices_of_mb[index]:
+                self.mbs_pending[ref] -= 1
+                if self.mbs_pending[ref] == 0:
                     self.arrays.pop(ref, None)
 
     def _fail(self, indices: list[int], line: str) -> None:

@@ -59,7 +59,7 @@ class StepMetrics(BaseModel):
     """Not trained: a step after the checkpoint a restarted trainer resumed from, whose chunks were already
     (partly) deleted (``TrainerRank.skip_step``)."""
     micro_batch_hashes: list[list[str]]
-    """[dp_world_size][micro batches per DP rank] ``trainer.assemble.micro_batch_hash`` of each micro batch as
+    """[dp_world_size][micro batches per DP rank] ``trainer.replay_hash.micro_batch_hash`` of each micro batch as
     trained ("" for a dropped one): a replay of the step after a crash must reproduce them."""
 
 
@@ -90,7 +90,7 @@ def release_metrics(columns: Iterable[np.ndarray]) -> ReleaseSums:
 
 
 DIGEST_NBYTES = 16
-"""Bytes of one replay hash (``trainer.assemble.micro_batch_hash``: XXH3-128, 32 hex digits)."""
+"""Bytes of one replay hash (``trainer.replay_hash.micro_batch_hash``: XXH3-128, 32 hex digits)."""
 
 
 def pack_row(counters: np.ndarray, hashes: list[str]) -> np.ndarray:

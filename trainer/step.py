@@ -52,7 +52,7 @@ class TrainerRank:
           (every rank reads it);
        b. fetch own (unless prefetched): this DP rank's micro batches' chunks, in parallel,
           each micro batch assembled into its padded numpy layout and hashed (its replay hash,
-          ``trainer.assemble.micro_batch_hash``) as soon as its chunks are in, on the fetch
+          ``trainer.replay_hash.micro_batch_hash``) as soon as its chunks are in, on the fetch
           threads (``trainer.fetch``), into arrays of the rank's ``trainer.buffers.BufferPool``
           (the memory of earlier steps' arrays nothing refers to any more: already faulted in;
           a tensor the train callback kept keeps its memory); errors become failure flags;

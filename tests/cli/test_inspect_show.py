@@ -10,7 +10,8 @@ from refpipe.pipeline.fields import spread_expert_rows
 from refpipe.pipeline.step_file import STREAMS, StepFile
 from refpipe.storage.fetch import fetch_arrays
 from refpipe.storage.ledger import Ledger
-from refpipe.trainer.assemble import assemble_micro_batch, pad_streams, padded_cu_seqlens
+from refpipe.trainer.assemble import assemble_micro_batch
+from refpipe.trainer.layout import pad_streams, padded_cu_seqlens
 
 COMPLETION_FIELDS = ("topk_ids", "topk_logprobs", "sampling_mask")
 

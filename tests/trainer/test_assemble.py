@@ -19,8 +19,9 @@ from refpipe.storage.backends import open_store
 from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.errors import FieldError, PackingError, StepFileError
 from refpipe.storage.fetch import fetch_arrays
-from refpipe.trainer.assemble import assemble_dropped_micro_batch, assemble_micro_batch, micro_batch_hash
+from refpipe.trainer.assemble import assemble_dropped_micro_batch, assemble_micro_batch
 from refpipe.trainer.fetch import fetch_own, own_requests, wait_for_step
+from refpipe.trainer.replay_hash import micro_batch_hash
 from refpipe.trainer.tensors import to_torch
 
 SEQ_LEN = 24

@@ -19,8 +19,8 @@ from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.backends import open_store
 from refpipe.storage.errors import FieldError
 from refpipe.storage.layout import step_key
-from refpipe.trainer.assemble import micro_batch_hash
 from refpipe.trainer.fetch import fetch_own
+from refpipe.trainer.replay_hash import micro_batch_hash
 
 DECLARED = (
     FieldDecl(name="value_targets", dtypes=["float32"], domain="tokens", padding="zeros",
