@@ -51,6 +51,7 @@ from refpipe.storage.errors import (
     KeyNotFoundError,
     LedgerRecordError,
     RefpipeError,
+    RunError,
     RunStillRunningError,
     TransientStorageError,
 )
@@ -68,10 +69,6 @@ from refpipe.trainer.resume import ResumePlan, read_plan
 
 MAX_GROUP_ATTEMPTS = 3
 """Sends of one group (the first and its re-sends after a failed keep or a dead worker) before the run fails."""
-
-
-class RunError(RefpipeError, RuntimeError):
-    """The main job could not go on (a trainer rank died, no env worker left, a step timed out)."""
 
 
 class Launcher:

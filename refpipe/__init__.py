@@ -40,7 +40,7 @@ _ERRORS = ("RefpipeError", "ConfigError", "OutsideRunError", "StorageError", "Tr
            "ChunkCorruptError", "KeyExistsError",
            "DoubleDeleteError", "UnknownRefError", "FieldError", "EpisodeError", "StepFileError", "PackingError",
            "FetchError", "AlignmentError", "DeleteKeysError", "CheckpointError", "ReplayMismatchError",
-           "RunStillRunningError", "DeleteRecordError", "LedgerRecordError", "TruncatedChunkError",
+           "RunStillRunningError", "RunError", "DeleteRecordError", "LedgerRecordError", "TruncatedChunkError",
            "StepOrderError", "RefError")
 _WHERE = {
     "Branch": "refpipe.pipeline.keep", "Keeper": "refpipe.pipeline.keep",
@@ -74,7 +74,7 @@ __all__ = [
     "EpisodeError", "FetchError", "FieldDecl", "FieldError", "FieldsConfig", "GroupRollouts", "Keeper",
     "KeyExistsError", "KeyNotFoundError", "Ledger", "LedgerRecordError", "Orchestrator", "OrchestratorConfig",
     "OutsideRunError", "PackedSequence", "PackingError", "PayloadRef", "PayloadSlice", "Ragged", "RefError",
-    "RefpipeError", "ReplayMismatchError", "ResumePlan", "RunNotFoundError", "RunPathNotADirectoryError",
+    "RefpipeError", "ReplayMismatchError", "ResumePlan", "RunError", "RunNotFoundError", "RunPathNotADirectoryError",
     "RunStillRunningError", "SliceError", "SliceId", "StepDataset", "StepFile", "StepFileError", "StepHeader",
     "StepMetrics", "StepMicroBatch", "StepOrderError", "StorageConfig", "StorageError", "Store", "TrainMicroBatch",
     "TrainerConfig", "TrainerRank", "TrainingStep", "TransientStorageError", "TruncatedChunkError",
@@ -119,6 +119,7 @@ if TYPE_CHECKING:
         RefError,
         RefpipeError,
         ReplayMismatchError,
+        RunError,
         RunNotFoundError,
         RunPathNotADirectoryError,
         RunStillRunningError,
