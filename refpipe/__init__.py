@@ -50,7 +50,7 @@ _WHERE = {
     "Ledger": "refpipe.storage.ledger", "DeleteResult": "refpipe.storage.ledger",
     "Orchestrator": "refpipe.pipeline.orchestrator", "OrchestratorConfig": "refpipe.pipeline.orchestrator",
     "Episode": "refpipe.pipeline.samples", "BranchResult": "refpipe.pipeline.samples",
-    "StepHeader": "refpipe.pipeline.step_file",
+    "StepHeader": "refpipe.pipeline.step_header",
     "StepFile": "refpipe.pipeline.step_file", "read_step_file": "refpipe.pipeline.step_file",
     "PayloadSlice": "refpipe.pipeline.slices", "SliceId": "refpipe.pipeline.slices",
     "publish_step": "refpipe.pipeline.publish", "StepMicroBatch": "refpipe.pipeline.publish",
@@ -95,7 +95,8 @@ if TYPE_CHECKING:
     from refpipe.pipeline.publish import PackedSequence, StepMicroBatch, publish_step
     from refpipe.pipeline.samples import BranchResult, Episode
     from refpipe.pipeline.slices import PayloadSlice, SliceId
-    from refpipe.pipeline.step_file import StepFile, StepHeader, read_step_file
+    from refpipe.pipeline.step_file import StepFile, read_step_file
+    from refpipe.pipeline.step_header import StepHeader
     from refpipe.storage.backends import open_store
     from refpipe.storage.chunk import PayloadRef
     from refpipe.storage.config import StorageConfig
