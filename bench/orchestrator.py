@@ -179,7 +179,7 @@ def write_inline_step(path: str, packed, arrays) -> None:
     """An npz like a step file, with every side-channel array inline per micro batch (streamed to disk)."""
     import numpy as np
 
-    from refpipe.pipeline.step_file import STREAMS
+    from refpipe.pipeline.step_header import STREAMS
 
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
         for mb in packed:

@@ -46,7 +46,8 @@ import numpy as np
 from refpipe.pipeline.audit import audit
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.keep import Branch, Keeper
-from refpipe.pipeline.step_file import SCHEMA_VERSION, MicroBatchRecord, SequenceRecord, StepHeader, publish_step_file
+from refpipe.pipeline.step_file import publish_step_file
+from refpipe.pipeline.step_header import SCHEMA_VERSION, MicroBatchRecord, SequenceRecord, StepHeader
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.layout import EVENTS_PREFIX, SEGMENTS_PER_DIRECTORY

@@ -59,14 +59,8 @@ from _args import positive_int  # noqa: E402  (bench/ is sys.path[0] when run as
 
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.keep import Branch, Keeper
-from refpipe.pipeline.step_file import (
-    SCHEMA_VERSION,
-    MicroBatchRecord,
-    SequenceRecord,
-    StepFile,
-    StepHeader,
-    publish_step_file,
-)
+from refpipe.pipeline.step_file import StepFile, publish_step_file
+from refpipe.pipeline.step_header import SCHEMA_VERSION, MicroBatchRecord, SequenceRecord, StepHeader
 from refpipe.storage.backends import open_store
 from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.config import StorageConfig

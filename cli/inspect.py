@@ -29,7 +29,7 @@ from refpipe.cli.inspect_ls import ls_run
 from refpipe.cli.inspect_show import show_arrays
 from refpipe.cli.inspect_verify import verify_step
 from refpipe.job.text import markup_safe
-from refpipe.pipeline.step_file import MicroBatchRecord, StepHeader
+from refpipe.pipeline.step_header import MicroBatchRecord, StepHeader
 from refpipe.storage.errors import ConfigError
 
 __all__ = ["inspect_step", "ls_run", "show_arrays", "summarize", "verify_step"]

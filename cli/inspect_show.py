@@ -34,7 +34,7 @@ from refpipe.cli.inspect_common import (
     refuse_inside_run,
 )
 from refpipe.job.text import printable
-from refpipe.pipeline.step_file import MicroBatchRecord, StepHeader
+from refpipe.pipeline.step_header import MicroBatchRecord, StepHeader
 from refpipe.storage.errors import ChunkNotFoundError, ConfigError, RefError
 from refpipe.storage.fetch import fetch_arrays
 from refpipe.storage.store import Store

@@ -16,7 +16,8 @@ from rich.table import Table
 
 from refpipe.cli.inspect_common import EXIT_PROBLEMS, S3_ENDPOINT_HELP, clean_errors, open_run, progress
 from refpipe.job.text import markup_safe
-from refpipe.pipeline.audit import AuditReport, SweepResult, audit, sweep
+from refpipe.pipeline.audit import AuditReport, audit
+from refpipe.pipeline.sweep import SweepResult, sweep
 
 RunArg = Annotated[str, typer.Argument(metavar="RUN_URI", help="Run: path, file:// or s3:// URI of <root>/<run_id>.")]
 StoppedOpt = Annotated[bool, typer.Option(

@@ -2,8 +2,8 @@
 
 One ``multiprocessing.connection`` per replica (``job.roles``), carrying pickled
 ``GroupRequest``s one way and ``GroupResult``s the other; ``None`` asks a replica to stop. A
-replica whose connection ends while the run goes on is dead (its groups are re-sent by the
-launcher); once the fleet is stopping, an end of connection only means that replica is done.
+replica whose connection ends while the run goes on is dead (its groups are re-sent by
+``job.dispatch``); once the fleet is stopping, an end of connection only means that replica is done.
 
 ``TrainerWatch`` is the orchestrator's watch of the trainer ranks, wherever they run: by their
 ledger sessions' heartbeats (``storage.liveness``), so a trainer node that died is noticed within
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import cast
@@ -105,16 +106,19 @@ def connect_fleet(store: Store, num_replicas: int, deadline_s: float, env_procs:
     return Fleet(conns, env_procs, trainers, [{} for _ in conns], trainer_watch=TrainerWatch(store, dp_world_size))
 
 
-def stop_fleet(fleet: Fleet, collect, *, failed: bool) -> None:
+def stop_fleet(fleet: Fleet, collect: Callable[[float], None], *, failed: bool) -> None:
     """Ask every replica to stop and collect its last results until its connection ends (late groups are
     discarded by the replicas or queued for the orchestrator's shutdown); wait for the processes this
-    process started (trainers are killed if the run failed)."""
+    process started (trainers are killed if the run failed).
+
+    ``collect(timeout_s)``: take what arrived within that many seconds (``job.dispatch.Dispatcher.collect``).
+    """
     fleet.stopping = True
     for replica in fleet.live():
         fleet.send(replica, None)
     deadline = time.monotonic() + STOP_TIMEOUT_S
     while fleet.live() and time.monotonic() < deadline:
-        collect(fleet, timeout_s=0.5)
+        collect(0.5)
     for replica in fleet.live():
         fleet.close(replica)
     for proc in fleet.env_procs:

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from refpipe.job.text import markup_safe
 from refpipe.pipeline.audit import AuditReport
-from refpipe.pipeline.step_file import StepHeader
+from refpipe.pipeline.step_header import StepHeader
 from refpipe.storage.layout import env_worker_actor
 
 COLUMNS = ("step", "reward", "tokens", "kept", "kept MiB", "step KiB", "exposed s", "dropped", "del o/t/e",

@@ -1,15 +1,17 @@
 """What a run cost, per step and per process: ``summary.json``'s cost fields and ``<run>/report.png``.
 
-The launcher feeds one ``StepCost`` per trained step (from the step file it built and the
-trainer's metrics) and each process's peak RSS; ``RunCosts.summary`` is merged into
+The orchestrator role (``job.launcher``) feeds one ``StepCost`` per trained step (from the step file it built
+and the trainer's metrics) and each process's peak RSS; ``RunCosts.summary`` is merged into
 ``summary.json`` and ``RunCosts.plot`` draws reward, exposed data seconds, kept bytes in
-flight and deletes by path per step (matplotlib, Agg backend).
+flight and deletes by path per step (matplotlib, Agg backend). ``RunTally`` holds the counts the
+role's parts (dispatch, step building, the trainer's progress, the end of the run) add to.
 """
 
 from __future__ import annotations
 
 import io
 import resource
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 
@@ -99,3 +101,25 @@ class RunCosts:
         out = io.BytesIO()
         fig.savefig(out, format="png", dpi=90)
         return out.getvalue()
+
+
+@dataclass
+class RunTally:
+    """What the orchestrator role counts over one life of a run, for its progress view and ``summary.json``."""
+
+    deletes: Counter[str] = field(default_factory=Counter)
+    """Path (``trainer``, ``orchestrator <reason>``, ``env worker discard``, ``sweep``, ...) -> chunks deleted."""
+    costs: RunCosts = field(default_factory=RunCosts)
+    kept_chunks: int = 0
+    """Chunks env workers kept so far (as their group results said)."""
+    kept_bytes: int = 0
+    """Bytes of those chunks."""
+    rewards: list[float] = field(default_factory=list)
+    """Mean reward of every step built, in order."""
+    alignment_max: float = 0.0
+    """Max |recomputed - inference| logprob on on-policy tokens over the trained steps."""
+    alignment_tokens: int = 0
+    """On-policy tokens that max was taken over."""
+    lives: Counter[str] = field(default_factory=Counter)
+    """A later life's ``replayed`` and ``skipped`` steps (counted as their metrics arrive) and ``reclaimed`` chunks
+    (``refpipe run --resume``)."""

@@ -45,15 +45,10 @@ of the run is running: every session is dead, but untrained step files still hol
 chunks for a restarted trainer. ``finished=True`` (implies stopped) declares the run
 over: anything still outstanding is then a violation.
 
-Leaked: present, no delete record, no holder. The sweep deletes exactly those (claiming
-each through ``Ledger.delete_nodes``), finishes unfinished deletes, and never touches a
-chunk of an untrained or replayed step file; ``sweep(retained=True)`` deletes the retained chunks too.
-A ledger record that cannot be read (``bad_records``: not JSON, a crc32c mismatch, ...) is a
-violation, and the sweep then deletes nothing (``LedgerRecordError``): the record may have named a holder.
-
-``stopped`` is the user's declaration; the sweep checks it: it refuses while a session
-of the run is live by its heartbeat, on any host. A plain sweep (not ``stopped``) never
-deletes a chunk a live session holds.
+Leaked: present, no delete record, no holder. The sweep (``pipeline.sweep``) deletes exactly those,
+finishes unfinished deletes, and never touches a chunk of an untrained or replayed step file. A ledger
+record that cannot be read (``bad_records``: not JSON, a crc32c mismatch, ...) is a violation, and the
+sweep then deletes nothing (``LedgerRecordError``): the record may have named a holder.
 """
 
 from __future__ import annotations
@@ -69,21 +64,11 @@ from rich.progress import Progress
 from refpipe.pipeline.audit_scan import RunScan, StaleSummaryError, committed, scan_run
 from refpipe.pipeline.audit_summary import load_summary, seed_scan, settle, write_summary
 from refpipe.storage.checkpoints import newest_checkpoint
-from refpipe.storage.errors import (
-    DoubleDeleteError,
-    KeyNotFoundError,
-    LedgerRecordError,
-    RunStillRunningError,
-    StepFileError,
-    UnknownRefError,
-)
-from refpipe.storage.layout import CONFIG_KEY, ORCHESTRATOR_ACTOR, SWEEP_ACTOR
-from refpipe.storage.ledger import DeleteResult, Ledger
+from refpipe.storage.errors import KeyNotFoundError, RunStillRunningError
+from refpipe.storage.layout import CONFIG_KEY, ORCHESTRATOR_ACTOR
 from refpipe.storage.liveness import live_sessions
 from refpipe.storage.store import Store
 
-SWEEP_REASON = "sweep: no live holder (left behind by a crash)"
-RETAINED_REASON = "sweep --retained: retained for inspection, no longer wanted"
 RETAINED = "retained"
 AWAITING_CHECKPOINT = "trained, awaiting checkpoint"
 REPLAY = "after the newest checkpoint: a resume replays it"
@@ -153,38 +138,14 @@ class AuditReport(BaseModel):
         return not self.violations
 
 
-class SweepResult(BaseModel):
-    """What a sweep deleted (or, with ``dry_run``, would delete). Chunks by node URI."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    dry_run: bool
-    deleted: list[str]
-    """Leaked committed chunks, claimed and deleted exactly once."""
-    finished_deletes: list[str]
-    """Unfinished deletes finished: leftover objects of a delete record removed, or a chunk whose holder's claim
-    was never written claimed (by ``sweep``) and deleted."""
-    removed_incomplete: list[str]
-    """Incomplete keeps removed (never committed, so nothing to claim)."""
-    retained: list[str] = []
-    """Retained chunks claimed and deleted exactly once (``retained=True``)."""
-    conflicts: int = 0
-    """Leaked chunks someone else deleted during the sweep (double or unknown deletes)."""
-    removed_directories: int = 0
-    """Empty directories removed below the run prefix (``stopped``/``abandon`` only; none on S3)."""
-    failed: list[str] = []
-    """``<chunk URI>: <store error>`` of every chunk whose keys could not all be deleted (after the store's retries;
-    not in the lists above): a later sweep finishes it."""
-
-
-def _live_sessions(store: Store, scan: RunScan) -> set[tuple[str, str]]:
+def live_sessions_of(store: Store, scan: RunScan) -> set[tuple[str, str]]:
     """The unclosed sessions whose heartbeat is live (may wait, see ``storage.liveness.live_sessions``)."""
     unclosed = [(actor, s) for actor, sessions in scan.sessions.items() for s in sessions
                 if (actor, s) not in scan.closed]
     return live_sessions(store, unclosed)
 
 
-def _refuse_if_running(store: Store, live: set[tuple[str, str]], scan: RunScan, verb: str = "sweep",
+def refuse_if_running(store: Store, live: set[tuple[str, str]], scan: RunScan, verb: str = "sweep",
                        instead: str = "") -> None:
     """Raise ``RunStillRunningError`` when a session of the run is live (its heartbeat changes), on any host;
     the message says what would be refused (``verb``) and what to do ``instead`` (default: stop the run, or
@@ -203,7 +164,7 @@ def _refuse_if_running(store: Store, live: set[tuple[str, str]], scan: RunScan, 
             f"running (heartbeat live); {instead}", running=running)
 
 
-def _step_nodes(scan: RunScan) -> tuple[dict[str, int], dict[str, str], set[str]]:
+def step_nodes(scan: RunScan) -> tuple[dict[str, int], dict[str, str], set[str]]:
     """``(shipped, protected, borrowed)``: node -> step for every shipped chunk, node -> holder for chunks
     their owner DP rank has not released yet (module doc, rule 2), and the borrowed nodes."""
     shipped: dict[str, int] = {}
@@ -281,8 +242,8 @@ def judge(scan: RunScan, store: Store, *, stopped: bool = False, finished: bool 
     judged (else read from their heartbeats here, unless stopped).
     """
     stopped = stopped or finished or abandoned
-    live = set() if stopped else _live_sessions(store, scan) if live is None else live
-    shipped, protected, borrowed = _step_nodes(scan)
+    live = set() if stopped else live_sessions_of(store, scan) if live is None else live
+    shipped, protected, borrowed = step_nodes(scan)
     replayed = {} if finished or abandoned else _replayed(store, scan, protected)
     protected = {} if abandoned else {**protected, **replayed}
     holders: Counter[str] = Counter()
@@ -378,88 +339,9 @@ def audit(store: Store, *, stopped: bool = False, finished: bool = False, increm
     except StaleSummaryError:
         scan = scan_run(store, progress)
     if confirm_stopped and (stopped or finished):
-        _refuse_if_running(store, _live_sessions(store, scan), scan, "audit",
+        refuse_if_running(store, live_sessions_of(store, scan), scan, "audit",
                            "audit it without --stopped/--finished while it runs")
     report = judge(scan, store, stopped=stopped, finished=finished)
     if incremental:
         write_summary(store, settle(scan))
     return report
-
-
-def sweep(store: Store, *, stopped: bool = False, dry_run: bool = False, abandon: bool = False,
-          force: bool = False, retained: bool = False, progress: Progress | None = None) -> SweepResult:
-    """Delete what a crash left without a live holder, exactly once and recorded (actor ``sweep``).
-
-    Leaked committed chunks are claimed and deleted through ``Ledger.delete_nodes``; leftover
-    objects of unfinished deletes and leaked incomplete keeps are removed (events
-    ``finish_delete``, ``remove_incomplete``). Chunks of untrained step files and of steps a resume
-    replays (``_replayed``) are never touched, unless the run is abandoned. A ``stopped`` or ``abandon``
-    sweep then removes the empty directories below the run prefix (``Store.remove_empty_directories``: payload
-    shards of deleted chunks; none on S3).
-
-    Args:
-        stopped: as ``audit``: no process of the run is running. Checked by the sessions'
-            heartbeats (refused while one is live, on any host).
-        dry_run: list what would be deleted; write nothing.
-        abandon: the run is stopped and will never be resumed: chunks of untrained step files are
-            deleted too, so ``audit --finished`` is clean afterwards. Implies ``stopped``.
-        force: skip the liveness check (``stopped``/``abandon`` even while a session's heartbeat
-            is live, e.g. a process outside the run reuses the actor's name; without them, live
-            sessions then hold nothing either).
-        retained: also delete the chunks retained for inspection (``trainer.retain_steps``), each
-            exactly once; afterwards ``show``/``verify`` report them as deleted.
-
-    Raises:
-        RunStillRunningError: ``stopped`` or ``abandon`` while a session of the run is live by its heartbeat,
-            on any host (nothing deleted).
-        StepFileError: a step file is unreadable, so the chunks it may still hold are unknown (nothing deleted).
-        LedgerRecordError: a ledger record is unreadable (``AuditReport.bad_records``): it may be the only
-            evidence of a holder, so nothing is deleted, not even with ``abandon`` or ``dry_run``.
-    """
-    scan = scan_run(store, progress)
-    live = _live_sessions(store, scan) if not force else set()
-    if stopped or abandon:
-        _refuse_if_running(store, live, scan)
-    report = judge(scan, store, stopped=stopped, abandoned=abandon, live=live)
-    if report.unreadable_step_files:
-        raise StepFileError(f"refusing to sweep {store.prefix.uri}: {len(report.unreadable_step_files)} unreadable "
-                            f"step files may reference chunks; first: {report.unreadable_step_files[0]}")
-    if report.bad_records:
-        raise LedgerRecordError(f"refusing to sweep {store.prefix.uri}: {len(report.bad_records)} unreadable ledger "
-                                f"records may be the only evidence of a holder; first: {report.bad_records[0]} "
-                                f"(repair the record or remove its line, then sweep again)")
-    leaked = [store.prefix.key_of(u) for u in report.leaked_chunks]
-    shipped = _step_nodes(scan)[0]
-    whole = {n: scan.nodes[n] for n in leaked if committed(scan.nodes[n]) or n in shipped}  # claimed, recorded
-    incomplete = {n: scan.nodes[n] for n in leaked if n not in whole}
-    unfinished = {n: scan.nodes[n] for n in map(store.prefix.key_of, report.unfinished_deletes)}
-    unclaimed = {n: keys for n, keys in unfinished.items() if n not in scan.tombstoned}  # the claim was never written
-    kept = {n: scan.nodes[n] for n in map(store.prefix.key_of, report.retained_chunks)} if retained else {}
-    if dry_run:
-        return SweepResult(dry_run=True, deleted=[store.uri(n) for n in whole],
-                           finished_deletes=report.unfinished_deletes,
-                           removed_incomplete=[store.uri(n) for n in incomplete], retained=[store.uri(n) for n in kept])
-    ledger = Ledger(store, SWEEP_ACTOR)
-    result = _delete_nodes(ledger, whole, SWEEP_REASON)
-    gone = _delete_nodes(ledger, kept, RETAINED_REASON)
-    claimed = _delete_nodes(ledger, unclaimed, SWEEP_REASON)
-    failed = {**result.failed, **gone.failed, **claimed.failed}
-    failed |= ledger.remove_leftovers({n: k for n, k in unfinished.items() if n not in unclaimed},
-                                      event="finish_delete", reason=SWEEP_REASON)
-    failed |= ledger.remove_leftovers(incomplete, event="remove_incomplete", reason=SWEEP_REASON)
-    ledger.close()
-    return SweepResult(dry_run=False, deleted=result.deleted,
-                       finished_deletes=[u for u in report.unfinished_deletes if u not in failed],
-                       removed_incomplete=[store.uri(n) for n in incomplete if store.uri(n) not in failed],
-                       retained=gone.deleted, failed=[f"{uri}: {error}" for uri, error in sorted(failed.items())],
-                       conflicts=sum(len(r.double_deletes) + len(r.unknown) for r in (result, gone, claimed)),
-                       removed_directories=store.remove_empty_directories() if stopped or abandon else 0)
-
-
-def _delete_nodes(ledger: Ledger, nodes: dict[str, list[str]], reason: str) -> DeleteResult:
-    """``Ledger.delete_nodes``; chunks someone else deleted meanwhile are in the result, not raised."""
-    try:
-        return ledger.delete_nodes(nodes, reason=reason)
-    except (DoubleDeleteError, UnknownRefError) as e:
-        assert e.result is not None  # Ledger.delete_nodes raises these with the call's result
-        return e.result

@@ -45,7 +45,7 @@ from refpipe.pipeline.packing import PackedMicroBatch, Packer, balanced_packer, 
 from refpipe.pipeline.publish import publish_step
 from refpipe.pipeline.samples import BranchResult, Episode, Sample, build_sample, check_episode, kept_completion_tokens
 from refpipe.pipeline.slices import check_in_run
-from refpipe.pipeline.step_file import MAX_SEQ_LEN, StepHeader
+from refpipe.pipeline.step_header import MAX_SEQ_LEN, StepHeader
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.config import CONFIG
 from refpipe.storage.errors import DoubleDeleteError, EpisodeError, OutsideRunError, UnknownRefError
@@ -62,7 +62,7 @@ class OrchestratorConfig(BaseModel):
     model_config = CONFIG
 
     seq_len: int = Field(default=4096, ge=1, le=MAX_SEQ_LEN)
-    """Token budget of a micro batch (tokens, at most ``pipeline.step_file.MAX_SEQ_LEN``); samples keep their
+    """Token budget of a micro batch (tokens, at most ``pipeline.step_header.MAX_SEQ_LEN``); samples keep their
     first ``seq_len`` tokens."""
     dp_world_size: int = Field(default=1, ge=1, le=65536)
     """Data-parallel ranks of the trainer; each gets the same number of micro batches."""

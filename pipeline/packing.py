@@ -32,7 +32,7 @@ from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.publish import PackedSequence, StepMicroBatch
 from refpipe.pipeline.publish import step_contents as publish_contents
 from refpipe.pipeline.samples import Sample
-from refpipe.pipeline.step_file import STREAMS, StepHeader
+from refpipe.pipeline.step_header import STREAMS, StepHeader
 from refpipe.storage.errors import PackingError
 
 PADDING_ENV_NAME = "padding"

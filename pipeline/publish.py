@@ -26,7 +26,8 @@ from pydantic import ValidationError
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.samples import logprob_problem, token_id_problem
 from refpipe.pipeline.slices import PayloadSlice, check_in_run
-from refpipe.pipeline.step_file import (
+from refpipe.pipeline.step_file import publish_step_file
+from refpipe.pipeline.step_header import (
     MAX_SEQ_LEN,
     SCHEMA_VERSION,
     STREAMS,
@@ -35,7 +36,6 @@ from refpipe.pipeline.step_file import (
     StepHeader,
     check_extra_stream,
     has_token_rows,
-    publish_step_file,
 )
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.errors import PackingError, SliceError, validation_problems

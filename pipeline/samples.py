@@ -3,7 +3,7 @@
 An env server returns an ``Episode`` per rollout: token ids, inference logprobs and,
 for each branch with side channels, the ``PayloadRef`` that ``Keeper.keep`` returned
 (never the arrays). The orchestrator turns each trainable branch into a ``Sample``:
-the six typed per-token streams of a step file (``step_file.STREAMS``) plus an
+the six typed per-token streams of a step file (``step_header.STREAMS``) plus an
 optional ``PayloadSlice`` (the ref and how many of its tokens are kept after
 truncation). Every stream is built with vectorised numpy; Python loops run per
 sample or per branch, never per token.
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from refpipe.pipeline.slices import PayloadSlice, check_in_run
-from refpipe.pipeline.step_file import STREAMS, has_token_rows
+from refpipe.pipeline.step_header import STREAMS, has_token_rows
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.errors import EpisodeError, PackingError
 from refpipe.storage.uri import RunPrefix
@@ -138,7 +138,7 @@ class Sample:
 
     @property
     def has_routing(self) -> bool:
-        """Whether the sample's chunk carries token-domain rows (``routed_experts``: ``step_file.has_token_rows``)."""
+        """Whether the sample's chunk carries token-domain rows (``routed_experts``: ``step_header.has_token_rows``)."""
         return self.payload is not None and has_token_rows(self.payload.ref)
 
     def streams(self) -> dict[str, np.ndarray]:

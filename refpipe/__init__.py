@@ -40,7 +40,7 @@ _ERRORS = ("RefpipeError", "ConfigError", "OutsideRunError", "StorageError", "Tr
            "ChunkCorruptError", "KeyExistsError",
            "DoubleDeleteError", "UnknownRefError", "FieldError", "EpisodeError", "StepFileError", "PackingError",
            "FetchError", "AlignmentError", "DeleteKeysError", "CheckpointError", "ReplayMismatchError",
-           "RunStillRunningError", "DeleteRecordError", "LedgerRecordError", "TruncatedChunkError",
+           "RunStillRunningError", "RunError", "DeleteRecordError", "LedgerRecordError", "TruncatedChunkError",
            "StepOrderError", "RefError")
 _WHERE = {
     "Branch": "refpipe.pipeline.keep", "Keeper": "refpipe.pipeline.keep",
@@ -50,7 +50,7 @@ _WHERE = {
     "Ledger": "refpipe.storage.ledger", "DeleteResult": "refpipe.storage.ledger",
     "Orchestrator": "refpipe.pipeline.orchestrator", "OrchestratorConfig": "refpipe.pipeline.orchestrator",
     "Episode": "refpipe.pipeline.samples", "BranchResult": "refpipe.pipeline.samples",
-    "StepHeader": "refpipe.pipeline.step_file",
+    "StepHeader": "refpipe.pipeline.step_header",
     "StepFile": "refpipe.pipeline.step_file", "read_step_file": "refpipe.pipeline.step_file",
     "PayloadSlice": "refpipe.pipeline.slices", "SliceId": "refpipe.pipeline.slices",
     "publish_step": "refpipe.pipeline.publish", "StepMicroBatch": "refpipe.pipeline.publish",
@@ -74,7 +74,7 @@ __all__ = [
     "EpisodeError", "FetchError", "FieldDecl", "FieldError", "FieldsConfig", "GroupRollouts", "Keeper",
     "KeyExistsError", "KeyNotFoundError", "Ledger", "LedgerRecordError", "Orchestrator", "OrchestratorConfig",
     "OutsideRunError", "PackedSequence", "PackingError", "PayloadRef", "PayloadSlice", "Ragged", "RefError",
-    "RefpipeError", "ReplayMismatchError", "ResumePlan", "RunNotFoundError", "RunPathNotADirectoryError",
+    "RefpipeError", "ReplayMismatchError", "ResumePlan", "RunError", "RunNotFoundError", "RunPathNotADirectoryError",
     "RunStillRunningError", "SliceError", "SliceId", "StepDataset", "StepFile", "StepFileError", "StepHeader",
     "StepMetrics", "StepMicroBatch", "StepOrderError", "StorageConfig", "StorageError", "Store", "TrainMicroBatch",
     "TrainerConfig", "TrainerRank", "TrainingStep", "TransientStorageError", "TruncatedChunkError",
@@ -95,7 +95,8 @@ if TYPE_CHECKING:
     from refpipe.pipeline.publish import PackedSequence, StepMicroBatch, publish_step
     from refpipe.pipeline.samples import BranchResult, Episode
     from refpipe.pipeline.slices import PayloadSlice, SliceId
-    from refpipe.pipeline.step_file import StepFile, StepHeader, read_step_file
+    from refpipe.pipeline.step_file import StepFile, read_step_file
+    from refpipe.pipeline.step_header import StepHeader
     from refpipe.storage.backends import open_store
     from refpipe.storage.chunk import PayloadRef
     from refpipe.storage.config import StorageConfig
@@ -119,6 +120,7 @@ if TYPE_CHECKING:
         RefError,
         RefpipeError,
         ReplayMismatchError,
+        RunError,
         RunNotFoundError,
         RunPathNotADirectoryError,
         RunStillRunningError,

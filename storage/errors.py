@@ -166,6 +166,11 @@ class ReplayMismatchError(RefpipeError, RuntimeError):
     weights than an earlier life published under the same version."""
 
 
+class RunError(RefpipeError, RuntimeError):
+    """The main job (``refpipe run``/``orchestrate``) could not go on: a trainer rank died, no env-server replica is
+    left, a group failed on every attempt, or no step progressed within ``job.step_deadline_s``."""
+
+
 class StepOrderError(RefpipeError, RuntimeError):
     """A trainer rank's pull loop was driven out of order: a step released twice, or the next step asked for
     before the previous one was released (``TrainerRank.steps``)."""

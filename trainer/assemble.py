@@ -5,7 +5,7 @@ importable without torch, deterministic, and it copies each kept row exactly onc
 
 Layout of a micro batch with ``T`` real tokens in ``S`` sequences, padded to ``seq_len``:
 
-- ``streams``: every ``pipeline.step_file.STREAMS`` entry as ``[seq_len]`` of its step-file
+- ``streams``: every ``pipeline.step_header.STREAMS`` entry as ``[seq_len]`` of its step-file
   dtype. Padding tokens get ``input_ids`` 0, ``loss_mask`` False, ``advantages`` and
   ``inference_logprobs`` 0, ``temperatures`` 1, ``position_ids`` 0, 1, 2, ... (the padding
   is its own sequence).
@@ -50,7 +50,7 @@ import numpy as np
 from refpipe.pipeline.field_checks import check_bounds
 from refpipe.pipeline.field_decl import FieldDecl
 from refpipe.pipeline.fields import FieldsConfig
-from refpipe.pipeline.step_file import MicroBatchRecord, SequenceRecord
+from refpipe.pipeline.step_header import MicroBatchRecord, SequenceRecord
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.errors import FieldError
 from refpipe.trainer.layout import field_row_ids, pad_streams, padded_cu_seqlens, padding_rows_of

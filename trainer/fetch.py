@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from refpipe.pipeline.fields import FieldsConfig
-from refpipe.pipeline.step_file import StepFile, StepHeader
+from refpipe.pipeline.step_file import StepFile
+from refpipe.pipeline.step_header import StepHeader
 from refpipe.storage.concurrency import bounded_map
 from refpipe.storage.errors import KeyNotFoundError, RefpipeError, StepFileError
 from refpipe.storage.fetch import fetch_into

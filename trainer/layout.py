@@ -12,7 +12,7 @@ import numpy as np
 
 from refpipe.pipeline.field_decl import FieldDecl, padding_rows
 from refpipe.pipeline.fields import FieldsConfig
-from refpipe.pipeline.step_file import STREAMS, MicroBatchRecord
+from refpipe.pipeline.step_header import STREAMS, MicroBatchRecord
 from refpipe.storage.chunk import PayloadRef
 
 _STREAM_PADDING = {"input_ids": 0, "loss_mask": False, "advantages": 0.0, "inference_logprobs": 0.0,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from refpipe.pipeline.step_file import StepHeader
+from refpipe.pipeline.step_header import StepHeader
 from refpipe.storage.errors import ConfigError, StepOrderError
 from refpipe.trainer.resume import ResumePlan
 from refpipe.trainer.tensors import TrainMicroBatch

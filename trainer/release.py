@@ -18,7 +18,7 @@ them) and stay for ``refpipe show``/``verify`` until ``refpipe sweep --retained`
 
 from __future__ import annotations
 
-from refpipe.pipeline.step_file import StepHeader
+from refpipe.pipeline.step_header import StepHeader
 from refpipe.trainer.background import BackgroundRelease
 from refpipe.trainer.config import TrainerConfig
 from refpipe.trainer.pause import pause_point

@@ -12,7 +12,8 @@ import numpy as np
 import torch.distributed as dist
 
 from refpipe.pipeline.fields import FieldsConfig
-from refpipe.pipeline.step_file import StepFile, StepHeader
+from refpipe.pipeline.step_file import StepFile
+from refpipe.pipeline.step_header import StepHeader
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import ConfigError, FetchError
 from refpipe.storage.layout import trainer_actor

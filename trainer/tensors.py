@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from refpipe.pipeline.step_file import MicroBatchRecord
+from refpipe.pipeline.step_header import MicroBatchRecord
 from refpipe.trainer.assemble import AssembledMicroBatch
 
 STREAM_TORCH_DTYPES: dict[str, np.dtype] = {

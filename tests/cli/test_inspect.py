@@ -23,14 +23,8 @@ from typer.testing import CliRunner
 from refpipe.cli.main import app
 from refpipe.pipeline.fields import FieldsConfig, Ragged
 from refpipe.pipeline.keep import Branch, Keeper
-from refpipe.pipeline.step_file import (
-    SCHEMA_VERSION,
-    STREAMS,
-    MicroBatchRecord,
-    SequenceRecord,
-    StepHeader,
-    publish_step_file,
-)
+from refpipe.pipeline.step_file import publish_step_file
+from refpipe.pipeline.step_header import SCHEMA_VERSION, STREAMS, MicroBatchRecord, SequenceRecord, StepHeader
 from refpipe.storage.backends import open_store
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.chunks import chunk_keys

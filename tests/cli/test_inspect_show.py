@@ -7,7 +7,8 @@ import pytest
 from test_inspect import FIELDS_CFG, PACKING, SEQ_LEN, invoke, snapshot
 
 from refpipe.pipeline.fields import spread_expert_rows
-from refpipe.pipeline.step_file import STREAMS, StepFile
+from refpipe.pipeline.step_file import StepFile
+from refpipe.pipeline.step_header import STREAMS
 from refpipe.storage.fetch import fetch_arrays
 from refpipe.storage.ledger import Ledger
 from refpipe.trainer.assemble import assemble_micro_batch

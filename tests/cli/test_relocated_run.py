@@ -18,11 +18,13 @@ from pydantic import ValidationError
 from test_inspect import Run, invoke, snapshot
 
 from refpipe.integrations.verifiers_branches import INFO_KEY, read_refs
-from refpipe.pipeline.step_file import StepFile, StepHeader, step_key
+from refpipe.pipeline.step_file import StepFile
+from refpipe.pipeline.step_header import StepHeader
 from refpipe.storage.backends import open_store
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.errors import EpisodeError, OutsideRunError
 from refpipe.storage.fetch import chunk_keys, fetch_arrays
+from refpipe.storage.layout import step_key
 from refpipe.storage.ledger import Ledger
 
 

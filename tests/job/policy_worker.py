@@ -20,7 +20,7 @@ from refpipe.job.config import RunConfig
 from refpipe.job.model import MoELM
 from refpipe.job.train_rank import PolicyTrainer
 from refpipe.pipeline.fields import spread_expert_rows
-from refpipe.pipeline.step_file import MicroBatchRecord, SequenceRecord
+from refpipe.pipeline.step_header import MicroBatchRecord, SequenceRecord
 from refpipe.trainer.assemble import AssembledMicroBatch, FieldBatch, assemble_dropped_micro_batch
 from refpipe.trainer.dist import init_process_group
 from refpipe.trainer.layout import pad_streams, padded_cu_seqlens

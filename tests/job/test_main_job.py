@@ -294,14 +294,19 @@ def test_a_group_whose_send_fails_goes_to_one_other_replica_once(tmp_path, local
     """Replica 0's connection is gone when a group is sent to it: replica 1 gets that group exactly once."""
     from multiprocessing import Pipe
 
+    from refpipe.job.dispatch import Dispatcher
     from refpipe.job.env_worker import GroupRequest
     from refpipe.job.fleet import Fleet
+    from refpipe.job.report import RunTally
+    from refpipe.pipeline.orchestrator import Orchestrator
 
-    launcher = Launcher(small_config(local_config), Console(file=io.StringIO()))
+    cfg = small_config(local_config)
+    orchestrator = Orchestrator(cfg.orchestrator, open_store(cfg.storage), fields=cfg.fields)
     (gone, gone_peer), (live, live_peer) = Pipe(), Pipe()
     gone_peer.close()
     fleet = Fleet(conns=[gone, live], in_flight=[{}, {}])
-    launcher.send(fleet, GroupRequest(0, "g000000", 0))
+    Dispatcher(cfg, fleet, orchestrator, Console(file=io.StringIO()), RunTally()).send(GroupRequest(0, "g000000", 0))
+    orchestrator.shutdown()
     received = []
     while live_peer.poll(0.5):
         received.append(live_peer.recv())
@@ -332,7 +337,7 @@ def test_delete_paths_get_the_rest_of_the_audits_total_as_one_labelled_path():
     surplus (a delete two paths counted) another; paths that agree with the total are left as they are."""
     from collections import Counter
 
-    from refpipe.job.launcher import DOUBLE_COUNTED_DELETES, UNREPORTED_DELETES, with_unreported
+    from refpipe.job.run_end import DOUBLE_COUNTED_DELETES, UNREPORTED_DELETES, with_unreported
 
     reported = Counter({"trainer": 22, "orchestrator eval": 8, "orchestrator untrained": 3, "env worker discard": 0})
     assert with_unreported(reported, 52) == {"trainer": 22, "orchestrator eval": 8, "orchestrator untrained": 3,
@@ -373,6 +378,6 @@ def test_a_stopped_runs_delete_rows_sum_to_the_deleted_total(tmp_path):
     deletes = summary["deletes"]
     rows = [line.split("│")[1:3] for line in out.splitlines() if line.startswith("│ deletes: ")]
     assert (sum(int(n) for _, n in rows), sum(deletes.values())) == (summary["audit"]["deleted"],) * 2, out
-    from refpipe.job.launcher import UNREPORTED_DELETES
+    from refpipe.job.run_end import UNREPORTED_DELETES
 
     assert (deletes["trainer"], deletes[UNREPORTED_DELETES]) == (0, len(trained))

@@ -19,15 +19,8 @@ import numpy as np
 
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.keep import Branch, Keeper
-from refpipe.pipeline.step_file import (
-    SCHEMA_VERSION,
-    STREAMS,
-    MicroBatchRecord,
-    SequenceRecord,
-    StepFile,
-    StepHeader,
-    publish_step_file,
-)
+from refpipe.pipeline.step_file import StepFile, publish_step_file
+from refpipe.pipeline.step_header import SCHEMA_VERSION, STREAMS, MicroBatchRecord, SequenceRecord, StepHeader
 from refpipe.storage.backends import open_store
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.config import StorageConfig

@@ -9,8 +9,9 @@ import zipfile
 import pytest
 from audit_helpers import chunks, fetch_step, keep, make_keeper, publish, release_step, snapshot, train
 
-from refpipe.pipeline.audit import audit, sweep
+from refpipe.pipeline.audit import audit
 from refpipe.pipeline.step_file import StepFile
+from refpipe.pipeline.sweep import sweep
 from refpipe.storage.backends import open_store
 from refpipe.storage.errors import DoubleDeleteError, LedgerRecordError, StepFileError, UnknownRefError
 from refpipe.storage.layout import EVENTS_PREFIX, node_key, parse_segment_key, step_key, tombstone_key

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from audit_helpers import chunks, snapshot, train
 
-from refpipe.pipeline.audit import audit, sweep
+from refpipe.pipeline.audit import audit
+from refpipe.pipeline.sweep import sweep
 from refpipe.storage.backends import open_store
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.config import StorageConfig

@@ -15,7 +15,8 @@ from audit_helpers import keep, make_keeper, publish
 from typer.testing import CliRunner
 
 from refpipe.cli.main import app
-from refpipe.pipeline.audit import audit, sweep
+from refpipe.pipeline.audit import audit
+from refpipe.pipeline.sweep import sweep
 from refpipe.storage.backends import open_store
 from refpipe.storage.ledger import Ledger, encode_record
 from refpipe.storage.store import Store

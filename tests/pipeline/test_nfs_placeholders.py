@@ -19,7 +19,8 @@ import pytest
 from audit_helpers import keep, make_keeper
 from fault_os import NfsClient, refusing
 
-from refpipe.pipeline.audit import SweepResult, audit, sweep
+from refpipe.pipeline.audit import audit
+from refpipe.pipeline.sweep import SweepResult, sweep
 from refpipe.storage import local_store
 from refpipe.storage.backends import open_store
 from refpipe.storage.chunks import chunk_keys

@@ -15,7 +15,8 @@ from refpipe.pipeline.audit import audit
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.publish import PackedSequence, StepMicroBatch, publish_step
 from refpipe.pipeline.slices import PayloadSlice
-from refpipe.pipeline.step_file import HEADER_MEMBER, STREAMS, StepFile, StepHeader
+from refpipe.pipeline.step_file import HEADER_MEMBER, StepFile
+from refpipe.pipeline.step_header import STREAMS, StepHeader
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import KeyExistsError, OutsideRunError, PackingError, SliceError, StepFileError

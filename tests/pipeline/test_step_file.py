@@ -14,7 +14,8 @@ from orchestrator_helpers import FIELDS, chunks, episode, make_keeper, tombstone
 
 from refpipe.pipeline.packing import pack_step, step_contents
 from refpipe.pipeline.samples import build_sample
-from refpipe.pipeline.step_file import HEADER_MEMBER, STREAMS, StepFile, publish_step_file, read_step_file
+from refpipe.pipeline.step_file import HEADER_MEMBER, StepFile, publish_step_file, read_step_file
+from refpipe.pipeline.step_header import STREAMS
 from refpipe.storage.backends import open_store
 from refpipe.storage.errors import ConfigError, KeyNotFoundError, StepFileError
 from refpipe.storage.layout import step_key

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from refpipe.pipeline.audit import audit, sweep
+from refpipe.pipeline.audit import audit
+from refpipe.pipeline.sweep import sweep
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import ConfigError

@@ -12,14 +12,8 @@ import numpy as np
 
 from refpipe.pipeline.fields import FieldsConfig, Ragged, spread_expert_rows
 from refpipe.pipeline.keep import Branch, Keeper
-from refpipe.pipeline.step_file import (
-    SCHEMA_VERSION,
-    STREAMS,
-    MicroBatchRecord,
-    SequenceRecord,
-    StepHeader,
-    publish_step_file,
-)
+from refpipe.pipeline.step_file import publish_step_file
+from refpipe.pipeline.step_header import SCHEMA_VERSION, STREAMS, MicroBatchRecord, SequenceRecord, StepHeader
 from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.ledger import Ledger
