@@ -1,6 +1,6 @@
 """Shared fixtures: real S3 servers on 127.0.0.1 and run configs per backend.
 
-Two servers (``tests/s3_servers.py``), each started once per session when first asked for:
+Two servers (``tests/helpers/s3_servers.py``), each started once per session when first asked for:
 moto (each test gets a fresh bucket) and SeaweedFS ``weed mini`` (one bucket per session, a
 fresh prefix per test: it runs out of volumes after ~100 buckets). Throwaway credentials are
 set in ``os.environ`` so subprocesses (distributed tests) inherit them.
@@ -14,10 +14,10 @@ import uuid
 
 import boto3
 import pytest
-from s3_servers import WeedServer, weed_binary
 
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
+from tests.helpers.s3_servers import WeedServer, weed_binary
 
 os.environ.update(
     AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",

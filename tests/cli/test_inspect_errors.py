@@ -9,10 +9,10 @@ import subprocess
 import sys
 
 import numpy as np
-from test_inspect import build_run, invoke, snapshot
 
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.layout import step_key
+from tests.cli.test_inspect import build_run, invoke, snapshot
 
 REFPIPE = os.path.join(os.path.dirname(sys.executable), "refpipe")
 STEP_COMMANDS = (["inspect"], ["inspect", "--json"], ["verify"], ["show", "--micro-batch", "0"])

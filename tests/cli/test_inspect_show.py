@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_inspect import FIELDS_CFG, PACKING, SEQ_LEN, invoke, snapshot
 
 from refpipe.pipeline.fields import spread_expert_rows
 from refpipe.pipeline.step_file import StepFile
@@ -13,6 +12,7 @@ from refpipe.storage.fetch import fetch_arrays
 from refpipe.storage.ledger import Ledger
 from refpipe.trainer.assemble import assemble_micro_batch
 from refpipe.trainer.layout import pad_streams, padded_cu_seqlens
+from tests.cli.test_inspect import FIELDS_CFG, PACKING, SEQ_LEN, invoke, snapshot
 
 COMPLETION_FIELDS = ("topk_ids", "topk_logprobs", "sampling_mask")
 

@@ -8,14 +8,14 @@ import zipfile
 
 import crc32c
 import pytest
-from step_file_helpers import forge_header
-from test_inspect import invoke, snapshot
 
 from refpipe.pipeline.step_file import HEADER_MEMBER, StepFile
 from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.errors import StepFileError
 from refpipe.storage.layout import step_key
 from refpipe.storage.ledger import Ledger
+from tests.cli.test_inspect import invoke, snapshot
+from tests.helpers.step_file import forge_header
 
 
 def test_verify_passes_an_intact_step(run):

@@ -13,14 +13,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "pipeline"))
-from audit_helpers import chunks, keep, make_keeper, publish  # noqa: E402
-
-from refpipe.cli.main import app  # noqa: E402
-from refpipe.storage.backends import open_store  # noqa: E402
-from refpipe.storage.errors import DoubleDeleteError  # noqa: E402
+from refpipe.cli.main import app
+from refpipe.storage.backends import open_store
+from refpipe.storage.errors import DoubleDeleteError
 from refpipe.storage.layout import tombstone_key
-from refpipe.storage.ledger import Ledger  # noqa: E402
+from refpipe.storage.ledger import Ledger
+from tests.pipeline.audit_helpers import chunks, keep, make_keeper, publish
 
 runner = CliRunner()
 
@@ -230,7 +228,7 @@ def test_sweep_finishes_the_unfinished_deletes_a_dead_trainer_recorded(local_con
     delete records' directory refused it), the other chunk's objects could not be removed (its directory refused
     the unlink). While the rank lives it holds both; after it is gone the audit lists both as unfinished deletes
     (never as leaked, and step 0 no longer protects them), and ``refpipe sweep`` finishes them."""
-    from fault_os import refusing
+    from tests.helpers.fault_os import refusing
 
     store = open_store(local_config)
     keeper = make_keeper(store, local_config)

@@ -15,7 +15,6 @@ import shutil
 
 import pytest
 from pydantic import ValidationError
-from test_inspect import Run, invoke, snapshot
 
 from refpipe.integrations.verifiers_branches import INFO_KEY, read_refs
 from refpipe.pipeline.step_file import StepFile
@@ -26,6 +25,7 @@ from refpipe.storage.errors import EpisodeError, OutsideRunError
 from refpipe.storage.fetch import chunk_keys, fetch_arrays
 from refpipe.storage.layout import step_key
 from refpipe.storage.ledger import Ledger
+from tests.cli.test_inspect import Run, invoke, snapshot
 
 
 def _reopen(run: Run, root: str) -> Run:

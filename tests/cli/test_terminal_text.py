@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from test_inspect import invoke, keep_branches, packed_header
-
 from refpipe.job.text import markup_safe, printable
 from refpipe.pipeline.step_file import publish_step_file
 from refpipe.storage.backends import open_store
+from tests.cli.test_inspect import invoke, keep_branches, packed_header
 
 HOSTILE = {"math": "[/bold]", "code": "\x1b[2J\x1b[31mred", "chat": "[red]x[/red]\u202egnp.exe"}
 

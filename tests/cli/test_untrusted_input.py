@@ -9,8 +9,6 @@ import socket
 import zipfile
 
 import pytest
-from test_inspect import invoke
-from test_inspect_errors import assert_one_line_error
 
 from refpipe.pipeline.audit import audit
 from refpipe.pipeline.step_file import HEADER_MEMBER, StepFile
@@ -19,6 +17,8 @@ from refpipe.storage.errors import ConfigError, StepFileError
 from refpipe.storage.layout import EVENTS_PREFIX, node_key, step_key, tombstone_key
 from refpipe.storage.uri import RunPrefix
 from refpipe.trainer.fetch import wait_for_step
+from tests.cli.test_inspect import invoke
+from tests.cli.test_inspect_errors import assert_one_line_error
 
 
 def rewrite_header(store, step: int, edit) -> str:

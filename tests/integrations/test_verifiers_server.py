@@ -13,7 +13,6 @@ pytest.importorskip("verifiers", minversion="0.4", reason="the verifiers extra i
                     "(pip install 'refpipe[verifiers]'): skipping the verifiers integration tests")
 
 from verifiers.v1.serve.delta import pack  # noqa: E402
-from vf_serving import TEMPERATURE, byte_leaves, payload_nodes, run, same_bytes, serving, tombstones  # noqa: E402
 
 from refpipe.integrations.verifiers_branches import INFO_KEY, num_prompt_tokens, read_refs, trainable_branches  # noqa: E402
 from refpipe.integrations.verifiers_client import episode_refs, orchestrator_episode  # noqa: E402
@@ -26,6 +25,7 @@ from refpipe.storage.backends import open_store  # noqa: E402
 from refpipe.storage.errors import EpisodeError  # noqa: E402
 from refpipe.storage.ledger import Ledger  # noqa: E402
 from refpipe.trainer.fetch import fetch_own  # noqa: E402
+from tests.integrations.vf_serving import TEMPERATURE, byte_leaves, payload_nodes, run, same_bytes, serving, tombstones  # noqa: E402
 
 FIELDS = FieldsConfig(num_layers=3, top_k=2, num_experts=16, sampling_mask=True)
 

@@ -15,8 +15,6 @@ pytest.importorskip("verifiers", minversion="0.4", reason="the verifiers extra i
                     "(pip install 'refpipe[verifiers]'): skipping the verifiers integration tests")
 
 from verifiers.v1.serve.delta import DeltaStreamer, pack  # noqa: E402
-from vf_serving import Stream, byte_leaves, payload_nodes, same_bytes, tombstones  # noqa: E402
-from vf_traces import Engine, complete, inline_arrays, multi_turn, multi_turn_steps, new_trace  # noqa: E402
 
 from refpipe.integrations.verifiers_branches import (  # noqa: E402
     INFO_KEY,
@@ -32,6 +30,8 @@ from refpipe.storage.backends import open_store  # noqa: E402
 from refpipe.storage.errors import FieldError  # noqa: E402
 from refpipe.storage.fetch import fetch_arrays  # noqa: E402
 from refpipe.storage.ledger import Ledger  # noqa: E402
+from tests.integrations.vf_serving import Stream, byte_leaves, payload_nodes, same_bytes, tombstones  # noqa: E402
+from tests.integrations.vf_traces import Engine, complete, inline_arrays, multi_turn, multi_turn_steps, new_trace  # noqa: E402
 
 FIELDS = FieldsConfig(num_layers=3, top_k=2, num_experts=16, sampling_mask=True)
 BIG = dict(layers=16, top_k=8, num_experts=64, completion_scale=16)

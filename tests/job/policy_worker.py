@@ -1,4 +1,5 @@
-"""One rank of a 2-rank gloo world running the main job's policy update: ``python policy_worker.py <spec.json> <rank>``.
+"""One rank of a 2-rank gloo world running the main job's policy update:
+``python -m tests.job.policy_worker <spec.json> <rank>``.
 
 For each scenario of the spec, a fresh model and one policy update; the scenario says what each rank
 trains: ``"live"`` (one fetched micro batch), ``"dropped"`` (the shape-only stand-in of a micro batch it

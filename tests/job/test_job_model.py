@@ -5,10 +5,10 @@ from __future__ import annotations
 import pydantic
 import pytest
 import torch
-from routing_helpers import ROUTER_MARGIN, router_margin
 
 from refpipe.job.model import BOS_ID, VOCAB_SIZE, ModelConfig, MoELM, token_logprobs
 from refpipe.storage.errors import FieldError
+from tests.job.routing_helpers import ROUTER_MARGIN, router_margin
 
 
 def _packed(lengths, seed=0):

@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from routing_helpers import ROUTER_MARGIN, router_margin
 
 from refpipe.job.model import EOS_ID, token_logprobs
 from refpipe.job.rollout import SamplingConfig, sample_branches
 from refpipe.job.task import TaskConfig, make_problems
 from refpipe.pipeline.fields import FieldsConfig, validate_branch
 from refpipe.storage.errors import ConfigError
+from tests.job.routing_helpers import ROUTER_MARGIN, router_margin
 
 CFG = SamplingConfig(temperature=0.8, top_p=0.9, max_completion_tokens=12, logprobs_k=8, support_width=16)
 

@@ -15,7 +15,6 @@ import threading
 import time
 
 import pytest
-from fault_proxy import Fault, FaultProxy
 from rich.console import Console
 
 from refpipe.job.config import JobConfig, RunConfig
@@ -26,6 +25,7 @@ from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.layout import SUMMARY_KEY, address_key, step_key
 from refpipe.trainer.config import TrainerConfig
+from tests.helpers.fault_proxy import Fault, FaultProxy
 
 
 def small_config(storage: StorageConfig, **job) -> RunConfig:
@@ -355,9 +355,8 @@ def test_a_stopped_runs_delete_rows_sum_to_the_deleted_total(tmp_path):
     import subprocess
     import sys
 
-    from test_resume import released_by
-
     from refpipe.trainer.pause import ENV
+    from tests.job.test_resume import released_by
 
     root = tmp_path / "root"
     path = write_config(tmp_path, root, "stop", num_steps=6)

@@ -16,8 +16,6 @@ import sys
 import time
 
 import pytest
-from ports import free_port
-from test_main_job import write_config
 from typer.testing import CliRunner
 
 from refpipe.cli.main import app
@@ -33,6 +31,8 @@ from refpipe.storage.layout import (
 )
 from refpipe.storage.ledger import Ledger
 from refpipe.trainer.pause import ENV
+from tests.helpers.ports import free_port
+from tests.job.test_main_job import write_config
 
 BIN = os.path.dirname(sys.executable)
 
@@ -137,7 +137,7 @@ def test_two_nodes_each_role_started_on_its_own_train_to_a_clean_audit(tmp_path)
 def test_orchestrate_stops_naming_a_trainer_node_that_was_sigkilled(tmp_path):
     """The trainer runs under torchrun as "node trainer-b"; once its tree is SIGKILLed mid-step, `refpipe orchestrate`
     stops by the trainer's ledger heartbeat (1 s interval, 4 s timeout), not after the 120 s step deadline."""
-    from test_resume import _tree, as_node
+    from tests.job.test_resume import _tree, as_node
 
     root = tmp_path / "root"
     config = tmp_path / "dies.toml"

@@ -6,15 +6,15 @@ import json
 import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 
 from refpipe.job.config import RunConfig
 from refpipe.job.model import MoELM
+from tests.helpers.children import module_argv, module_env
 
-WORKER = Path(__file__).parent / "policy_worker.py"
+WORKER = "tests.job.policy_worker"
 SCENARIOS = {"peer_dropped": [["live"], ["dropped"]], "peer_empty": [["live"], []], "no_micro_batches": [[], []]}
 
 
@@ -27,7 +27,7 @@ def run_ranks(tmp_path: Path) -> dict[str, list[dict[str, np.ndarray]]]:
     spec.write_text(json.dumps({"out_dir": str(tmp_path), "init_method": f"tcp://127.0.0.1:{port}",
                                 "scenarios": SCENARIOS}))
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(spec), str(r)], env=env,
+    procs = [subprocess.Popen(module_argv(WORKER, spec, r), env=module_env(env),
                               stderr=open(tmp_path / f"rank{r}.log", "w")) for r in range(2)]
     try:
         codes = [p.wait(timeout=180) for p in procs]

@@ -1,9 +1,9 @@
 """Helpers of the audit tests: tiny kept chunks, step files, trainer ranks, and crash scenarios.
 
-Imported by the ``test_audit*`` modules next to it (pytest puts this directory on
-``sys.path``). Run as a script it plays one crash scenario in a real process:
+Imported by the ``test_audit*`` modules next to it and by ``tests/cli/test_ledger_cli.py``. Run as a script
+it plays one crash scenario in a real process:
 
-    python audit_helpers.py SCENARIO ROOT RUN_ID [S3_ENDPOINT]
+    python -m tests.pipeline.audit_helpers SCENARIO ROOT RUN_ID [S3_ENDPOINT]
 
 It prints one JSON line ``{"ready": true, ...}`` naming the chunks it expects to be
 orphaned and protected, then sleeps until it is killed (SIGKILL by the test).

@@ -7,7 +7,6 @@ import json
 import zipfile
 
 import pytest
-from audit_helpers import chunks, fetch_step, keep, make_keeper, publish, release_step, snapshot, train
 
 from refpipe.pipeline.audit import audit
 from refpipe.pipeline.step_file import StepFile
@@ -17,6 +16,7 @@ from refpipe.storage.errors import DoubleDeleteError, LedgerRecordError, StepFil
 from refpipe.storage.layout import EVENTS_PREFIX, node_key, parse_segment_key, step_key, tombstone_key
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.local_store import LocalStore
+from tests.pipeline.audit_helpers import chunks, fetch_step, keep, make_keeper, publish, release_step, snapshot, train
 
 LEAKED = "{} leaked chunks (present, no live holder; `refpipe sweep` deletes them)"
 LEAKED_STOPPED = "{} leaked chunks (present, no live holder; `refpipe sweep --stopped` deletes them)"

@@ -8,11 +8,8 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from audit_helpers import chunks, snapshot, train
 
 from refpipe.pipeline.audit import audit
 from refpipe.pipeline.sweep import sweep
@@ -21,8 +18,10 @@ from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.store import Store
+from tests.helpers.children import module_argv, module_env
+from tests.pipeline.audit_helpers import chunks, snapshot, train
 
-SCRIPT = Path(__file__).with_name("audit_helpers.py")
+SCRIPT = "tests.pipeline.audit_helpers"
 HOLDERS_AFTER_CRASH = {
     "keep-ship": {},
     "ship-fetch": {"trainer step 1": 2},
@@ -32,9 +31,9 @@ HOLDERS_AFTER_CRASH = {
 
 def run_until_killed(config: StorageConfig, scenario: str) -> dict:
     """Run a scenario in its own process; once it reports ready, SIGKILL it. Returns its expectations."""
-    args = [sys.executable, str(SCRIPT), scenario, config.root, config.run_id]
+    args = module_argv(SCRIPT, scenario, config.root, config.run_id)
     args += [config.s3_endpoint_url] if config.s3_endpoint_url else []
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=module_env())
     try:
         line = proc.stdout.readline()
     finally:

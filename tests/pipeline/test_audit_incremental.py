@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from audit_helpers import keep, make_keeper, publish, train
 
 from refpipe.pipeline.audit import audit
 from refpipe.storage.backends import open_store
 from refpipe.storage.layout import AUDIT_SUMMARY_KEY, EVENTS_PREFIX, meta_key, step_key
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.local_store import LocalStore
+from tests.pipeline.audit_helpers import keep, make_keeper, publish, train
 
 
 class CountingStore(LocalStore):

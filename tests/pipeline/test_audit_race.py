@@ -40,9 +40,8 @@ def _deleter(config: StorageConfig, index: int, refs_json: list[str], barrier, r
 
 @pytest.mark.timeout(300)
 def test_eight_processes_delete_each_chunk_exactly_once(storage_config):
-    from audit_helpers import chunks, keep, make_keeper
-
     from refpipe.pipeline.audit import audit
+    from tests.pipeline.audit_helpers import chunks, keep, make_keeper
 
     store = open_store(storage_config)
     keeper = make_keeper(store, storage_config)

@@ -11,7 +11,6 @@ import json
 
 import google_crc32c
 import pytest
-from audit_helpers import keep, make_keeper, publish
 from typer.testing import CliRunner
 
 from refpipe.cli.main import app
@@ -23,6 +22,7 @@ from refpipe.storage.store import Store
 from refpipe.trainer.background import BackgroundRelease, ReleaseCounts
 from refpipe.trainer.config import TrainerConfig
 from refpipe.trainer.release import ReleasePolicy
+from tests.pipeline.audit_helpers import keep, make_keeper, publish
 
 AWAITING = "trainer_dp{} (trained, awaiting checkpoint)"
 REPLAYED = "trainer step {} (after the newest checkpoint: a resume replays it)"

@@ -1,6 +1,6 @@
 """A chunk deleted on NFS while a reader holds it open, and a sweep that meets a key it cannot delete.
 
-The NFS client's silly rename is simulated (``tests/fault_os.py`` ``NfsClient``), because no NFS server can be
+The NFS client's silly rename is simulated (``tests/helpers/fault_os.py`` ``NfsClient``), because no NFS server can be
 mounted here. The local store unlinks relative to directory fds (``unlinkat``), so a stand-in that intercepts
 path-based calls would never see its unlinks: ``NfsClient`` replaces ``os`` as ``refpipe.storage.local_store``
 sees it (only ``unlink`` is changed) and does what the client does, for real, on the real directory: the open
@@ -16,8 +16,6 @@ import json
 import os
 
 import pytest
-from audit_helpers import keep, make_keeper
-from fault_os import NfsClient, refusing
 
 from refpipe.pipeline.audit import audit
 from refpipe.pipeline.sweep import SweepResult, sweep
@@ -26,6 +24,8 @@ from refpipe.storage.backends import open_store
 from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.layout import node_key
 from refpipe.storage.ledger import Ledger
+from tests.helpers.fault_os import NfsClient, refusing
+from tests.pipeline.audit_helpers import keep, make_keeper
 
 
 def _events(store, actor: str) -> list[str]:

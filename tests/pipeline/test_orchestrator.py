@@ -7,13 +7,13 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from orchestrator_helpers import FIELDS, chunks, counting_store, episode, make_keeper, tombstones
 
 from refpipe.pipeline.orchestrator import Orchestrator, OrchestratorConfig
 from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.backends import open_store
 from refpipe.storage.layout import step_key, tombstone_key
 from refpipe.storage.ledger import Ledger
+from tests.pipeline.orchestrator_helpers import FIELDS, chunks, counting_store, episode, make_keeper, tombstones
 
 CFG = OrchestratorConfig(seq_len=32, dp_world_size=2, groups_per_step=2, group_size=2, max_async_level=1)
 

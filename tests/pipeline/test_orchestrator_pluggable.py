@@ -7,7 +7,6 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from orchestrator_helpers import FIELDS, chunks, episode, make_keeper, tombstones
 
 from refpipe.pipeline.advantages import from_episode, rloo
 from refpipe.pipeline.audit import audit
@@ -16,6 +15,7 @@ from refpipe.pipeline.packing import first_fit_packer
 from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.backends import open_store
 from refpipe.storage.errors import EpisodeError, OutsideRunError
+from tests.pipeline.orchestrator_helpers import FIELDS, chunks, episode, make_keeper, tombstones
 
 LENGTHS = (20, 18, 16, 15, 14, 12, 12, 11)
 """Tokens of the 8 samples of one step (118 in all; 4 prompt tokens each)."""

@@ -8,7 +8,6 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from orchestrator_helpers import FIELDS, branch, make_keeper
 from pydantic import ValidationError
 
 from refpipe.pipeline.audit import audit
@@ -22,6 +21,7 @@ from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import KeyExistsError, OutsideRunError, PackingError, SliceError, StepFileError
 from refpipe.storage.layout import ORCHESTRATOR_ACTOR, step_key
 from refpipe.storage.ledger import Ledger
+from tests.pipeline.orchestrator_helpers import FIELDS, branch, make_keeper
 
 SEQ_LEN = 32
 

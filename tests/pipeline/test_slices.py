@@ -7,13 +7,13 @@ import pickle
 
 import numpy as np
 import pytest
-from orchestrator_helpers import FIELDS, branch, make_keeper
 
 from refpipe.pipeline.slices import PayloadSlice, SliceId, ref_digest
 from refpipe.storage.backends import open_store
 from refpipe.storage.chunk import ArraySpec, PayloadRef, layout_arrays
 from refpipe.storage.errors import SliceError
 from refpipe.storage.layout import draw_branch_id, node_key
+from tests.pipeline.orchestrator_helpers import FIELDS, branch, make_keeper
 
 
 def _ref(branch_id: str, num_tokens: int = 4096, checksum: int = 7) -> PayloadRef:

@@ -10,7 +10,6 @@ import zipfile
 import crc32c
 import numpy as np
 import pytest
-from orchestrator_helpers import FIELDS, chunks, episode, make_keeper, tombstones
 
 from refpipe.pipeline.packing import pack_step, step_contents
 from refpipe.pipeline.samples import build_sample
@@ -19,6 +18,7 @@ from refpipe.pipeline.step_header import STREAMS
 from refpipe.storage.backends import open_store
 from refpipe.storage.errors import ConfigError, KeyNotFoundError, StepFileError
 from refpipe.storage.layout import step_key
+from tests.pipeline.orchestrator_helpers import FIELDS, chunks, episode, make_keeper, tombstones
 
 SEQ_LEN, DP = 24, 3
 

@@ -1,5 +1,5 @@
 """The store fault matrix (issue 13): every operation of a run x every fault kind, through the loopback
-fault proxy (``tests/fault_proxy.py``) in front of each S3 server (moto, SeaweedFS), with exact outcomes.
+fault proxy (``tests/helpers/fault_proxy.py``) in front of each S3 server (moto, SeaweedFS), with exact outcomes.
 
 Operations: keep, publish step, flush ledger, fetch whole, fetch truncated, delete, weights put, checkpoint put
 and get (DCP through the store, a one-rank gloo world in this process). Faults:
@@ -18,9 +18,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from audit_helpers import NUM_COMPLETION, NUM_PROMPT, keep, make_keeper, publish
-from checkpoint_helpers import FILES, STEP, assert_loads_back, one_rank_world, save, trained
-from fault_proxy import Fault, FaultProxy
 
 from refpipe.job.weights import publish_weights
 from refpipe.pipeline.audit import audit
@@ -38,6 +35,9 @@ from refpipe.storage.layout import (
     weights_key,
 )
 from refpipe.storage.ledger import Ledger
+from tests.helpers.checkpoint import FILES, STEP, assert_loads_back, one_rank_world, save, trained
+from tests.helpers.fault_proxy import Fault, FaultProxy
+from tests.pipeline.audit_helpers import NUM_COMPLETION, NUM_PROMPT, keep, make_keeper, publish
 
 WRITE_FAULTS = ["reset_before", "reset_after", "500_after", "slowdown", "conflict", "delay"]
 READ_FAULTS = ["reset_before", "reset_after", "500_after", "slowdown", "delay", "short_body", "cut_body", "404"]

@@ -2,7 +2,7 @@
 of a POSIX filesystem, with exact outcomes.
 
 Transient faults (``EIO``, ``ESTALE``, ``ETIMEDOUT``, ``EAGAIN``: a Lustre or NFS client losing its server) are
-injected into one system call (``tests/fault_os.py``: no real way to make them here), before it runs or after
+injected into one system call (``tests/helpers/fault_os.py``: no real way to make them here), before it runs or after
 it ran ("maybe applied": an exclusive put then meets ``EEXIST`` and its write token resolves it). Permanent
 faults are real: an immutable directory, a read-only and a full tmpfs. The store's retries: 2, backoff 1 ms.
 """
@@ -16,9 +16,6 @@ import os
 import numpy as np
 import pytest
 import torch
-from audit_helpers import NUM_COMPLETION, NUM_PROMPT, keep, make_keeper, publish
-from checkpoint_helpers import FILES, assert_loads_back, one_rank_world, save, trained
-from fault_os import OsFault, OsFaults, read_only, refusing, tmpfs
 
 from refpipe.job.weights import publish_weights
 from refpipe.pipeline.audit import audit
@@ -31,6 +28,9 @@ from refpipe.storage.errors import KeyExistsError, StorageError, TransientStorag
 from refpipe.storage.fetch import fetch_arrays
 from refpipe.storage.layout import LATEST_WEIGHTS_KEY, node_key, segment_key, step_key, tombstone_key, weights_key
 from refpipe.storage.ledger import Ledger
+from tests.helpers.checkpoint import FILES, assert_loads_back, one_rank_world, save, trained
+from tests.helpers.fault_os import OsFault, OsFaults, read_only, refusing, tmpfs
+from tests.pipeline.audit_helpers import NUM_COMPLETION, NUM_PROMPT, keep, make_keeper, publish
 
 WRITE_FAULTS = [("EIO", False), ("EIO", True), ("ESTALE", False), ("ETIMEDOUT", True), ("EAGAIN", False)]
 """(errno, after): after = the call was applied and its answer lost."""

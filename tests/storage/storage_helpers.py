@@ -1,6 +1,6 @@
 """Helpers of the storage tests: raw access that bypasses the store, request and filesystem-op logs, branches.
 
-Imported by the test modules next to it (pytest puts this directory on ``sys.path``).
+Imported by the test modules next to it, as ``tests.storage.storage_helpers``.
 """
 
 from __future__ import annotations

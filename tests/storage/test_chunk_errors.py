@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import zarr
 from pydantic import ValidationError
-from storage_helpers import FIELDS_CFG, Backend, FsOps, S3Requests, make_backend, make_fields
 
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.storage.chunk import PayloadRef
@@ -18,6 +17,7 @@ from refpipe.storage.errors import ChunkCorruptError, ChunkNotFoundError, Outsid
 from refpipe.storage.fetch import fetch_arrays
 from refpipe.storage.layout import DATA_NAME, META_NAME, node_key, tombstone_key
 from refpipe.storage.ledger import Ledger, read_delete_record
+from tests.storage.storage_helpers import FIELDS_CFG, Backend, FsOps, S3Requests, make_backend, make_fields
 
 P, C = 4, 6
 

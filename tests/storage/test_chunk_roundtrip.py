@@ -10,16 +10,6 @@ import json
 import numpy as np
 import pytest
 import zarr
-from storage_helpers import (
-    FIELDS_CFG,
-    Backend,
-    FsOps,
-    S3Requests,
-    assert_same_bytes,
-    make_backend,
-    make_fields,
-    stored_cut,
-)
 from zarr.codecs import BytesCodec, Crc32cCodec, ZstdCodec
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.dtype import parse_dtype
@@ -31,6 +21,16 @@ from refpipe.storage.chunk import BLOCK_ROWS, PayloadRef, layout_arrays, read_at
 from refpipe.storage.fetch import fetch_arrays
 from refpipe.storage.layout import DATA_NAME, META_NAME, node_key
 from refpipe.storage.ledger import Ledger
+from tests.storage.storage_helpers import (
+    FIELDS_CFG,
+    Backend,
+    FsOps,
+    S3Requests,
+    assert_same_bytes,
+    make_backend,
+    make_fields,
+    stored_cut,
+)
 
 P, C = 5, 7
 WIDE_CFG = FieldsConfig(num_layers=2, top_k=3, num_experts=300, logprobs_k=3, support_width=4, sampling_mask=True)

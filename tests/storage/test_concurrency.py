@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-from storage_helpers import FIELDS_CFG, Backend, assert_same_bytes, make_backend, make_fields, stored_cut
 
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.storage.chunk import PayloadRef
@@ -16,6 +15,7 @@ from refpipe.storage.fetch import fetch_arrays
 from refpipe.storage.layout import DATA_NAME, node_key
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.local_store import LocalStore
+from tests.storage.storage_helpers import FIELDS_CFG, Backend, assert_same_bytes, make_backend, make_fields, stored_cut
 
 
 @pytest.fixture(params=["local", "s3"])

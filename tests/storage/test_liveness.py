@@ -27,8 +27,7 @@ from refpipe.storage.liveness import SessionWatch, live_sessions
 
 CHILD = """
 import json, sys
-sys.path.insert(0, "tests/storage")
-from storage_helpers import FIELDS_CFG, make_fields
+from tests.storage.storage_helpers import FIELDS_CFG, make_fields
 from refpipe.pipeline.keep import Branch, Keeper
 
 from refpipe.storage.config import StorageConfig

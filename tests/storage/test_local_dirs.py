@@ -10,10 +10,10 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from storage_helpers import FsOps
 
 from refpipe.storage.backends import open_store
 from refpipe.storage.errors import OutsideRunError
+from tests.storage.storage_helpers import FsOps
 
 
 def calls(store, op) -> list[tuple[str, str]]:

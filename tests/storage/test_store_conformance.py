@@ -15,8 +15,6 @@ import threading
 
 import numpy as np
 import pytest
-from storage_helpers import Backend, FsOps, S3Requests, make_backend
-from store_children import race_in_child, race_payload, use_in_child
 
 from refpipe.storage import local_store as store_module
 from refpipe.storage.backends import open_store
@@ -31,6 +29,8 @@ from refpipe.storage.errors import (
 )
 from refpipe.storage.local_store import LocalStore
 from refpipe.storage.s3_store import S3Store
+from tests.storage.storage_helpers import Backend, FsOps, S3Requests, make_backend
+from tests.storage.store_children import race_in_child, race_payload, use_in_child
 
 DATA = bytes(range(256)) * 3
 BAD_KEYS = ["../run_2/x", "a/../../x", "/etc/passwd", "a//b", "./a", "a/.", "a\\b", "", "a/\x00b"]

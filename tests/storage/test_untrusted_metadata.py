@@ -16,7 +16,6 @@ import numcodecs
 import numpy as np
 import pytest
 from pydantic import ValidationError
-from storage_helpers import FIELDS_CFG, Backend, make_backend, make_fields, stored_cut
 
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.storage.chunk import PayloadRef, encode_chunk
@@ -25,6 +24,7 @@ from refpipe.storage.errors import ChunkCorruptError, DoubleDeleteError
 from refpipe.storage.fetch import fetch_arrays
 from refpipe.storage.layout import DATA_NAME, node_key, tombstone_key
 from refpipe.storage.ledger import Ledger
+from tests.storage.storage_helpers import FIELDS_CFG, Backend, make_backend, make_fields, stored_cut
 
 P, C = 4, 6
 PAYLOAD_NBYTES = 576

@@ -1,4 +1,4 @@
-"""One rank of a checkpoint test world: ``python checkpoint_worker.py <spec.json> <rank>``.
+"""One rank of a checkpoint test world: ``python -m tests.trainer.checkpoint_worker <spec.json> <rank>``.
 
 Trains a small linear model one Adam step, saves it as the checkpoint of ``spec["step"]`` (policy
 version ``step + 1``), records the parameters, Adam's state and the next RNG draws, scrambles the RNG,

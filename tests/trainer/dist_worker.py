@@ -1,4 +1,4 @@
-"""One trainer rank of a distributed test world: ``python dist_worker.py <spec.json> <rank>``.
+"""One trainer rank of a distributed test world: ``python -m tests.trainer.dist_worker <spec.json> <rank>``.
 
 Joins a gloo world at the spec's ``init_method``, runs ``TrainerRank.run_step`` for each step of
 the spec, and writes per step ``step<N>_rank<r>.npz`` (every tensor the train callback got, as
@@ -35,9 +35,7 @@ from refpipe.trainer import fetch as trainer_fetch
 from refpipe.trainer.config import TrainerConfig
 from refpipe.trainer.dist import init_process_group
 from refpipe.trainer.step import TrainerRank
-
-sys.path.insert(0, str(Path(__file__).parent))
-from trainer_helpers import flatten  # noqa: E402
+from tests.trainer.trainer_helpers import flatten
 
 
 def _inject_bugs(fetch_raises: dict[str, str]) -> None:

@@ -1,4 +1,4 @@
-"""One trainer rank driving the pull loop: ``python pull_worker.py <spec.json> <rank>``.
+"""One trainer rank driving the pull loop: ``python -m tests.trainer.pull_worker <spec.json> <rank>``.
 
 The spec is ``dist_worker.py``'s plus ``stop`` (steps ``0 .. stop - 1``), ``data_loader`` (iterate a
 ``DataLoader(StepDataset(...), batch_size=None)`` instead of ``TrainerRank.steps``) and ``unreleased`` (a step
@@ -30,9 +30,7 @@ from refpipe.trainer.config import TrainerConfig
 from refpipe.trainer.dist import init_process_group
 from refpipe.trainer.loop import StepDataset
 from refpipe.trainer.step import TrainerRank
-
-sys.path.insert(0, str(Path(__file__).parent))
-from trainer_helpers import flatten  # noqa: E402
+from tests.trainer.trainer_helpers import flatten
 
 
 def main(spec_path: str, rank: int) -> None:

@@ -10,7 +10,6 @@ import threading
 import numpy as np
 import pytest
 import torch
-from trainer_helpers import FIELDS, Seq, assert_same, build_step, expected_micro_batch, flatten, keep_all, make_branch
 
 from refpipe.pipeline.fields import FieldsConfig, spread_expert_rows
 from refpipe.pipeline.keep import Branch
@@ -23,6 +22,16 @@ from refpipe.trainer.assemble import assemble_dropped_micro_batch, assemble_micr
 from refpipe.trainer.fetch import fetch_own, own_requests, wait_for_step
 from refpipe.trainer.replay_hash import micro_batch_hash
 from refpipe.trainer.tensors import to_torch
+from tests.trainer.trainer_helpers import (
+    FIELDS,
+    Seq,
+    assert_same,
+    build_step,
+    expected_micro_batch,
+    flatten,
+    keep_all,
+    make_branch,
+)
 
 SEQ_LEN = 24
 

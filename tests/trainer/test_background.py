@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 
 import numpy as np
-from trainer_helpers import keep_all, make_branch
 
 from refpipe.storage.backends import open_store
 from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.ledger import Ledger
 from refpipe.trainer.background import BackgroundRelease, ReleaseCounts
+from tests.trainer.trainer_helpers import keep_all, make_branch
 
 
 def test_a_release_is_collected_by_the_submit_after_next_and_the_last_two_by_wait(local_config):

@@ -10,13 +10,10 @@ import json
 import logging
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_helpers import FILES, assert_loads_back, one_rank_world, save, trained
-from ports import free_port
 
 from refpipe.storage.backends import open_store
 from refpipe.storage.checkpoints import newest_checkpoint
@@ -25,8 +22,11 @@ from refpipe.storage.layout import segment_key, trainer_actor
 from refpipe.storage.ledger import encode_record
 from refpipe.trainer.checkpoint import checkpoint_key, load_checkpoint, training_state
 from refpipe.trainer.resume import _highest_release
+from tests.helpers.checkpoint import FILES, assert_loads_back, one_rank_world, save, trained
+from tests.helpers.children import module_argv, module_env
+from tests.helpers.ports import free_port
 
-WORKER = Path(__file__).with_name("checkpoint_worker.py")
+WORKER = "tests.trainer.checkpoint_worker"
 
 
 def run_ranks(tmp_path: Path, storage, step: int) -> list[dict]:
@@ -36,7 +36,7 @@ def run_ranks(tmp_path: Path, storage, step: int) -> list[dict]:
             "step": step}
     (out / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(out / "spec.json"), str(r)], env=env,
+    procs = [subprocess.Popen(module_argv(WORKER, out / "spec.json", r), env=module_env(env),
                               stderr=open(out / f"rank{r}.log", "w")) for r in range(2)]
     codes = [p.wait(timeout=120) for p in procs]
     logs = "\n".join((out / f"rank{r}.log").read_text()[-3000:] for r in range(2))

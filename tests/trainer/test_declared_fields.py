@@ -8,7 +8,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from trainer_helpers import Seq, build_step, keep_all
 from typer.testing import CliRunner
 
 from refpipe.cli.main import app
@@ -21,6 +20,7 @@ from refpipe.storage.errors import FieldError
 from refpipe.storage.layout import step_key
 from refpipe.trainer.fetch import fetch_own
 from refpipe.trainer.replay_hash import micro_batch_hash
+from tests.trainer.trainer_helpers import Seq, build_step, keep_all
 
 DECLARED = (
     FieldDecl(name="value_targets", dtypes=["float32"], domain="tokens", padding="zeros",

@@ -10,15 +10,21 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
-from fault_proxy import Fault, FaultProxy
-from ports import free_port
-from step_file_helpers import forge_header
-from trainer_helpers import (
+
+from refpipe.pipeline.fields import spread_expert_rows
+from refpipe.storage.backends import open_store
+from refpipe.storage.chunks import chunk_keys
+from refpipe.storage.config import StorageConfig
+from refpipe.storage.layout import tombstone_key
+from tests.helpers.children import module_argv, module_env
+from tests.helpers.fault_proxy import Fault, FaultProxy
+from tests.helpers.ports import free_port
+from tests.helpers.step_file import forge_header
+from tests.trainer.trainer_helpers import (
     FIELDS,
     Seq,
     assert_same,
@@ -29,15 +35,9 @@ from trainer_helpers import (
     make_branch,
 )
 
-from refpipe.pipeline.fields import spread_expert_rows
-from refpipe.storage.backends import open_store
-from refpipe.storage.chunks import chunk_keys
-from refpipe.storage.config import StorageConfig
-from refpipe.storage.layout import tombstone_key
-
 SEQ_LEN = 24
-WORKER = Path(__file__).with_name("dist_worker.py")
-PULL_WORKER = Path(__file__).with_name("pull_worker.py")
+WORKER = "tests.trainer.dist_worker"
+PULL_WORKER = "tests.trainer.pull_worker"
 
 
 def _layout(s: int) -> list[list[list[Seq]]]:
@@ -63,7 +63,7 @@ def _branches(s: int, rng) -> dict:
 
 def run_world(tmp_path: Path, storage: StorageConfig, world_size: int, model_parallel_size: int, steps: list[int],
               exit_before: dict[str, list[int]] | None = None, fetch_raises: dict[str, str] | None = None,
-              default_backend: str = "gloo", worker: Path = WORKER, **extra) -> dict:
+              default_backend: str = "gloo", worker: str = WORKER, **extra) -> dict:
     """Start ``world_size`` ranks of ``worker`` (``extra``: more of its spec), wait for all; return
     ``{(step, rank): (result, arrays)}``."""
     return collect_world(*start_world(tmp_path, storage, world_size, model_parallel_size, steps, exit_before,
@@ -72,7 +72,7 @@ def run_world(tmp_path: Path, storage: StorageConfig, world_size: int, model_par
 
 def start_world(tmp_path: Path, storage: StorageConfig, world_size: int, model_parallel_size: int, steps: list[int],
                 exit_before: dict[str, list[int]] | None = None, fetch_raises: dict[str, str] | None = None,
-                default_backend: str = "gloo", worker: Path = WORKER, **extra) -> tuple[Path, list[subprocess.Popen]]:
+                default_backend: str = "gloo", worker: str = WORKER, **extra) -> tuple[Path, list[subprocess.Popen]]:
     """Start ``world_size`` ranks of ``worker`` writing into ``tmp_path/ranks``; the directory and the processes."""
     out = tmp_path / "ranks"
     out.mkdir()
@@ -82,8 +82,8 @@ def start_world(tmp_path: Path, storage: StorageConfig, world_size: int, model_p
             "trainer": {"model_parallel_size": model_parallel_size, "step_timeout_s": 30, "step_poll_s": 0.1,
                         "collective_timeout_s": 20, "release": "after_step"}, **extra}
     (out / "spec.json").write_text(json.dumps(spec))
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    return out, [subprocess.Popen([sys.executable, str(worker), str(out / "spec.json"), str(r)], env=env,
+    env = module_env({**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
+    return out, [subprocess.Popen(module_argv(worker, out / "spec.json", r), env=env,
                                   stderr=open(out / f"rank{r}.log", "w")) for r in range(world_size)]
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from trainer_helpers import FIELDS, keep_all, make_branch
 
 from refpipe.pipeline.publish import PackedSequence, StepMicroBatch, publish_step
 from refpipe.pipeline.slices import PayloadSlice
@@ -14,6 +13,7 @@ from refpipe.storage.backends import open_store
 from refpipe.storage.ledger import Ledger
 from refpipe.trainer.fetch import fetch_own
 from refpipe.trainer.tensors import to_torch
+from tests.trainer.trainer_helpers import FIELDS, keep_all, make_branch
 
 
 def test_extra_streams_are_padded_with_zero_and_keep_their_dtype(local_config):

@@ -10,18 +10,6 @@ import zipfile
 import crc32c
 import numpy as np
 import pytest
-from step_file_helpers import forge_header
-from trainer_helpers import (
-    FIELDS,
-    Seq,
-    assert_same,
-    build_step,
-    expected_micro_batch,
-    flatten,
-    forge_rows,
-    keep_all,
-    make_branch,
-)
 
 from refpipe.pipeline.step_file import HEADER_MEMBER, StepFile
 from refpipe.storage.backends import open_store
@@ -32,6 +20,18 @@ from refpipe.storage.local_store import LocalStore
 from refpipe.trainer.buffers import BufferPool
 from refpipe.trainer.fetch import fetch_own, wait_for_step
 from refpipe.trainer.tensors import to_torch
+from tests.helpers.step_file import forge_header
+from tests.trainer.trainer_helpers import (
+    FIELDS,
+    Seq,
+    assert_same,
+    build_step,
+    expected_micro_batch,
+    flatten,
+    forge_rows,
+    keep_all,
+    make_branch,
+)
 
 SEQ_LEN = 30
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from trainer_helpers import Seq, build_step, keep_all, make_branch
 
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.step_file import StepFile
@@ -14,6 +13,7 @@ from refpipe.storage.backends import open_store
 from refpipe.storage.chunk import ArraySpec, PayloadRef, encode_chunk
 from refpipe.storage.chunks import put_chunk
 from refpipe.trainer.fetch import fetch_own
+from tests.trainer.trainer_helpers import Seq, build_step, keep_all, make_branch
 
 CFG = FieldsConfig(num_layers=2, top_k=2, num_experts=8)
 P, C = 2, 3

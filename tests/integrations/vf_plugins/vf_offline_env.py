@@ -29,9 +29,9 @@ from verifiers.v1.episode import EnvInfo, Episode
 from verifiers.v1.task import Task, TaskData
 from verifiers.v1.taskset import Taskset
 from verifiers.v1.trace import Error, TraceTask
-from vf_traces import Engine, complete, multi_turn, new_trace
 
 from refpipe.integrations.verifiers_branches import INFO_KEY
+from tests.integrations.vf_traces import Engine, complete, multi_turn, new_trace
 
 
 class OfflineData(TaskData):

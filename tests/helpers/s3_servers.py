@@ -14,7 +14,8 @@ import time
 
 import boto3
 import botocore.exceptions
-from ports import free_ports
+
+from tests.helpers.ports import free_ports
 
 WEED_START_TIMEOUT_S = 60
 _WEED_PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
