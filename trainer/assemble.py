@@ -52,7 +52,7 @@ from refpipe.pipeline.field_checks import check_bounds
 from refpipe.pipeline.field_decl import FieldDecl, narrow_dtype
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.step_file import MicroBatchRecord, SequenceRecord
-from refpipe.storage.chunk import PayloadRef, domain_rows
+from refpipe.storage.chunk_ref import PayloadRef, domain_rows
 from refpipe.storage.errors import FieldError, PackingError
 from refpipe.trainer.layout import field_row_ids, pad_streams, padded_cu_seqlens, padding_rows_of
 
@@ -158,7 +158,7 @@ def assemble_micro_batch(
     Args:
         mb: the micro batch record (``StepHeader.micro_batches``).
         streams: its token streams as ``StepFile.streams`` returns them: name -> [T].
-        arrays: ref index -> fetched arrays (``storage.fetch.fetch_arrays``), cut to at least
+        arrays: ref index -> fetched arrays (``storage.chunk_read.fetch_arrays``), cut to at least
             as many tokens as every sequence of ``mb`` using that ref keeps.
         refs: ``StepHeader.refs`` (prompt lengths and which arrays each ref carries).
         seq_len: ``StepHeader.seq_len``; tokens, ``>= mb.num_tokens``.

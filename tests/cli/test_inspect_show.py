@@ -8,7 +8,7 @@ from test_inspect import FIELDS_CFG, PACKING, SEQ_LEN, invoke, snapshot
 
 from refpipe.pipeline.fields import spread_expert_rows
 from refpipe.pipeline.step_file import STREAMS, StepFile
-from refpipe.storage.fetch import fetch_arrays
+from refpipe.storage.chunk_read import fetch_arrays
 from refpipe.storage.ledger import Ledger
 from refpipe.trainer.assemble import assemble_micro_batch, pad_streams, padded_cu_seqlens
 

@@ -29,8 +29,8 @@ from refpipe.pipeline.audit import audit  # noqa: E402
 from refpipe.pipeline.fields import FieldsConfig  # noqa: E402
 from refpipe.pipeline.keep import Keeper  # noqa: E402
 from refpipe.storage.backends import open_store  # noqa: E402
+from refpipe.storage.chunk_read import fetch_arrays  # noqa: E402
 from refpipe.storage.errors import FieldError  # noqa: E402
-from refpipe.storage.fetch import fetch_arrays  # noqa: E402
 from refpipe.storage.ledger import Ledger  # noqa: E402
 
 FIELDS = FieldsConfig(num_layers=3, top_k=2, num_experts=16, sampling_mask=True)

@@ -29,9 +29,9 @@ from refpipe.pipeline.step_file import (
     publish_step_file,
 )
 from refpipe.storage.backends import open_store
-from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.chunk_read import fetch_arrays
+from refpipe.storage.chunk_ref import PayloadRef
 from refpipe.storage.config import StorageConfig
-from refpipe.storage.fetch import fetch_arrays
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.store import Store
 

@@ -16,7 +16,7 @@ from audit_helpers import chunks, snapshot, train
 
 from refpipe.pipeline.audit import audit, sweep
 from refpipe.storage.backends import open_store
-from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.chunk_ref import PayloadRef
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.store import Store

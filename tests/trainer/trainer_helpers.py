@@ -20,7 +20,7 @@ from refpipe.pipeline.step_file import (
     StepHeader,
     publish_step_file,
 )
-from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.chunk_ref import PayloadRef
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.store import Store
