@@ -59,9 +59,9 @@ from _args import positive_int  # noqa: E402  (bench/ is sys.path[0] when run as
 from refpipe.pipeline.fields import FieldsConfig, validate_branch  # noqa: E402
 from refpipe.pipeline.keep import Branch, Keeper  # noqa: E402
 from refpipe.storage.backends import open_store
+from refpipe.storage.chunk_read import fetch_arrays  # noqa: E402
 from refpipe.storage.concurrency import bounded_map  # noqa: E402
 from refpipe.storage.config import StorageConfig  # noqa: E402
-from refpipe.storage.fetch import fetch_arrays  # noqa: E402
 from refpipe.storage.ledger import Ledger  # noqa: E402
 from refpipe.storage.store import Store  # noqa: E402
 
@@ -99,7 +99,7 @@ class FsCounter:
 
     The raw sides name absolute paths under their roots. refpipe's local store opens the run prefix by its
     path and resolves every key below it from directory fds (``openat(O_PATH | O_NOFOLLOW)`` per component,
-    then the operation relative to the last one, the directory fds cached: ``LocalStore._at``), so its calls
+    then the operation relative to the last one, the directory fds cached: ``ConfinedPrefix.at``), so its calls
     name a bare entry name: a relative path is refpipe's, and its ``O_PATH`` opens (the run prefix's included) count as
     ``walk``, apart from the calls that touch data or create entries.
     """

@@ -62,8 +62,8 @@ from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.pipeline.step_file import StepFile, publish_step_file
 from refpipe.pipeline.step_header import SCHEMA_VERSION, MicroBatchRecord, SequenceRecord, StepHeader
 from refpipe.storage.backends import open_store
-from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.config import StorageConfig
+from refpipe.storage.layout import chunk_keys
 from refpipe.storage.ledger import Ledger
 
 PROMPT, COMPLETION, LAYERS, TOP_K, EXPERTS, HEAD, SUPPORT = 1024, 3072, 48, 8, 128, 128, 20
@@ -155,7 +155,7 @@ def limit_world(trainer, store, storage: StorageConfig, rounds: int) -> dict:
 
     step_file = StepFile.read(store, 0)
     header, dp = step_file.header, trainer.topology.dp_rank
-    paths = [store.path(chunk_keys(store, header.refs[i])[0]) for i in sorted(own_requests(header, dp))]
+    paths = [store.path(chunk_keys(header.refs[i].key)[0]) for i in sorted(own_requests(header, dp))]
     buffers = [np.ones(os.path.getsize(p), np.uint8) for p in paths]
     not_dropped = np.zeros(len(header.micro_batches_of(dp)), bool)
     limit_s, verified_s, ours_s = [], [], []

@@ -23,12 +23,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from refpipe.job.text import printable
 from refpipe.pipeline.step_file import StepFile, locate_step_file
 from refpipe.storage.backends import open_store
-from refpipe.storage.chunk import PayloadRef
-from refpipe.storage.chunks import chunk_keys
+from refpipe.storage.chunk_ref import PayloadRef
 from refpipe.storage.concurrency import bounded_map
 from refpipe.storage.config import run_storage
 from refpipe.storage.errors import ConfigError, DeleteRecordError, RefpipeError
-from refpipe.storage.layout import step_key
+from refpipe.storage.layout import chunk_keys, step_key
 from refpipe.storage.ledger import delete_record_of
 from refpipe.storage.store import Store
 
@@ -178,7 +177,7 @@ def chunk_state(store: Store, ref: PayloadRef) -> ChunkState:
     Raises:
         OutsideRunError: the ref lies outside the run (``StepFile`` already refuses such step files).
     """
-    gone = [key.rpartition("/")[2] for key in chunk_keys(store, ref) if not store.exists(key)]
+    gone = [key.rpartition("/")[2] for key in chunk_keys(ref.key) if not store.exists(key)]
     if not gone:
         return ChunkState(store.uri(ref.key), True)
     why = "missing" if len(gone) == 2 else f"incomplete: {gone[0]} missing"

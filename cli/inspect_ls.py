@@ -24,7 +24,7 @@ from rich.table import Table
 from refpipe.cli.inspect_common import S3_ENDPOINT_HELP, clean_errors, fail, open_run, parallel_map, progress
 from refpipe.job.text import markup_safe
 from refpipe.pipeline.step_zip import TAIL_NBYTES, damage_from_tail
-from refpipe.storage.chunk import read_writer
+from refpipe.storage.chunk_codec import read_writer
 from refpipe.storage.layout import (
     DATA_NAME,
     DELETES_PREFIX,

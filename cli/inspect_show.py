@@ -35,8 +35,8 @@ from refpipe.cli.inspect_common import (
 )
 from refpipe.job.text import printable
 from refpipe.pipeline.step_header import MicroBatchRecord, StepHeader
+from refpipe.storage.chunk_read import fetch_arrays
 from refpipe.storage.errors import ChunkNotFoundError, ConfigError, RefError
-from refpipe.storage.fetch import fetch_arrays
 from refpipe.storage.store import Store
 from refpipe.trainer.assemble import AssembledMicroBatch, assemble_micro_batch
 from refpipe.trainer.layout import pad_streams, padded_cu_seqlens

@@ -1,10 +1,10 @@
 """``refpipe verify``: read every chunk a step file references and check it against its reference.
 
 For each ref: its chunk exists in the run as opened (``PayloadRef.key``), the whole chunk has the
-ref's length and crc32c (``storage.fetch.fetch_arrays`` with ``num_tokens=None``),
+ref's length and crc32c (``storage.chunk_read.fetch_arrays`` with ``num_tokens=None``),
 the decoded arrays have the ref's dtypes and shapes, and the chunk's
 ``zarr.json`` field table agrees with the ref (its ``block_rows`` by
-``storage.chunk.check_block_rows``). Every stream member of the step file is checked too (its crc32c
+``storage.chunk_ref.check_block_rows``). Every stream member of the step file is checked too (its crc32c
 against the header's ``stream_crc32c``, its dtype and shape), and every micro batch a trainer would drop
 for its refs is named. One line per problem on stdout, then a one-line summary; exit code 1 if any problem.
 """
@@ -25,10 +25,11 @@ from refpipe.cli.inspect_common import (
 )
 from refpipe.job.text import printable
 from refpipe.pipeline.step_file import StepFile, check_step
-from refpipe.storage.chunk import PayloadRef, check_block_rows, read_attributes
-from refpipe.storage.chunks import chunk_keys
+from refpipe.storage.chunk_codec import read_attributes
+from refpipe.storage.chunk_read import fetch_arrays
+from refpipe.storage.chunk_ref import PayloadRef, check_block_rows
 from refpipe.storage.errors import ChunkCorruptError, KeyNotFoundError
-from refpipe.storage.fetch import fetch_arrays
+from refpipe.storage.layout import chunk_keys
 from refpipe.storage.store import Store
 
 
@@ -75,7 +76,7 @@ def verify_chunk(store: Store, ref: PayloadRef) -> list[str]:
     URI in the run as opened."""
     uri = store.uri(ref.key)
     try:
-        _, meta_key = chunk_keys(store, ref)
+        _, meta_key = chunk_keys(ref.key)
         arrays = fetch_arrays(store, ref, None)
         problems = _metadata_problems(store, ref, meta_key)
     except KeyNotFoundError:

@@ -33,7 +33,7 @@ from verifiers.v1.trace import Trace
 
 from refpipe.pipeline.fields import Ragged
 from refpipe.pipeline.keep import Branch
-from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.chunk_ref import PayloadRef
 from refpipe.storage.errors import EpisodeError, FieldError
 
 INFO_KEY = "refpipe"

@@ -20,7 +20,7 @@ from verifiers.v1.types import SamplingConfig
 
 from refpipe.integrations.verifiers_branches import num_prompt_tokens, read_refs, trainable_branches
 from refpipe.pipeline.samples import BranchResult, Episode
-from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.chunk_ref import PayloadRef
 from refpipe.storage.errors import EpisodeError
 from refpipe.storage.ledger import Ledger
 

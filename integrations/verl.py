@@ -33,9 +33,9 @@ import torch
 from refpipe.pipeline.fields import FIELDS, FieldsConfig, as_numpy, spread_expert_rows
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.pipeline.slices import PayloadSlice
+from refpipe.storage.chunk_read import fetch_arrays
 from refpipe.storage.concurrency import bounded_map
 from refpipe.storage.errors import FieldError
-from refpipe.storage.fetch import fetch_arrays
 from refpipe.storage.ledger import DeleteResult, Ledger
 from refpipe.storage.store import Store
 

@@ -37,7 +37,7 @@ from refpipe.job.task import Problem, make_problems, reward
 from refpipe.job.weights import latest_version, load_weights
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.pipeline.samples import BranchResult, Episode
-from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.chunk_ref import PayloadRef
 from refpipe.storage.errors import ConfigError, StorageError
 from refpipe.storage.layout import address_key, env_worker_actor
 from refpipe.storage.ledger import Ledger

@@ -28,7 +28,7 @@ from rich.progress import Progress
 
 from refpipe.pipeline.step_file import StepFile, check_step
 from refpipe.pipeline.step_header import StepHeader
-from refpipe.storage.chunk import read_writer
+from refpipe.storage.chunk_codec import read_writer
 from refpipe.storage.concurrency import bounded_map
 from refpipe.storage.errors import ConfigError, KeyNotFoundError, RunNotFoundError, StepFileError
 from refpipe.storage.layout import (

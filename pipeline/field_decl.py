@@ -16,7 +16,7 @@ from typing import Literal, cast
 import numpy as np
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from refpipe.storage.chunk import STORED_DTYPES
+from refpipe.storage.chunk_ref import STORED_DTYPES
 from refpipe.storage.config import CONFIG
 
 Dims = Mapping[str, int | None]

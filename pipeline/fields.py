@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from refpipe.pipeline.field_checks import check_values
 from refpipe.pipeline.field_decl import Dims, FieldDecl, ValueChecks, narrow_dtype, padding_rows, strided_rows
-from refpipe.storage.chunk import ArraySpec, domain_rows
+from refpipe.storage.chunk_ref import ArraySpec, domain_rows
 from refpipe.storage.config import CONFIG
 from refpipe.storage.errors import FieldError
 

@@ -13,8 +13,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from refpipe.pipeline.fields import FieldsConfig, validate_branch
-from refpipe.storage.chunk import PayloadRef, encode_chunk
-from refpipe.storage.chunks import put_chunk
+from refpipe.storage.chunk_codec import encode_chunk
+from refpipe.storage.chunk_ref import PayloadRef
+from refpipe.storage.chunk_write import put_chunk
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.ledger import DeleteResult, Ledger
 from refpipe.storage.store import Store

@@ -46,7 +46,7 @@ from refpipe.pipeline.publish import publish_step
 from refpipe.pipeline.samples import BranchResult, Episode, Sample, build_sample, check_episode, kept_completion_tokens
 from refpipe.pipeline.slices import check_in_run
 from refpipe.pipeline.step_header import MAX_SEQ_LEN, StepHeader
-from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.chunk_ref import PayloadRef
 from refpipe.storage.config import CONFIG
 from refpipe.storage.errors import DoubleDeleteError, EpisodeError, OutsideRunError, UnknownRefError
 from refpipe.storage.layout import ORCHESTRATOR_ACTOR

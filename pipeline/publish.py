@@ -37,7 +37,7 @@ from refpipe.pipeline.step_header import (
     check_extra_stream,
     has_token_rows,
 )
-from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.chunk_ref import PayloadRef
 from refpipe.storage.errors import PackingError, SliceError, validation_problems
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.store import Store

@@ -18,7 +18,7 @@ import numpy as np
 
 from refpipe.pipeline.slices import PayloadSlice, check_in_run
 from refpipe.pipeline.step_header import STREAMS, has_token_rows
-from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.chunk_ref import PayloadRef
 from refpipe.storage.errors import EpisodeError, PackingError
 from refpipe.storage.uri import RunPrefix
 

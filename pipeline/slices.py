@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from numbers import Integral
 from typing import NamedTuple
 
-from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.chunk_ref import PayloadRef
 from refpipe.storage.errors import OutsideRunError, SliceError
 from refpipe.storage.layout import is_id
 from refpipe.storage.uri import RunPrefix

@@ -32,7 +32,7 @@ from pydantic import ValidationError
 from refpipe.pipeline.step_header import SCHEMA_VERSION, STREAMS, StepHeader
 from refpipe.pipeline.step_zip import npy_header_bytes, stream_member
 from refpipe.storage.backends import open_store
-from refpipe.storage.chunk import REF_ROWS_CHECKED_PER_USE
+from refpipe.storage.chunk_ref import REF_ROWS_CHECKED_PER_USE
 from refpipe.storage.config import run_storage
 from refpipe.storage.errors import ConfigError, KeyExistsError, StepFileError, validation_problems
 from refpipe.storage.layout import STEPS_PREFIX, parse_step_key, step_key

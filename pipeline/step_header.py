@@ -18,7 +18,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from refpipe.pipeline.fields import FieldsConfig
-from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.chunk_ref import PayloadRef
 
 SCHEMA_VERSION = 3
 """3: the header carries ``stream_crc32c`` (2: no stream checksums; 1: no field shapes)."""

@@ -65,7 +65,8 @@ _WHERE = {
     "TrainingStep": "refpipe.trainer.loop", "StepDataset": "refpipe.trainer.loop",
     "ResumePlan": "refpipe.trainer.resume",
     "StorageConfig": "refpipe.storage.config", "open_store": "refpipe.storage.backends",
-    "Store": "refpipe.storage.store", "PayloadRef": "refpipe.storage.chunk", "fetch_arrays": "refpipe.storage.fetch",
+    "Store": "refpipe.storage.store", "PayloadRef": "refpipe.storage.chunk_ref",
+    "fetch_arrays": "refpipe.storage.chunk_read",
     **{name: "refpipe.storage.errors" for name in _ERRORS},
 }
 __all__ = [
@@ -98,7 +99,8 @@ if TYPE_CHECKING:
     from refpipe.pipeline.step_file import StepFile, read_step_file
     from refpipe.pipeline.step_header import StepHeader
     from refpipe.storage.backends import open_store
-    from refpipe.storage.chunk import PayloadRef
+    from refpipe.storage.chunk_read import fetch_arrays
+    from refpipe.storage.chunk_ref import PayloadRef
     from refpipe.storage.config import StorageConfig
     from refpipe.storage.errors import (
         AlignmentError,
@@ -132,7 +134,6 @@ if TYPE_CHECKING:
         TruncatedChunkError,
         UnknownRefError,
     )
-    from refpipe.storage.fetch import fetch_arrays
     from refpipe.storage.ledger import DeleteResult, Ledger
     from refpipe.storage.store import Store
     from refpipe.trainer.config import TrainerConfig

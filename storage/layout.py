@@ -2,7 +2,7 @@
 
 Keys are relative to the run prefix (``storage.uri.RunPrefix``)::
 
-    payloads/<shard>/<branch_id>/c.0               a branch's chunk (``storage.chunk``)
+    payloads/<shard>/<branch_id>/c.0               a branch's chunk (``storage.chunk_codec``)
     payloads/<shard>/<branch_id>/zarr.json         its commit marker, written last
     ledger/events/<actor>/<session>/<bucket>/<seq>.jsonl
                                                    ledger segment ``seq`` of a session ``<pid>-<ms>``, 1,000
@@ -103,7 +103,10 @@ def _shard(branch_id: str) -> str:
 
 
 def chunk_keys(node: str) -> tuple[str, str]:
-    """``(data_key, meta_key)`` of the node ``node`` (``payloads/<shard>/<branch_id>``)."""
+    """``(data_key, meta_key)`` of the node ``node`` (``payloads/<shard>/<branch_id>``).
+
+    For a ref, pass ``ref.key`` (``PayloadRef.key``): derived from its branch id, so confined to the run prefix
+    whatever path the writer saw the run under (``OutsideRunError`` there when its URI names another chunk)."""
     return f"{node}/{DATA_NAME}", f"{node}/{META_NAME}"
 
 

@@ -45,8 +45,7 @@ from typing import Any, NamedTuple
 import crc32c
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from refpipe.storage.chunk import PayloadRef
-from refpipe.storage.chunks import chunk_keys
+from refpipe.storage.chunk_ref import PayloadRef
 from refpipe.storage.concurrency import bounded_map
 from refpipe.storage.errors import (
     ConfigError,
@@ -63,6 +62,7 @@ from refpipe.storage.layout import (
     HEARTBEATS_PREFIX,
     branch_id_of,
     check_id,
+    chunk_keys,
     heartbeat_key,
     meta_key,
     parse_heartbeat_key,
@@ -174,7 +174,7 @@ def read_delete_record(data: bytes, uri: str) -> DeleteRecord:
 
 def delete_record_of(store: Store, branch_id: str) -> DeleteRecord | DeleteRecordError | None:
     """The delete record of ``branch_id``'s chunk, the error that makes it unreadable, or None when there is none:
-    how a missing chunk is explained (``storage.fetch`` after a not-found; the CLI's ``show``, ``verify``,
+    how a missing chunk is explained (``storage.chunk_read`` after a not-found; the CLI's ``show``, ``verify``,
     ``inspect``). One ``Store.get``."""
     key = tombstone_key(branch_id)
     try:
@@ -435,7 +435,7 @@ class Ledger:
         """
         targets = []
         for ref in refs:
-            data_key, meta_key = chunk_keys(self.store, ref)
+            data_key, meta_key = chunk_keys(ref.key)
             targets.append(_Target(ref.branch_id, self.store.uri(ref.key), meta_key, [meta_key, data_key]))
         return self._delete_targets(targets, reason, max_concurrency)
 

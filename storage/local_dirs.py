@@ -1,4 +1,4 @@
-"""Directory handles of a local run prefix, opened once and reused (``storage.local_store``).
+"""Directory handles of a local run prefix, opened once and reused (``storage.local_confined``).
 
 A key's directories are reached from the run prefix one ``openat(O_PATH | O_NOFOLLOW)`` at a time, so no
 symlink below the prefix is followed (DESIGN.md, invariant 4). ``DirectoryHandles`` keeps the ``O_PATH`` fds
@@ -9,7 +9,7 @@ use its current path (``readlink`` of ``/proc/self/fd/<fd>``: the kernel's name 
 filesystem call) is compared with the path it had when opened: a directory moved (say, out of the run, a
 symlink put in its place) or removed on this host is dropped and walked to again, which refuses the symlink.
 A handle of a directory removed by another host (NFS, Lustre) answers ``ENOENT`` or ``ESTALE``; the store
-then forgets it and walks again (``LocalStore._at``). Without ``/proc/self/fd`` nothing is cached.
+then forgets it and walks again (``ConfinedPrefix.at``). Without ``/proc/self/fd`` nothing is cached.
 
 Bounded (``limit`` handles, least recently used dropped first); an fd in use by an operation on another
 thread is closed only when that operation ends. Per process: after a fork the child starts empty.

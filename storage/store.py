@@ -91,7 +91,7 @@ class Store(abc.ABC):
         """Run ``op``, retrying errors of type ``retry`` with exponential backoff and jitter: the one retry layer.
 
         ``retry``: ``TransientStorageError`` (every backend verb), or ``KeyNotFoundError`` for a key a reference
-        says was kept (a stale cache or a lagging replica may not show it yet; ``storage.fetch``).
+        says was kept (a stale cache or a lagging replica may not show it yet; ``storage.chunk_read``).
 
         Raises:
             TransientStorageError: still failing after ``config.max_retries`` retries (``retry`` itself for others).

@@ -51,7 +51,7 @@ from refpipe.pipeline.field_checks import check_bounds
 from refpipe.pipeline.field_decl import FieldDecl
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.step_header import MicroBatchRecord, SequenceRecord
-from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.chunk_ref import PayloadRef
 from refpipe.storage.errors import FieldError
 from refpipe.trainer.layout import field_row_ids, pad_streams, padded_cu_seqlens, padding_rows_of
 from refpipe.trainer.plan import MicroBatchPlan, buffer_dtype, check_fits, laid_out, plan_micro_batch
@@ -119,7 +119,7 @@ def assemble_micro_batch(
     Args:
         mb: the micro batch record (``StepHeader.micro_batches``).
         streams: its token streams as ``StepFile.streams`` returns them: name -> [T].
-        arrays: ref index -> fetched arrays (``storage.fetch.fetch_arrays``), cut to at least
+        arrays: ref index -> fetched arrays (``storage.chunk_read.fetch_arrays``), cut to at least
             as many tokens as every sequence of ``mb`` using that ref keeps.
         refs: ``StepHeader.refs`` (prompt lengths and which arrays each ref carries).
         seq_len: ``StepHeader.seq_len``; tokens, ``>= mb.num_tokens``.

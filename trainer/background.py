@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from refpipe.pipeline.step_file import StepFile
-from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.chunk_ref import PayloadRef
 from refpipe.storage.errors import DoubleDeleteError, KeyNotFoundError, StorageError, UnknownRefError
 from refpipe.storage.ledger import Ledger
 from refpipe.trainer.fetch import FetchedStep

@@ -3,13 +3,13 @@
 Every rank fetches for itself (model-parallel peers of one DP rank each fetch the same
 chunks): only the refs its DP rank's micro batches use, each once, cut to the most
 tokens any of its sequences keeps, so a truncated slice reads only its kept rows
-(``storage.fetch.fetch_into``). Fetches run on at most ``StorageConfig.max_concurrent_fetches``
+(``storage.chunk_read.fetch_into``). Fetches run on at most ``StorageConfig.max_concurrent_fetches``
 threads (``storage.concurrency.bounded_map``); transient store errors are retried inside the
 store (``StorageConfig.max_retries``).
 
 Each micro batch's output arrays are allocated first (``trainer.plan.plan_micro_batch``)
 and each whole uncompressed chunk is read straight into them: the chunk's rows land in
-their final place (``storage.fetch.fetch_into``, one ``preadv``, the crc32c
+their final place (``storage.chunk_read.fetch_into``, one ``preadv``, the crc32c
 computed over those arrays). A ref is read once, into the targets the first micro batch
 planning it names (``MicroBatchPlan.read_targets``: its first sequence that keeps as many tokens
 as are fetched), which then records them as read (``mark_read``); its other uses (a borrowed padding dummy, a
@@ -33,9 +33,9 @@ import numpy as np
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.step_file import StepFile
 from refpipe.pipeline.step_header import StepHeader
+from refpipe.storage.chunk_read import fetch_into
 from refpipe.storage.concurrency import bounded_map
 from refpipe.storage.errors import KeyNotFoundError, RefpipeError, StepFileError
-from refpipe.storage.fetch import fetch_into
 from refpipe.storage.layout import step_key
 from refpipe.storage.store import Store
 from refpipe.trainer.assemble import AssembledMicroBatch, finish_micro_batch

@@ -13,7 +13,7 @@ import numpy as np
 from refpipe.pipeline.field_decl import FieldDecl, padding_rows
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.step_header import STREAMS, MicroBatchRecord
-from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.chunk_ref import PayloadRef
 
 _STREAM_PADDING = {"input_ids": 0, "loss_mask": False, "advantages": 0.0, "inference_logprobs": 0.0,
                    "temperatures": 1.0}

@@ -16,7 +16,7 @@ import numpy as np
 from refpipe.pipeline.field_decl import FieldDecl, narrow_dtype
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.step_header import MicroBatchRecord, SequenceRecord
-from refpipe.storage.chunk import PayloadRef, domain_rows
+from refpipe.storage.chunk_ref import PayloadRef, domain_rows
 from refpipe.storage.errors import FieldError, PackingError
 
 

@@ -26,10 +26,9 @@ from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.pipeline.step_file import publish_step_file
 from refpipe.pipeline.step_header import SCHEMA_VERSION, STREAMS, MicroBatchRecord, SequenceRecord, StepHeader
 from refpipe.storage.backends import open_store
-from refpipe.storage.chunk import PayloadRef
-from refpipe.storage.chunks import chunk_keys
+from refpipe.storage.chunk_ref import PayloadRef
 from refpipe.storage.config import StorageConfig
-from refpipe.storage.layout import step_key
+from refpipe.storage.layout import chunk_keys, step_key
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.s3_store import S3Store
 from refpipe.storage.store import Store
@@ -176,7 +175,7 @@ def test_inspect_json_counts_equal_what_was_packed(run):
 
 def test_inspect_table_shows_counts_and_missing_chunks(run):
     Ledger(run.store, "trainer_dp0").delete([run.refs["a"]], reason="step 0 trained")
-    run.store.delete_keys(list(chunk_keys(run.store, run.refs["g"])))  # gone without a delete record
+    run.store.delete_keys(list(chunk_keys(run.refs["g"].key)))  # gone without a delete record
     before = snapshot(run.store)
     result = invoke(["inspect", run.step_uris[0], *run.cli_args()])
     assert result.exit_code == 0, result.output
@@ -196,7 +195,7 @@ def test_inspect_table_shows_counts_and_missing_chunks(run):
 
 
 def test_inspect_plot_writes_a_png(run, tmp_path):
-    run.store.delete_keys(list(chunk_keys(run.store, run.refs["c"])))
+    run.store.delete_keys(list(chunk_keys(run.refs["c"].key)))
     before = snapshot(run.store)
     png = tmp_path / "out" / "step0.png"
     png.parent.mkdir()
@@ -219,7 +218,7 @@ def test_ls_counts_steps_chunks_per_writer_and_ledger(run):
     assert summary["steps"] == {"num_steps": 2, "first": 0, "latest": 1, "nbytes": step_bytes, "damaged": {}}
     def nbytes(names):
         return sum(v for k, v in files.items() for n in names
-                   if k.startswith(chunk_keys(run.store, run.refs[n])[0][:-3]))
+                   if k.startswith(chunk_keys(run.refs[n].key)[0][:-3]))
     assert summary["chunks"] == {
         "num_chunks": 7, "nbytes": sum(v for k, v in files.items() if k.startswith("payloads/")),
         "num_incomplete": 0, "num_temp_files": 0, "corrupt": [],
@@ -248,7 +247,7 @@ def test_ls_table(local_run):
 
 
 def test_ls_sees_incomplete_and_temp_objects(local_run):
-    data_key, meta_key = chunk_keys(local_run.store, local_run.refs["b"])
+    data_key, meta_key = chunk_keys(local_run.refs["b"].key)
     os.unlink(local_run.store.path(meta_key))  # a keep that crashed before its commit marker
     open(local_run.store.path(data_key) + ".tmp-0123456789ab", "wb").close()
     summary = json.loads(invoke(["ls", local_run.store.prefix.uri, "--json"]).stdout)
@@ -302,7 +301,7 @@ def test_inspect_and_verify_a_step_the_orchestrator_packed(storage_config):
 
 def test_ls_flags_a_corrupt_zarr_json_and_goes_on(local_run):
     """A chunk with an id of its own has its ``zarr.json`` read for the writer: garbage there is flagged."""
-    _, meta_key = chunk_keys(local_run.store, local_run.refs["e"])
+    _, meta_key = chunk_keys(local_run.refs["e"].key)
     with open(local_run.store.path(meta_key), "w") as f:
         f.write("{garbage")
     result = invoke(["ls", local_run.store.prefix.uri, "--json"])
@@ -333,7 +332,7 @@ def test_ls_names_a_truncated_step_file_as_damaged_and_goes_on(run):
 
 def test_inspect_counts_a_chunk_without_its_data_as_missing(local_run):
     """``zarr.json`` alone is not a chunk: ``inspect`` agrees with ``verify`` and ``show``."""
-    data_key, _ = chunk_keys(local_run.store, local_run.refs["b"])
+    data_key, _ = chunk_keys(local_run.refs["b"].key)
     local_run.store.delete_keys([data_key])
     summary = json.loads(invoke(["inspect", local_run.step_uris[0], "--json"]).stdout)
     assert (summary["num_chunks_present"], summary["num_chunks_missing"]) == (6, 1)

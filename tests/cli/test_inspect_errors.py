@@ -105,9 +105,9 @@ def test_permission_denied_is_one_line(local_run):
 
 
 def test_no_command_changes_the_run(run, tmp_path):
-    from refpipe.storage.chunks import chunk_keys
+    from refpipe.storage.layout import chunk_keys
 
-    run.store.delete_keys(list(chunk_keys(run.store, run.refs["e"])))  # so failing paths run too
+    run.store.delete_keys(list(chunk_keys(run.refs["e"].key)))  # so failing paths run too
     before = snapshot(run.store)
     step, endpoint = run.step_uris[0], run.cli_args()
     commands = [["inspect", step, "--json"], ["inspect", step, "--plot", str(tmp_path / "p.png")],

@@ -8,7 +8,7 @@ import pytest
 from refpipe.pipeline.fields import spread_expert_rows
 from refpipe.pipeline.step_file import StepFile
 from refpipe.pipeline.step_header import STREAMS
-from refpipe.storage.fetch import fetch_arrays
+from refpipe.storage.chunk_read import fetch_arrays
 from refpipe.storage.ledger import Ledger
 from refpipe.trainer.assemble import assemble_micro_batch
 from refpipe.trainer.layout import pad_streams, padded_cu_seqlens

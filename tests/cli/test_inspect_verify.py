@@ -10,9 +10,8 @@ import crc32c
 import pytest
 
 from refpipe.pipeline.step_file import HEADER_MEMBER, StepFile
-from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.errors import StepFileError
-from refpipe.storage.layout import step_key
+from refpipe.storage.layout import chunk_keys, step_key
 from refpipe.storage.ledger import Ledger
 from tests.cli.test_inspect import invoke, snapshot
 from tests.helpers.step_file import forge_header
@@ -30,17 +29,17 @@ def test_verify_passes_an_intact_step(run):
 def test_verify_flags_every_problem_once(run):
     store, refs = run.store, run.refs
     Ledger(store, "trainer_dp0").delete([refs["a"]], reason="step 0 trained")
-    data_key, meta_key = chunk_keys(store, refs["b"])
+    data_key, meta_key = chunk_keys(refs["b"].key)
     store.put(data_key, store.get(data_key)[:-9])  # truncated
-    data_key, _ = chunk_keys(store, refs["c"])
+    data_key, _ = chunk_keys(refs["c"].key)
     flipped = bytearray(store.get(data_key))
     flipped[10] ^= 0xFF
     store.put(data_key, bytes(flipped))  # corrupted
-    _, meta_key = chunk_keys(store, refs["f"])
+    _, meta_key = chunk_keys(refs["f"].key)
     meta = json.loads(store.get(meta_key))
     meta["attributes"]["refpipe"]["arrays"]["topk_ids"]["dtype"] = "<u4"
     store.put(meta_key, json.dumps(meta).encode())  # zarr.json disagrees with the reference
-    store.delete_keys(list(chunk_keys(store, refs["g"])))  # gone without a delete record
+    store.delete_keys(list(chunk_keys(refs["g"].key)))  # gone without a delete record
     relocated = refs["d"].uri.replace("/run_1/", "/run_10/")  # provenance only: d is still read in this run
 
     def point_d_elsewhere(header):
@@ -127,10 +126,10 @@ def test_a_changed_stream_member_is_named_by_its_crc32c_and_refused(local_run, m
 
 def test_verify_names_a_corrupt_zarr_json(local_run):
     store, f, g = local_run.store, local_run.refs["f"], local_run.refs["g"]
-    store.put(chunk_keys(store, f)[1], b"{garbage")
-    meta = json.loads(store.get(chunk_keys(store, g)[1]))
+    store.put(chunk_keys(f.key)[1], b"{garbage")
+    meta = json.loads(store.get(chunk_keys(g.key)[1]))
     del meta["attributes"]
-    store.put(chunk_keys(store, g)[1], json.dumps(meta).encode())
+    store.put(chunk_keys(g.key)[1], json.dumps(meta).encode())
     result = invoke(["verify", local_run.step_uris[0]])
     assert result.exit_code == 1
     assert result.stdout.splitlines()[:-1] == [

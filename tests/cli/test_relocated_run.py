@@ -20,10 +20,10 @@ from refpipe.integrations.verifiers_branches import INFO_KEY, read_refs
 from refpipe.pipeline.step_file import StepFile
 from refpipe.pipeline.step_header import StepHeader
 from refpipe.storage.backends import open_store
-from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.chunk_read import fetch_arrays
+from refpipe.storage.chunk_ref import PayloadRef
 from refpipe.storage.errors import EpisodeError, OutsideRunError
-from refpipe.storage.fetch import chunk_keys, fetch_arrays
-from refpipe.storage.layout import step_key
+from refpipe.storage.layout import chunk_keys, step_key
 from refpipe.storage.ledger import Ledger
 from tests.cli.test_inspect import Run, invoke, snapshot
 
@@ -84,7 +84,7 @@ def test_a_copied_run_is_audited_swept_and_deleted_in_the_copy_only(local_run, t
     original = snapshot(local_run.store)
     result = Ledger(copy.store, "trainer_dp0").delete([local_run.refs["a"]], reason="step 0 trained")
     assert result.deleted == [copy.store.uri(local_run.refs["a"].key)]
-    assert not copy.store.exists(chunk_keys(copy.store, local_run.refs["a"])[1])
+    assert not copy.store.exists(chunk_keys(local_run.refs["a"].key)[1])
     stopped = json.loads(invoke(["audit", copy.store.prefix.path, "--json", "--stopped"]).stdout)
     assert (stopped["deleted"], stopped["leaked"], stopped["unreadable_step_files"]) == (2, 0, [])
     # --force: the sessions recorded in the copy were opened by this test's pid, which is alive
@@ -107,7 +107,7 @@ def test_a_corrupt_chunk_of_a_copied_run_is_named_in_the_copy(local_run, tmp_pat
     header = StepFile.read(copy.store, 1).header
     ref = header.refs[0]
     mb = next(mb for mb in header.micro_batches if any(seq.ref == 0 for seq in mb.sequences))
-    data_key = chunk_keys(copy.store, ref)[0]
+    data_key = chunk_keys(ref.key)[0]
     corrupted = bytearray(copy.store.get(data_key))
     corrupted[0] ^= 0xFF
     copy.store.put(data_key, bytes(corrupted))
@@ -125,7 +125,7 @@ def test_inspect_of_a_copied_run_prints_the_chunks_it_looked_at_in_the_copy(loca
     copy = _reopen(local_run, str(copy_root))
     b = local_run.refs["b"]
     for run in (local_run, copy):
-        run.store.delete_keys(list(chunk_keys(run.store, b)))  # gone from both, without a delete record
+        run.store.delete_keys(list(chunk_keys(b.key)))  # gone from both, without a delete record
     for args in (["--json"], []):
         original = invoke(["inspect", local_run.step_uris[1], *args])
         copied = invoke(["inspect", copy.step_uris[1], *args])

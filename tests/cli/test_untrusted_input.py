@@ -12,9 +12,8 @@ import pytest
 
 from refpipe.pipeline.audit import audit
 from refpipe.pipeline.step_file import HEADER_MEMBER, StepFile
-from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.errors import ConfigError, StepFileError
-from refpipe.storage.layout import EVENTS_PREFIX, node_key, step_key, tombstone_key
+from refpipe.storage.layout import EVENTS_PREFIX, chunk_keys, node_key, step_key, tombstone_key
 from refpipe.storage.uri import RunPrefix
 from refpipe.trainer.fetch import wait_for_step
 from tests.cli.test_inspect import invoke
@@ -132,10 +131,10 @@ def test_ids_with_a_trailing_newline_are_refused():
 @pytest.mark.parametrize("block_rows", [0, 2**31])
 def test_a_forged_block_rows_in_zarr_json_is_a_verify_problem(local_run, block_rows):
     """``refpipe verify`` compared the field table of ``zarr.json`` with the ref but not its ``block_rows``: 0 or 2**31
-    passed as intact. Now the one rule (``storage.chunk.check_block_rows``) judges it as it judges a ref's."""
+    passed as intact. Now the one rule (``storage.chunk_ref.check_block_rows``) judges it as it judges a ref's."""
     store = local_run.store
     ref = StepFile.read(store, 0).header.refs[0]
-    _, meta_key = chunk_keys(store, ref)
+    _, meta_key = chunk_keys(ref.key)
     document = json.loads(store.get(meta_key))
     document["attributes"]["refpipe"]["block_rows"] = block_rows
     store.put(meta_key, json.dumps(document).encode())
@@ -153,7 +152,7 @@ def test_a_malformed_delete_record_is_a_verify_and_show_problem_not_a_crash(loca
     (``storage.ledger.read_delete_record``) names the record and what is wrong; every other chunk is still checked."""
     store = local_run.store
     ref = StepFile.read(store, 0).header.refs[0]
-    store.delete_keys(list(chunk_keys(store, ref)))
+    store.delete_keys(list(chunk_keys(ref.key)))
     store.put(tombstone_key(ref.branch_id), b"[]")
     tomb = store.uri(tombstone_key(ref.branch_id))
     why = f"deleted (delete record {tomb} is unreadable: Input should be an object)"

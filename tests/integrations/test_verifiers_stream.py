@@ -27,8 +27,8 @@ from refpipe.pipeline.audit import audit  # noqa: E402
 from refpipe.pipeline.fields import FieldsConfig  # noqa: E402
 from refpipe.pipeline.keep import Keeper  # noqa: E402
 from refpipe.storage.backends import open_store  # noqa: E402
+from refpipe.storage.chunk_read import fetch_arrays  # noqa: E402
 from refpipe.storage.errors import FieldError  # noqa: E402
-from refpipe.storage.fetch import fetch_arrays  # noqa: E402
 from refpipe.storage.ledger import Ledger  # noqa: E402
 from tests.integrations.vf_serving import Stream, byte_leaves, payload_nodes, same_bytes, tombstones  # noqa: E402
 from tests.integrations.vf_traces import Engine, complete, inline_arrays, multi_turn, multi_turn_steps, new_trace  # noqa: E402

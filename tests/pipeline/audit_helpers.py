@@ -22,9 +22,9 @@ from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.pipeline.step_file import StepFile, publish_step_file
 from refpipe.pipeline.step_header import SCHEMA_VERSION, STREAMS, MicroBatchRecord, SequenceRecord, StepHeader
 from refpipe.storage.backends import open_store
-from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.chunk_read import fetch_arrays
+from refpipe.storage.chunk_ref import PayloadRef
 from refpipe.storage.config import StorageConfig
-from refpipe.storage.fetch import fetch_arrays
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.store import Store
 

@@ -14,7 +14,7 @@ import pytest
 from refpipe.pipeline.audit import audit
 from refpipe.pipeline.sweep import sweep
 from refpipe.storage.backends import open_store
-from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.chunk_ref import PayloadRef
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.store import Store

@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 from refpipe.storage.backends import open_store
-from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.chunk_ref import PayloadRef
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import DoubleDeleteError
 from refpipe.storage.layout import tombstone_key

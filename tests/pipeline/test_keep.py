@@ -15,8 +15,8 @@ import pytest
 from refpipe.pipeline.fields import FieldsConfig, Ragged
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.storage.backends import open_store
+from refpipe.storage.chunk_read import fetch_arrays
 from refpipe.storage.errors import ConfigError, DoubleDeleteError, FieldError, KeyExistsError
-from refpipe.storage.fetch import fetch_arrays
 from refpipe.storage.layout import DATA_NAME, META_NAME, node_key
 from refpipe.storage.ledger import Ledger
 

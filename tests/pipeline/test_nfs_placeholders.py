@@ -19,10 +19,9 @@ import pytest
 
 from refpipe.pipeline.audit import audit
 from refpipe.pipeline.sweep import SweepResult, sweep
-from refpipe.storage import local_store
+from refpipe.storage import local_confined, local_store
 from refpipe.storage.backends import open_store
-from refpipe.storage.chunks import chunk_keys
-from refpipe.storage.layout import node_key
+from refpipe.storage.layout import chunk_keys, node_key
 from refpipe.storage.ledger import Ledger
 from tests.helpers.fault_os import NfsClient, refusing
 from tests.pipeline.audit_helpers import keep, make_keeper
@@ -35,11 +34,12 @@ def _events(store, actor: str) -> list[str]:
 
 def test_a_silly_renamed_chunk_is_no_object_of_the_run(local_config, monkeypatch):
     nfs = NfsClient()
-    monkeypatch.setattr(local_store, "os", nfs)
+    for module in (local_store, local_confined):
+        monkeypatch.setattr(module, "os", nfs)
     store = open_store(local_config.model_copy(update={"max_retries": 2, "retry_backoff_s": 0.001}))
     keeper = make_keeper(store, store.config)
     refs = [keep(keeper, seed=s) for s in (1, 2)]
-    data_key = chunk_keys(store, refs[0])[0]
+    data_key = chunk_keys(refs[0].key)[0]
     chunk = store.get(data_key)
     reader = os.open(store.path(data_key), os.O_RDONLY)
     try:
@@ -76,7 +76,7 @@ def test_a_sweep_that_cannot_delete_one_chunk_finishes_the_others_and_closes_its
     keeper = make_keeper(store, store.config)
     refs = [keep(keeper, seed=s) for s in (3, 4)]
     trainer = Ledger(store, "trainer_dp0")
-    data = chunk_keys(store, refs[0])[0]  # listed first: the sweep deletes a node's keys in sorted order
+    data = chunk_keys(refs[0].key)[0]  # listed first: the sweep deletes a node's keys in sorted order
     with refusing(store.path(node_key(refs[0].branch_id))) as code:
         with refusing(store.path(node_key(refs[1].branch_id))):
             result = trainer.delete(refs, reason="trained")

@@ -21,7 +21,7 @@ from refpipe.pipeline.packing import (
 )
 from refpipe.pipeline.samples import BranchResult, Episode, build_sample
 from refpipe.pipeline.step_header import STREAMS
-from refpipe.storage.chunk import ArraySpec, PayloadRef, layout_arrays
+from refpipe.storage.chunk_ref import ArraySpec, PayloadRef, layout_arrays
 from refpipe.storage.errors import PackingError
 from refpipe.storage.layout import node_key
 

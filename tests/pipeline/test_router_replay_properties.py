@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from refpipe.pipeline.field_decl import strided_rows
 from refpipe.pipeline.fields import FieldsConfig, validate_branch
 from refpipe.pipeline.step_header import MicroBatchRecord, SequenceRecord
-from refpipe.storage.chunk import ArraySpec, PayloadRef
+from refpipe.storage.chunk_ref import ArraySpec, PayloadRef
 from refpipe.storage.errors import FieldError
 from refpipe.storage.layout import node_key
 from refpipe.trainer.layout import field_row_ids

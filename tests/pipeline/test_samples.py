@@ -16,7 +16,7 @@ from refpipe.pipeline.samples import (
     check_episode,
     kept_completion_tokens,
 )
-from refpipe.storage.chunk import ArraySpec, PayloadRef
+from refpipe.storage.chunk_ref import ArraySpec, PayloadRef
 from refpipe.storage.errors import EpisodeError, PackingError
 from refpipe.storage.layout import node_key
 from refpipe.storage.uri import RunPrefix

@@ -10,7 +10,7 @@ import pytest
 
 from refpipe.pipeline.slices import PayloadSlice, SliceId, ref_digest
 from refpipe.storage.backends import open_store
-from refpipe.storage.chunk import ArraySpec, PayloadRef, layout_arrays
+from refpipe.storage.chunk_ref import ArraySpec, PayloadRef, layout_arrays
 from refpipe.storage.errors import SliceError
 from refpipe.storage.layout import draw_branch_id, node_key
 from tests.pipeline.orchestrator_helpers import FIELDS, branch, make_keeper

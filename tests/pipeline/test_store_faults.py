@@ -23,12 +23,12 @@ from refpipe.job.weights import publish_weights
 from refpipe.pipeline.audit import audit
 from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.backends import open_store
-from refpipe.storage.chunks import chunk_keys
+from refpipe.storage.chunk_read import fetch_arrays
 from refpipe.storage.errors import ChunkNotFoundError, TransientStorageError, TruncatedChunkError
-from refpipe.storage.fetch import fetch_arrays
 from refpipe.storage.layout import (
     LATEST_WEIGHTS_KEY,
     checkpoint_key,
+    chunk_keys,
     segment_key,
     step_key,
     tombstone_key,
@@ -95,7 +95,7 @@ def test_keep(run, kind, target):
     ref = keep(keeper, seed=1)
     proxy.settle()
     _assert_write_recovered(store, proxy, kind)
-    assert sorted(k for k in direct.list_prefix("payloads")) == sorted(chunk_keys(direct, ref))
+    assert sorted(k for k in direct.list_prefix("payloads")) == sorted(chunk_keys(ref.key))
     assert fetch_arrays(direct, ref)["topk_ids"].shape == (NUM_COMPLETION, 2)
     assert keeper.discard([ref]).deleted == [ref.uri]
     _assert_audit_clean(direct, keeper.ledger, deleted=1)
@@ -250,7 +250,7 @@ def test_delete_claim_put(run, kind):
 def test_delete_objects_request(run, kind):
     direct, store, proxy = run
     refs, _ = _kept_pair(direct)
-    proxy.add(_fault(kind, "POST", "/" + chunk_keys(direct, refs[0])[0]))
+    proxy.add(_fault(kind, "POST", "/" + chunk_keys(refs[0].key)[0]))
     result = Ledger(store, "trainer_dp0").delete(refs, reason="trained")
     proxy.settle()
     assert result.deleted == [r.uri for r in refs] and result.failed == {}
@@ -262,7 +262,7 @@ def test_delete_objects_request(run, kind):
 def test_delete_objects_transient_key_error_is_retried_for_that_key(run, code):
     direct, store, proxy = run
     refs, _ = _kept_pair(direct)
-    data_key = chunk_keys(direct, refs[1])[0]
+    data_key = chunk_keys(refs[1].key)[0]
     proxy.add(_fault("key_error", "POST", f"/{data_key}", code=code))
     result = Ledger(store, "trainer_dp0").delete(refs, reason="trained")
     assert result.deleted == [r.uri for r in refs] and result.failed == {}
@@ -273,7 +273,7 @@ def test_delete_objects_transient_key_error_is_retried_for_that_key(run, code):
 def test_delete_objects_permanent_key_error_is_an_unfinished_delete_finished_later(run):
     direct, store, proxy = run
     refs, keeper = _kept_pair(direct)
-    data_key = chunk_keys(direct, refs[1])[0]
+    data_key = chunk_keys(refs[1].key)[0]
     proxy.add(_fault("key_error", "POST", f"/{data_key}", code="AccessDenied", times=None))
     trainer = Ledger(store, "trainer_dp0")
     result = trainer.delete(refs, reason="trained")
@@ -298,14 +298,14 @@ def test_delete_objects_refused_falls_back_to_single_key_deletes(run):
     assert result.deleted == [r.uri for r in refs] and result.failed == {}
     assert store.retries == 0 and proxy.hits == {"refuse_delete": 1}
     assert sorted(k for m, k, _ in proxy.requests if m == "DELETE") == sorted(
-        f"/{direct.path(k)}" for r in refs for k in chunk_keys(direct, r))
+        f"/{direct.path(k)}" for r in refs for k in chunk_keys(r.key))
     _assert_deleted(direct, refs)
 
 
 def test_commit_marker_404_once_is_read_again_not_an_unknown_ref(run):
     direct, store, proxy = run
     refs, _ = _kept_pair(direct)
-    proxy.add(_fault("404", "HEAD", "/" + chunk_keys(direct, refs[0])[1]))
+    proxy.add(_fault("404", "HEAD", "/" + chunk_keys(refs[0].key)[1]))
     result = Ledger(store, "trainer_dp0").delete(refs, reason="trained")
     assert result.deleted == [r.uri for r in refs] and result.unknown == []
     assert store.retries == 1

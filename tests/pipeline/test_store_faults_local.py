@@ -21,12 +21,19 @@ from refpipe.job.weights import publish_weights
 from refpipe.pipeline.audit import audit
 from refpipe.pipeline.keep import Branch
 from refpipe.pipeline.step_file import StepFile
-from refpipe.storage import local_store
+from refpipe.storage import local_confined, local_store
 from refpipe.storage.backends import open_store
-from refpipe.storage.chunks import chunk_keys
+from refpipe.storage.chunk_read import fetch_arrays
 from refpipe.storage.errors import KeyExistsError, StorageError, TransientStorageError
-from refpipe.storage.fetch import fetch_arrays
-from refpipe.storage.layout import LATEST_WEIGHTS_KEY, node_key, segment_key, step_key, tombstone_key, weights_key
+from refpipe.storage.layout import (
+    LATEST_WEIGHTS_KEY,
+    chunk_keys,
+    node_key,
+    segment_key,
+    step_key,
+    tombstone_key,
+    weights_key,
+)
 from refpipe.storage.ledger import Ledger
 from tests.helpers.checkpoint import FILES, assert_loads_back, one_rank_world, save, trained
 from tests.helpers.fault_os import OsFault, OsFaults, read_only, refusing, tmpfs
@@ -42,7 +49,8 @@ WRITE_IDS = [f"{code}_{'after' if after else 'before'}" for code, after in WRITE
 def run(local_config, monkeypatch):
     """``(store, faults)``: a fresh local run whose system calls go through ``faults``."""
     faults = OsFaults()
-    monkeypatch.setattr(local_store, "os", faults)
+    for module in (local_store, local_confined):
+        monkeypatch.setattr(module, "os", faults)
     store = open_store(local_config.model_copy(update={"max_retries": 2, "retry_backoff_s": 0.001}))
     return store, faults
 
@@ -71,7 +79,7 @@ def test_keep(run, code, after, target):
     _fault(faults, "link", target, code, after)
     ref = keep(keeper, seed=1)
     _assert_write_recovered(store, faults, "link", target, code, after)
-    assert store.list_prefix("payloads") == sorted(chunk_keys(store, ref))
+    assert store.list_prefix("payloads") == sorted(chunk_keys(ref.key))
     assert fetch_arrays(store, ref)["topk_ids"].shape == (NUM_COMPLETION, 2)
     assert keeper.discard([ref]).deleted == [ref.uri]
     _assert_audit_clean(store, keeper.ledger, deleted=1)
@@ -293,7 +301,7 @@ def test_a_transient_error_that_outlasts_the_retries_is_an_unfinished_delete(run
     assert result.outcome(refs[0].uri) == "failed" and store.retries == 2
     error = result.failed[refs[0].uri]
     assert isinstance(error, TransientStorageError)
-    assert str(error).startswith(f"cannot delete {store.uri(chunk_keys(store, refs[0])[1])}: gave up after 3 attempts")
+    assert str(error).startswith(f"cannot delete {store.uri(chunk_keys(refs[0].key)[1])}: gave up after 3 attempts")
     assert "ESTALE (Stale file handle)" in str(error) and trainer.unfinished == [refs[0].uri]
     again = trainer.finish_unfinished()
     assert again.deleted == [refs[0].uri] and again.double_deletes == [] and trainer.unfinished == []
@@ -307,7 +315,7 @@ def test_a_refused_unlink_fails_that_ref_only_and_is_finished_later(run):
     store, faults = run
     refs, keeper = _kept_pair(store)
     trainer = Ledger(store, "trainer_dp0")
-    meta = chunk_keys(store, refs[1])[1]
+    meta = chunk_keys(refs[1].key)[1]
     with refusing(store.path(node_key(refs[1].branch_id))) as code:
         result = trainer.delete(refs, reason="trained")
         assert [result.outcome(r.uri) for r in refs] == ["deleted", "failed"] and store.retries == 0

@@ -17,8 +17,9 @@ from zarr.core.metadata.v3 import ArrayV3Metadata
 
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.keep import Branch, Keeper
-from refpipe.storage.chunk import BLOCK_ROWS, PayloadRef, layout_arrays, read_attributes
-from refpipe.storage.fetch import fetch_arrays
+from refpipe.storage.chunk_codec import read_attributes
+from refpipe.storage.chunk_read import fetch_arrays
+from refpipe.storage.chunk_ref import BLOCK_ROWS, PayloadRef, layout_arrays
 from refpipe.storage.layout import DATA_NAME, META_NAME, node_key
 from refpipe.storage.ledger import Ledger
 from tests.storage.storage_helpers import (

@@ -8,10 +8,10 @@ import threading
 import pytest
 
 from refpipe.pipeline.keep import Branch, Keeper
-from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.chunk_read import fetch_arrays
+from refpipe.storage.chunk_ref import PayloadRef
 from refpipe.storage.concurrency import bounded_map
 from refpipe.storage.errors import ChunkNotFoundError
-from refpipe.storage.fetch import fetch_arrays
 from refpipe.storage.layout import DATA_NAME, node_key
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.local_store import LocalStore

@@ -9,9 +9,9 @@ import pytest
 from pydantic import ValidationError
 
 from refpipe.pipeline.keep import Branch, Keeper
-from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.chunk_read import fetch_arrays, fetch_into
+from refpipe.storage.chunk_ref import PayloadRef
 from refpipe.storage.errors import ChunkCorruptError, ChunkNotFoundError
-from refpipe.storage.fetch import fetch_arrays, fetch_into
 from refpipe.storage.layout import DATA_NAME, node_key
 from refpipe.storage.ledger import Ledger
 from tests.storage.storage_helpers import FIELDS_CFG, Backend, assert_same_bytes, make_backend, make_fields, stored_cut

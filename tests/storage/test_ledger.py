@@ -9,8 +9,10 @@ import google_crc32c
 import numpy as np
 import pytest
 
-from refpipe.storage.chunk import ArraySpec, PayloadRef, encode_chunk
-from refpipe.storage.chunks import put_chunk
+from refpipe.storage.chunk_codec import encode_chunk
+from refpipe.storage.chunk_read import fetch_arrays
+from refpipe.storage.chunk_ref import ArraySpec, PayloadRef
+from refpipe.storage.chunk_write import put_chunk
 from refpipe.storage.errors import (
     ChunkNotFoundError,
     ConfigError,
@@ -19,7 +21,6 @@ from refpipe.storage.errors import (
     StorageError,
     UnknownRefError,
 )
-from refpipe.storage.fetch import fetch_arrays
 from refpipe.storage.layout import (
     SEGMENTS_PER_DIRECTORY,
     node_key,

@@ -70,7 +70,7 @@ def test_a_pickled_store_carries_no_handles(local_config):
     store = open_store(local_config)
     store.put("payloads/ab/b1/c.0", b"chunk")
     copy = pickle.loads(pickle.dumps(store))
-    assert "_directory_handles" not in copy.__dict__
+    assert "_confined_prefix" not in copy.__dict__
     assert calls(copy, lambda: copy.get("payloads/ab/b1/c.0")) == [
         ("open", store.prefix.path), ("open", "payloads"), ("open", "ab"), ("open", "b1"), ("open", "c.0")]
 
@@ -97,7 +97,7 @@ def test_handles_evicted_while_other_threads_use_them_stay_open_until_released(l
     while other threads hold it. Every read sees its own bytes, every delete removes its directory, and every fd is
     closed once its handle is dropped."""
     store = open_store(local_config)
-    store._handles().limit = 3
+    store._confined().handles.limit = 3
 
     def worker(t: int) -> list[bytes]:
         got = []
@@ -113,8 +113,8 @@ def test_handles_evicted_while_other_threads_use_them_stay_open_until_released(l
     assert results == [[f"{t}-{i}".encode() for i in range(20)] for t in range(8)]
     assert sorted(os.listdir(f"{store.prefix.path}/payloads")) == ["s0", "s1", "s2", "s3"]
     assert all(os.listdir(f"{store.prefix.path}/payloads/s{s}") == [] for s in range(4))
-    assert store._handles()._orphans == {}  # every lease was released, so every dropped handle is closed
-    store._handles().forget("")
+    assert store._confined().handles._orphans == {}  # every lease was released, so every dropped handle is closed
+    store._confined().handles.forget("")
     assert _fds_below(store.prefix.path) == []  # counted by target: other threads of the process open fds too
 
 

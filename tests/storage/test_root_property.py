@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.storage.backends import open_store
+from refpipe.storage.chunk_read import fetch_arrays
 from refpipe.storage.config import StorageConfig
-from refpipe.storage.fetch import fetch_arrays
 from refpipe.storage.ledger import Ledger, tombstone_key
 from refpipe.storage.uri import RunPrefix
 

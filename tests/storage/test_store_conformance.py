@@ -16,6 +16,7 @@ import threading
 import numpy as np
 import pytest
 
+from refpipe.storage import local_io
 from refpipe.storage import local_store as store_module
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
@@ -284,7 +285,7 @@ class TestLocalStore(StoreConformance):
         parts = [np.empty(3000, np.uint8), np.empty(7000, np.uint8)]
         assert backend.store.get_into("d/x", parts) == 10_000
         assert parts[0].tobytes() + parts[1].tobytes() == data.tobytes()
-        monkeypatch.setattr(store_module, "_HAVE_PREADV", False)
+        monkeypatch.setattr(local_io, "_HAVE_PREADV", False)
         parts = [np.empty(3000, np.uint8), np.empty(7100, np.uint8)]
         assert backend.store.get_into("d/x", parts) == 10_000
         assert parts[0].tobytes() + parts[1][:7000].tobytes() == data.tobytes()

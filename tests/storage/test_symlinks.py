@@ -11,8 +11,8 @@ import pytest
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.storage.backends import open_store
+from refpipe.storage.chunk_read import fetch_arrays
 from refpipe.storage.errors import OutsideRunError
-from refpipe.storage.fetch import fetch_arrays
 from refpipe.storage.layout import node_key
 from refpipe.storage.ledger import Ledger
 

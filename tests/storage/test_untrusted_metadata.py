@@ -1,6 +1,6 @@
 """Untrusted metadata never sizes a read or an allocation unchecked, and has one reader (issue 14 residuals).
 
-A forged ``block_rows`` is refused by its one rule (``storage.chunk.check_block_rows``); a zstd frame
+A forged ``block_rows`` is refused by its one rule (``storage.chunk_ref.check_block_rows``); a zstd frame
 is decoded only into a buffer of the ref's declared size, so a small frame that declares or expands
 to more is refused without allocating it (tracemalloc measures the Python and numpy allocations);
 a malformed delete record is refused by its one reader (``storage.ledger.read_delete_record``).
@@ -18,10 +18,11 @@ import pytest
 from pydantic import ValidationError
 
 from refpipe.pipeline.keep import Branch, Keeper
-from refpipe.storage.chunk import PayloadRef, encode_chunk
-from refpipe.storage.chunks import put_chunk
+from refpipe.storage.chunk_codec import encode_chunk
+from refpipe.storage.chunk_read import fetch_arrays
+from refpipe.storage.chunk_ref import PayloadRef
+from refpipe.storage.chunk_write import put_chunk
 from refpipe.storage.errors import ChunkCorruptError, DoubleDeleteError
-from refpipe.storage.fetch import fetch_arrays
 from refpipe.storage.layout import DATA_NAME, node_key, tombstone_key
 from refpipe.storage.ledger import Ledger
 from tests.storage.storage_helpers import FIELDS_CFG, Backend, make_backend, make_fields, stored_cut

@@ -15,9 +15,9 @@ from refpipe.pipeline.fields import FieldsConfig, spread_expert_rows
 from refpipe.pipeline.keep import Branch
 from refpipe.pipeline.step_file import StepFile, publish_step_file
 from refpipe.storage.backends import open_store
-from refpipe.storage.chunks import chunk_keys
+from refpipe.storage.chunk_read import fetch_arrays
 from refpipe.storage.errors import FieldError, PackingError, StepFileError
-from refpipe.storage.fetch import fetch_arrays
+from refpipe.storage.layout import chunk_keys
 from refpipe.trainer.assemble import assemble_dropped_micro_batch, assemble_micro_batch
 from refpipe.trainer.fetch import fetch_own, own_requests, wait_for_step
 from refpipe.trainer.replay_hash import micro_batch_hash
@@ -148,7 +148,7 @@ def test_fetch_own_dedups_reads_kept_rows_assembles_and_flags_failed_micro_batch
     # the replay hashes come with the fetch (hashed on the fetch threads), each over its micro batch as assembled
     assert fetched.hashes == {index: micro_batch_hash(mb) for index, mb in fetched.assembled.items()}
     assert len(set(fetched.hashes.values())) == 2
-    store.delete_keys(list(chunk_keys(store, header.refs[4])))  # d: used by DP 1 index 1
+    store.delete_keys(list(chunk_keys(header.refs[4].key)))  # d: used by DP 1 index 1
     fetched = fetch_own(store, step_file, 1, FIELDS, max_concurrency=4)
     assert fetched.failed == {1} and len(fetched.errors) == 1 and "ChunkNotFoundError" in fetched.errors[0]
     assert sorted(fetched.assembled) == [0] and fetched.chunks == 3

@@ -8,7 +8,7 @@ import json
 import numpy as np
 
 from refpipe.storage.backends import open_store
-from refpipe.storage.chunks import chunk_keys
+from refpipe.storage.layout import chunk_keys
 from refpipe.storage.ledger import Ledger
 from refpipe.trainer.background import BackgroundRelease, ReleaseCounts
 from tests.trainer.trainer_helpers import keep_all, make_branch
@@ -33,7 +33,7 @@ def test_a_release_is_collected_by_the_submit_after_next_and_the_last_two_by_wai
     assert release.take_counts() == ReleaseCounts(deletes=4)  # steps 1 and 2
     release.shutdown()
     release.ledger.close()
-    assert not [k for r in refs.values() for k in chunk_keys(store, r) if store.exists(k)]
+    assert not [k for r in refs.values() for k in chunk_keys(r.key) if store.exists(k)]
     events = [e for key in sorted(store.list_prefix("ledger/events/trainer_dp0"))
               for e in (json.loads(line) for line in store.get(key).decode().splitlines())
               if e["event"] == "release"]

@@ -17,9 +17,8 @@ import numpy as np
 
 from refpipe.pipeline.fields import spread_expert_rows
 from refpipe.storage.backends import open_store
-from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.config import StorageConfig
-from refpipe.storage.layout import tombstone_key
+from refpipe.storage.layout import chunk_keys, tombstone_key
 from tests.helpers.children import module_argv, module_env
 from tests.helpers.fault_proxy import Fault, FaultProxy
 from tests.helpers.ports import free_port
@@ -168,14 +167,14 @@ def test_two_dp_ranks_of_two_peers_train_identical_bytes_and_survive_faults(tmp_
         refs = keep_all(store, local_config, branches)
         built[s] = build_step(store, s, SEQ_LEN, _layout(s), branches, refs, rng)
     ref_of = lambda s, x: built[s].refs[f"s{s}_{x}"]  # noqa: E731
-    store.delete_keys(list(chunk_keys(store, ref_of(1, "g"))))                       # step 1: g gone (DP 0 mb 1)
-    k_data = chunk_keys(store, ref_of(2, "k"))[0]                               # step 2: k bit-flipped (whole read)
+    store.delete_keys(list(chunk_keys(ref_of(1, "g").key)))                       # step 1: g gone (DP 0 mb 1)
+    k_data = chunk_keys(ref_of(2, "k").key)[0]                               # step 2: k bit-flipped (whole read)
     data = bytearray(store.get(k_data))
     data[40] ^= 0x01
     store.put(k_data, bytes(data))
-    j_data = chunk_keys(store, ref_of(2, "j"))[0]                               # step 2: j truncated (ranged read)
+    j_data = chunk_keys(ref_of(2, "j").key)[0]                               # step 2: j truncated (ranged read)
     store.put(j_data, store.get(j_data)[:30])
-    store.delete_keys([chunk_keys(store, ref)[0] for ref in built[4].header.refs])   # step 4: every chunk's data gone
+    store.delete_keys([chunk_keys(ref.key)[0] for ref in built[4].header.refs])   # step 4: every chunk's data gone
 
     # step 3: DP 1's fetch of ref i raises TypeError, as a bug would (no valid ref makes a store raise untyped)
     # No retries: a missing chunk would be retried (KeyNotFoundError) by the prefetch of the next step, and a
@@ -225,8 +224,8 @@ def test_two_dp_ranks_of_two_peers_train_identical_bytes_and_survive_faults(tmp_
         assert results[(5, rank)][0]["error"] in ("DistBackendError", "RuntimeError"), results[(5, rank)][0]
     assert (5, 3) not in results and not any(key[0] == "finish" for key in results)
 
-    assert set(store.list_prefix("payloads")) == {chunk_keys(store, r)[1] for r in built[4].header.refs} | {
-        k for r in built[5].header.refs for k in chunk_keys(store, r)}
+    assert set(store.list_prefix("payloads")) == {chunk_keys(r.key)[1] for r in built[4].header.refs} | {
+        k for r in built[5].header.refs for k in chunk_keys(r.key)}
     for s in range(6):  # a tombstone for every chunk released, except g (never there to claim)
         assert all(store.exists(tombstone_key(r.branch_id)) == (s < 4 and r.branch_id != "s1_g")
                    for r in built[s].header.refs), s
@@ -281,7 +280,7 @@ def test_the_data_path_runs_on_its_own_gloo_group_beside_the_default_group(tmp_p
     rng = np.random.default_rng(5)
     branches = _branches(0, rng)
     built = build_step(store, 0, SEQ_LEN, _layout(0), branches, keep_all(store, local_config, branches), rng)
-    store.delete_key(chunk_keys(store, built.refs["s0_g"])[0])  # g: only DP 0's micro batch 1 uses it
+    store.delete_key(chunk_keys(built.refs["s0_g"].key)[0])  # g: only DP 0's micro batch 1 uses it
     results = run_world(tmp_path, local_config, 2, 1, [0], default_backend="fake")
     m0 = _check_trained(built, results, 0, 2, 1, {(0, 1)}, {(0, 1): np.concatenate(
         [_routing(built, f"s0_{x}", n) for x, n in (("a", 11), ("b", 9), ("f", 4))])})
@@ -300,8 +299,8 @@ def _built_steps(store, config: StorageConfig, rng, num_steps: int) -> dict:
 def _three_steps(store, config: StorageConfig, rng) -> dict:
     """Steps 0-2 of ``_layout``: step 1 without g's chunk (DP 0's micro batch 1), step 2 without any chunk's data."""
     built = _built_steps(store, config, rng, 3)
-    store.delete_keys(list(chunk_keys(store, built[1].refs["s1_g"])))
-    store.delete_keys([chunk_keys(store, ref)[0] for ref in built[2].header.refs])
+    store.delete_keys(list(chunk_keys(built[1].refs["s1_g"].key)))
+    store.delete_keys([chunk_keys(ref.key)[0] for ref in built[2].header.refs])
     return built
 
 
@@ -344,7 +343,7 @@ def test_the_pull_loop_refuses_the_next_step_before_the_previous_one_is_released
             f"step 0 was not released on rank {rank} before the next step was asked for: call release() after the "
             f"step's optimizer step, on every rank"))
     assert _release_events(store) == []
-    assert all(store.exists(k) for r in built[0].header.refs for k in chunk_keys(store, r))
+    assert all(store.exists(k) for r in built[0].header.refs for k in chunk_keys(r.key))
 
 
 def test_a_restart_after_one_dp_rank_released_a_step_trains_none_of_it_again(tmp_path, local_config):

@@ -13,9 +13,8 @@ import pytest
 
 from refpipe.pipeline.step_file import HEADER_MEMBER, StepFile
 from refpipe.storage.backends import open_store
-from refpipe.storage.chunks import chunk_keys
 from refpipe.storage.errors import StepFileError
-from refpipe.storage.layout import step_key
+from refpipe.storage.layout import chunk_keys, step_key
 from refpipe.storage.local_store import LocalStore
 from refpipe.trainer.buffers import BufferPool
 from refpipe.trainer.fetch import fetch_own, wait_for_step
@@ -68,7 +67,7 @@ def built(local_config):
 
 def _read_into(store: RecordingStore, ref, array: np.ndarray) -> bool:
     """Whether ``ref``'s chunk was read by ``get_into`` into (part of) ``array``."""
-    return any(np.shares_memory(b, array) for b in store.into.get(chunk_keys(store, ref)[0], []))
+    return any(np.shares_memory(b, array) for b in store.into.get(chunk_keys(ref.key)[0], []))
 
 
 def test_whole_chunks_land_in_the_micro_batch_arrays_byte_for_byte(built):
@@ -87,13 +86,13 @@ def test_whole_chunks_land_in_the_micro_batch_arrays_byte_for_byte(built):
     assert _read_into(store, refs["a"], routing) and not _read_into(store, refs["b"], routing)
     assert _read_into(store, refs["c"], topk) and _read_into(store, refs["d"], topk)
     assert _read_into(store, refs["a"], dp0[0].fields["topk_logprobs"].values)
-    assert chunk_keys(store, refs["b"])[0] not in store.into  # cut: only its kept rows, by ranged reads
+    assert chunk_keys(refs["b"].key)[0] not in store.into  # cut: only its kept rows, by ranged reads
 
 
 @pytest.mark.parametrize("damage", ["flipped", "truncated", "longer", "missing"])
 def test_a_bad_chunk_fails_its_micro_batch_with_a_typed_error(built, damage):
     store, step = built
-    key = chunk_keys(store, step.refs["c"])[0]
+    key = chunk_keys(step.refs["c"].key)[0]
     data = bytearray(store.get(key))
     data[len(data) // 2] ^= 0x04
     damaged = {"flipped": bytes(data), "truncated": bytes(data[:-9]), "longer": store.get(key) + b"\x00" * 64}

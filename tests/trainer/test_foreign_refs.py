@@ -10,8 +10,9 @@ import pytest
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.backends import open_store
-from refpipe.storage.chunk import ArraySpec, PayloadRef, encode_chunk
-from refpipe.storage.chunks import put_chunk
+from refpipe.storage.chunk_codec import encode_chunk
+from refpipe.storage.chunk_ref import ArraySpec, PayloadRef
+from refpipe.storage.chunk_write import put_chunk
 from refpipe.trainer.fetch import fetch_own
 from tests.trainer.trainer_helpers import Seq, build_step, keep_all, make_branch
 

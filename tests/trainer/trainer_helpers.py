@@ -14,7 +14,7 @@ from refpipe.pipeline.fields import FieldsConfig, Ragged, spread_expert_rows
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.pipeline.step_file import publish_step_file
 from refpipe.pipeline.step_header import SCHEMA_VERSION, STREAMS, MicroBatchRecord, SequenceRecord, StepHeader
-from refpipe.storage.chunk import PayloadRef
+from refpipe.storage.chunk_ref import PayloadRef
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.store import Store

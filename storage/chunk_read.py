@@ -1,4 +1,4 @@
-"""Write, fetch and inspect branch chunks by reference.
+"""Reading a branch's chunk by reference: ``fetch_arrays`` and ``fetch_into``.
 
 Fetches read exactly the keys the reference names: no listing, no metadata
 read. A whole-chunk fetch checks length and crc32c (an uncompressed one reads straight into
@@ -12,7 +12,7 @@ every buffer allocated here is bounded by the bytes the store returned (the obje
 or by the destinations the caller allocated, never by a size the ref merely declares. A zstd
 chunk decodes into one buffer of its arrays' declared size, which validation bounds by
 ``ZSTD_MAX_RATIO`` times ``nbytes`` (checked against the bytes returned first); a frame
-declaring or expanding to more is refused without allocating it (``chunk.decode_payload``).
+declaring or expanding to more is refused without allocating it (``chunk_codec.decode_payload``).
 """
 
 from __future__ import annotations
@@ -24,16 +24,8 @@ from typing import NamedTuple
 import crc32c
 import numpy as np
 
-from refpipe.storage.chunk import (
-    ArrayLayout,
-    PayloadRef,
-    check_checksum,
-    check_length,
-    decode_payload,
-    domain_rows,
-    view_array,
-)
-from refpipe.storage.chunks import chunk_keys
+from refpipe.storage.chunk_codec import check_checksum, check_length, decode_payload, view_array
+from refpipe.storage.chunk_ref import ArrayLayout, PayloadRef, domain_rows
 from refpipe.storage.errors import (
     ChunkCorruptError,
     ChunkNotFoundError,
@@ -42,6 +34,7 @@ from refpipe.storage.errors import (
     RefError,
     TruncatedChunkError,
 )
+from refpipe.storage.layout import chunk_keys
 from refpipe.storage.ledger import delete_record_of
 from refpipe.storage.store import Store
 
@@ -76,7 +69,6 @@ def rows_for(lay: ArrayLayout, ref: PayloadRef, num_tokens: int, counts: np.ndar
                                 f"{counts_name} (min {kept.min()}) sum to {rows} rows: expected non-negative counts "
                                 f"summing to at most its {lay.shape[0]} rows")
     return rows
-
 
 
 def fetch_arrays(store: Store, ref: PayloadRef, num_tokens: int | None = None) -> dict[str, np.ndarray]:
@@ -118,7 +110,7 @@ def fetch_into(store: Store, ref: PayloadRef, num_tokens: int | None, out: Mappi
         As ``fetch_arrays``; ValueError also for a destination of another dtype or shape,
         read-only or not C-contiguous.
     """
-    data_key, _ = chunk_keys(store, ref)
+    data_key, _ = chunk_keys(ref.key)
     ref = ref.model_copy(update={"uri": store.uri(ref.key)})  # errors name the chunk read, not where it was kept
     n = ref.num_tokens if num_tokens is None else num_tokens
     if not 0 <= n <= ref.num_tokens:

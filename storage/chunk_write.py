@@ -1,6 +1,6 @@
-"""A branch's chunk in a run's store: where its objects are (``chunk_keys``) and writing them (``put_chunk``).
+"""Writing a branch's chunk into a run's store (``put_chunk``): the chunk, then its commit marker.
 
-Reading is ``storage.fetch``; the key layout is ``storage.layout``; the bytes are ``storage.chunk``'s codec.
+The bytes are ``storage.chunk_codec``'s; the keys ``storage.layout.chunk_keys``; reading is ``storage.chunk_read``.
 """
 
 from __future__ import annotations
@@ -8,10 +8,9 @@ from __future__ import annotations
 import contextlib
 from typing import cast
 
-from refpipe.storage.chunk import EncodedChunk, PayloadRef
+from refpipe.storage.chunk_codec import EncodedChunk
 from refpipe.storage.errors import KeyExistsError, StorageError
-from refpipe.storage.layout import chunk_keys as node_chunk_keys
-from refpipe.storage.layout import node_key
+from refpipe.storage.layout import chunk_keys, node_key
 from refpipe.storage.store import Bytes, Store
 
 
@@ -27,7 +26,7 @@ def put_chunk(store: Store, branch_id: str, chunk: EncodedChunk) -> str:
         StorageError: a put failed (after the store's retries).
     """
     key = node_key(branch_id)
-    data_key, meta_key = node_chunk_keys(key)
+    data_key, meta_key = chunk_keys(key)
     try:
         store.put(data_key, cast("list[Bytes]", chunk.parts), exclusive=True)  # list is invariant; put only reads it
     except KeyExistsError as e:
@@ -43,12 +42,3 @@ def put_chunk(store: Store, branch_id: str, chunk: EncodedChunk) -> str:
         raise
     return store.uri(key)
 
-
-def chunk_keys(store: Store, ref: PayloadRef) -> tuple[str, str]:
-    """``(data_key, meta_key)`` of a ref in the store's run: derived from its branch id (``PayloadRef.key``),
-    so confined to the run prefix whatever path the writer saw the run under.
-
-    Raises:
-        OutsideRunError: the ref's URI names another chunk than its branch id (nothing is read).
-    """
-    return node_chunk_keys(ref.key)
