@@ -42,7 +42,7 @@ from refpipe.storage.errors import (
     RefError,
     TruncatedChunkError,
 )
-from refpipe.storage.ledger import delete_record_of
+from refpipe.storage.ledger_records import delete_record_of
 from refpipe.storage.store import Store
 
 
@@ -147,7 +147,7 @@ def fetch_into(store: Store, ref: PayloadRef, num_tokens: int | None, out: Mappi
 
 def _deleted(store: Store, ref: PayloadRef) -> str | None:
     """``chunk <uri> was deleted by <holder> at <time> UTC (<reason>)`` from the chunk's delete record
-    (``storage.ledger.delete_record_of``), or None without one; read only after the chunk was not found."""
+    (``storage.ledger_records.delete_record_of``), or None without one; read only after the chunk was not found."""
     record = delete_record_of(store, ref.branch_id)
     if record is None:
         return None

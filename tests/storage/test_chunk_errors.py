@@ -17,7 +17,8 @@ from refpipe.storage.chunk import PayloadRef
 from refpipe.storage.errors import ChunkCorruptError, ChunkNotFoundError, OutsideRunError
 from refpipe.storage.fetch import fetch_arrays
 from refpipe.storage.layout import DATA_NAME, META_NAME, node_key, tombstone_key
-from refpipe.storage.ledger import Ledger, read_delete_record
+from refpipe.storage.ledger import Ledger
+from refpipe.storage.ledger_records import read_delete_record
 
 P, C = 4, 6
 
