@@ -28,7 +28,7 @@ from refpipe.storage.concurrency import bounded_map
 from refpipe.storage.config import run_storage
 from refpipe.storage.errors import ConfigError, DeleteRecordError, RefpipeError
 from refpipe.storage.layout import chunk_keys, step_key
-from refpipe.storage.ledger import delete_record_of
+from refpipe.storage.ledger_records import delete_record_of
 from refpipe.storage.store import Store
 
 T = TypeVar("T")
@@ -185,7 +185,7 @@ def chunk_state(store: Store, ref: PayloadRef) -> ChunkState:
 
 
 def deleted_by(store: Store, ref: PayloadRef) -> str | None:
-    """``deleted by <holder> (<reason>)`` from the chunk's delete record (``storage.ledger.delete_record_of``),
+    """``deleted by <holder> (<reason>)`` from the chunk's delete record (``storage.ledger_records.delete_record_of``),
     ``deleted (delete record <uri> is unreadable: ...)``, or None without one."""
     record = delete_record_of(store, ref.branch_id)
     if record is None:

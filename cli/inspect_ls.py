@@ -40,7 +40,7 @@ from refpipe.storage.layout import (
     parse_step_key,
     session_opened_ms,
 )
-from refpipe.storage.ledger import read_segment
+from refpipe.storage.ledger_records import read_segment
 from refpipe.storage.store import Store
 
 _TEMP_MARK = ".tmp-"

@@ -4,7 +4,7 @@
 once each, reads every step file and ledger segment (in parallel, with progress), and
 reads ``zarr.json`` only for unshipped chunks whose writer neither a keep event nor a
 drawn branch id (``<actor>-<uuid4 hex>``, as ``Keeper.keep`` draws them) names.
-Bad ledger records (``storage.ledger.read_segment``: not JSON, no event name, a crc32c that does not
+Bad ledger records (``storage.ledger_records.read_segment``: not JSON, no event name, a crc32c that does not
 match, no line end, or fields of the wrong type) are collected by segment URI and line, never fatal
 to the scan; the audit counts them as a violation and the sweep refuses to delete on such a ledger.
 A key under ``ledger/events/`` that is not a segment name (a temp file of a killed writer) is a stray key.
@@ -48,7 +48,7 @@ from refpipe.storage.layout import (
     step_key,
     tombstone_key,
 )
-from refpipe.storage.ledger import read_segment
+from refpipe.storage.ledger_records import read_segment
 from refpipe.storage.store import Store
 
 T = TypeVar("T")
@@ -240,7 +240,8 @@ def _scan_events(store: Store, scan: RunScan, progress: Progress | None) -> None
 
 
 def _take_event(scan: RunScan, actor: str, session: str, event: dict | ValueError, where: str) -> None:
-    """Fold one ledger record (``storage.ledger.read_segment``) into the scan; a bad record is noted, never fatal."""
+    """Fold one ledger record (``storage.ledger_records.read_segment``) into the scan; a bad record is noted, never
+    fatal."""
     try:
         if isinstance(event, ValueError):
             raise event

@@ -35,7 +35,7 @@ from refpipe.storage.errors import (
     TruncatedChunkError,
 )
 from refpipe.storage.layout import chunk_keys
-from refpipe.storage.ledger import delete_record_of
+from refpipe.storage.ledger_records import delete_record_of
 from refpipe.storage.store import Store
 
 
@@ -139,7 +139,7 @@ def fetch_into(store: Store, ref: PayloadRef, num_tokens: int | None, out: Mappi
 
 def _deleted(store: Store, ref: PayloadRef) -> str | None:
     """``chunk <uri> was deleted by <holder> at <time> UTC (<reason>)`` from the chunk's delete record
-    (``storage.ledger.delete_record_of``), or None without one; read only after the chunk was not found."""
+    (``storage.ledger_records.delete_record_of``), or None without one; read only after the chunk was not found."""
     record = delete_record_of(store, ref.branch_id)
     if record is None:
         return None

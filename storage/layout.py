@@ -177,7 +177,7 @@ def segment_key(actor: str, session: str, seq: int) -> str:
     """Key of a ledger segment: ``ledger/events/<actor>/<session>/<seq // 1000:04d>/<seq:06d>.jsonl``.
 
     A session's segments fan out into buckets of ``SEGMENTS_PER_DIRECTORY``, so no directory grows with a
-    session's length: a session flushes at least every 512 events or 2 s (``storage.ledger``), ~43,000 segments
+    session's length: a session flushes at least every 512 events or 2 s (``storage.ledger_session``), ~43,000 segments
     a day for a long-lived actor, ~31,000 for an env worker keeping 10M chunks (``bench/scale_sim.py``). A
     bucket holds at most 1,000 segments and a session directory one bucket per 1,000 segments (~43 a day;
     4-digit buckets keep key order up to 10M segments, 230 days at one per 2 s); an actor's directory holds

@@ -1,54 +1,28 @@
-"""The reference ledger: per-actor event logs and delete-exactly-once.
+"""The reference ledger's deletes: exactly once, recorded, resumable after a store error.
 
-Layout under the run prefix (keys built and parsed by ``storage.layout``):
+``Ledger`` is one actor's ledger session (``storage.ledger_session``: open, events, heartbeat, close) plus
+its deletes. Keeps are recorded twice: by the chunk itself (``zarr.json`` names the writer) and by a
+buffered ``keep`` event; ships and borrows by the step file; deletes by the chunk's delete record
+(``ledger/deletes/<aa>/<bb>/<branch_id>.json``, a ``storage.ledger_records.DeleteRecord``).
 
-    ledger/events/<actor>/<session>/<bucket>/<seq>.jsonl
-                                                   one session's events, one JSON object per
-                                                   line ending in its ``crc`` (``encode_record``),
-                                                   written as whole segments (``<pid>-<ms>``
-                                                   is the session: one ``Ledger`` instance),
-                                                   1,000 per bucket (``layout.segment_key``)
-    ledger/deletes/<aa>/<bb>/<branch_id>.json      a chunk's delete record (its tombstone)
-
-Every actor (env-server worker, orchestrator, trainer DP rank) writes only its own
-segments, each with one exclusive put, so there is no shared file to append to and
-no object to read-modify-write. Keeps are recorded twice: by the chunk itself
-(``zarr.json`` names the writer) and by a buffered ``keep`` event; ships and borrows
-by the step file; deletes by the tombstone.
-
-The tombstone is the atomic claim: it is written with an exclusive put (``link(2)``
-on a filesystem, ``If-None-Match: *`` on S3), so of any number of deleters of one
-chunk exactly one succeeds; the others read the winner's record, record a
-``double_delete`` event and raise ``DoubleDeleteError`` naming both holders,
-deleting nothing else.
-
-Sessions and liveness (what ``pipeline.audit`` relies on): a session is live while
-its heartbeat (``storage.liveness``: an object under the run prefix the session
-rewrites every few seconds) keeps changing, until its ``close`` event, or until the
-run is declared stopped. One live session per actor: a ``Ledger`` whose actor already
-has a live session (on any host) is refused at construction, naming that session.
+The delete record is the atomic claim: it is written with an exclusive put (``link(2)`` on a filesystem,
+``If-None-Match: *`` on S3), so of any number of deleters of one chunk exactly one succeeds; the others
+read the winner's record, record a ``double_delete`` event and raise ``DoubleDeleteError`` naming both
+holders, deleting nothing else.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import socket
-import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
-
-import crc32c
-from pydantic import BaseModel, ConfigDict, ValidationError
+from typing import NamedTuple
 
 from refpipe.storage.chunk_ref import PayloadRef
 from refpipe.storage.concurrency import bounded_map
 from refpipe.storage.errors import (
-    ConfigError,
     DeleteKeysError,
     DeleteRecordError,
     DoubleDeleteError,
@@ -56,133 +30,13 @@ from refpipe.storage.errors import (
     KeyNotFoundError,
     StorageError,
     UnknownRefError,
-    validation_problems,
 )
-from refpipe.storage.layout import (
-    HEARTBEATS_PREFIX,
-    branch_id_of,
-    check_id,
-    chunk_keys,
-    heartbeat_key,
-    meta_key,
-    parse_heartbeat_key,
-    segment_key,
-    session_id,
-    tombstone_key,
-)
-from refpipe.storage.liveness import Heartbeat, live_sessions
+from refpipe.storage.layout import branch_id_of, chunk_keys, meta_key, tombstone_key
+from refpipe.storage.ledger_records import DeleteRecord, read_delete_record
+from refpipe.storage.ledger_session import LedgerSession
 from refpipe.storage.store import Store
 
 log = logging.getLogger(__name__)
-SEGMENT_MAX_EVENTS = 512
-SEGMENT_MAX_AGE_S = 2.0
-
-
-CRC_FIELD = "crc"
-"""The field each ledger line ends with: crc32c (8 hex digits) of ``canonical_record`` of the rest of the line."""
-
-
-def canonical_record(event: Mapping[str, Any]) -> bytes:
-    """The bytes a ledger line's crc covers: the event without its crc, as compact JSON with sorted keys."""
-    return json.dumps(event, separators=(",", ":"), sort_keys=True).encode()
-
-
-def encode_record(event: Mapping[str, Any]) -> bytes:
-    """One ledger line: ``event`` as compact JSON with its ``crc`` appended, then a line end (the one encoder;
-    ``read_segment`` checks it).
-
-    Raises:
-        ValueError: ``event`` already holds a ``crc`` field.
-    """
-    if CRC_FIELD in event:
-        raise ValueError(f"ledger event {event.get('event')!r}: the field name {CRC_FIELD!r} is the line's own")
-    crc = crc32c.crc32c(canonical_record(event))
-    return json.dumps({**event, CRC_FIELD: f"{crc:08x}"}, separators=(",", ":")).encode() + b"\n"
-
-
-def _decode_record(line: bytes) -> dict[str, Any]:
-    """The event of one complete ledger line, its crc checked and removed.
-
-    Raises:
-        ValueError: not JSON (``json.JSONDecodeError``), not an object with an ``event`` name, no crc, or a crc
-            that does not match the line's content (the line was changed after the ledger wrote it).
-    """
-    event = json.loads(line)
-    if not isinstance(event, dict) or not isinstance(event.get("event"), str):
-        raise ValueError(f"{line[:40]!r}: expected a JSON object with an 'event' name")
-    stored = event.pop(CRC_FIELD, None)
-    computed = f"{crc32c.crc32c(canonical_record(event)):08x}"
-    if stored != computed:
-        raise ValueError(f"crc32c {computed} of the record, the line says {stored!r} (changed after it was "
-                         f"written)" if stored is not None else f"{line[:40]!r}: no {CRC_FIELD!r} field")
-    return event
-
-
-def read_segment(data: bytes) -> list[tuple[int, dict[str, Any] | ValueError]]:
-    """Every record of a ledger segment, tolerantly: ``(line number, event)`` per non-empty line, or
-    ``(line number, ValueError)`` for a line that is not a JSON object with an ``event`` name, whose
-    crc32c is missing or does not match (``encode_record``), or a last line without its line end. Never
-    raises: the one reader of segments, shared by the audit and sweep, ``refpipe ls`` and the trainer's
-    resume. Callers decide what a bad record means (the audit: a violation that blocks the sweep)."""
-    lines = data.split(b"\n")
-    out: list[tuple[int, dict[str, Any] | ValueError]] = []
-    for number, line in enumerate(lines, 1):
-        if not line:
-            continue
-        try:
-            if number == len(lines):
-                raise ValueError("truncated record (no line end)")
-            out.append((number, _decode_record(line)))
-        except ValueError as e:  # json.JSONDecodeError included
-            out.append((number, e))
-    return out
-
-
-class DeleteRecord(BaseModel):
-    """A chunk's delete record (``ledger/deletes/<aa>/<bb>/<branch_id>.json``): the exactly-once claim, written
-    once by ``Ledger`` (exclusive put) and read only through ``read_delete_record``."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    branch_id: str
-    uri: str
-    """The deleted chunk's URI as its deleter saw it."""
-    holder: str
-    """The actor that deleted it."""
-    reason: str
-    """Why (the deletion path)."""
-    t: float
-    """Unix time of the claim, seconds."""
-    session: str
-    """The deleter's ledger session."""
-    claim: str
-    """Random per claim: a deleter whose put's answer was lost recognises its own record."""
-
-
-def read_delete_record(data: bytes, uri: str) -> DeleteRecord:
-    """The one reader of delete records: the ledger's claims (every holder's delete, the sweep) and the CLI's
-    ``deleted by`` lines (``show``, ``verify``, ``inspect``).
-
-    Raises:
-        DeleteRecordError: ``data`` is not a ``DeleteRecord`` (names ``uri`` and each field that is wrong).
-    """
-    try:
-        return DeleteRecord.model_validate_json(data)
-    except ValidationError as e:
-        raise DeleteRecordError(f"delete record {uri} is unreadable: {validation_problems(e)}") from None
-
-
-def delete_record_of(store: Store, branch_id: str) -> DeleteRecord | DeleteRecordError | None:
-    """The delete record of ``branch_id``'s chunk, the error that makes it unreadable, or None when there is none:
-    how a missing chunk is explained (``storage.chunk_read`` after a not-found; the CLI's ``show``, ``verify``,
-    ``inspect``). One ``Store.get``."""
-    key = tombstone_key(branch_id)
-    try:
-        return read_delete_record(store.get(key), store.uri(key))
-    except KeyNotFoundError:
-        return None
-    except DeleteRecordError as e:
-        return e
 
 
 @dataclass
@@ -191,10 +45,11 @@ class DeleteResult:
 
     deleted: list[str] = field(default_factory=list)
     """URIs this call deleted (claimed, by this call or by this holder's earlier unfinished call, and removed)."""
-    double_deletes: list[DoubleDeleteError] = field(default_factory=list)
-    """Chunks another holder (or this one, in an earlier finished delete) had already deleted."""
-    unknown: list[UnknownRefError] = field(default_factory=list)
-    """Refs that were never kept: no commit marker and no delete record."""
+    double_deletes: dict[str, DoubleDeleteError] = field(default_factory=dict)
+    """URI -> the error: chunks another holder (or this one, in an earlier finished delete, or earlier in this
+    call) had already deleted."""
+    unknown: dict[str, UnknownRefError] = field(default_factory=dict)
+    """URI -> the error: refs that were never kept (no commit marker and no delete record)."""
     already_released: list[str] = field(default_factory=list)
     """URIs this actor claimed in an earlier session (an earlier life of the same actor): already released,
     not a double delete; any objects the earlier life left are removed."""
@@ -203,17 +58,24 @@ class DeleteResult:
     an unfinished delete this ledger keeps and retries with the same claim (``finish_unfinished``)."""
 
     def outcome(self, uri: str) -> str:
-        """``"deleted"``, ``"already_released"``, ``"double_delete"``, ``"unknown"`` or ``"failed"`` for a ref's URI
-        of this call."""
+        """``"failed"``, ``"deleted"``, ``"already_released"``, ``"double_delete"`` or ``"unknown"`` (the first that
+        holds, in this order) for the URI of a ref of this call (the chunk's URI in the run as opened:
+        ``Store.uri(ref.key)``); the URIs every field is keyed by.
+
+        Raises:
+            KeyError: ``uri`` is not the URI of a ref of this call.
+        """
         if uri in self.failed:
             return "failed"
         if uri in self.deleted:
             return "deleted"
         if uri in self.already_released:
             return "already_released"
-        if any(uri in str(e) for e in self.double_deletes):
+        if uri in self.double_deletes:
             return "double_delete"
-        return "unknown"
+        if uri in self.unknown:
+            return "unknown"
+        raise KeyError(f"{uri}: not the URI of a ref of this delete call")
 
 
 class _EarlierLife(NamedTuple):
@@ -243,149 +105,28 @@ class _Unfinished:
     """The delete record is known to be this claim's (written, or read back)."""
 
 
-class Ledger:
-    """One actor's session of the ledger.
+class Ledger(LedgerSession):
+    """One actor's session of the ledger, with its exactly-once deletes.
 
     Every process creates one ``Ledger`` per actor it plays, with a unique ``actor``
     name (``env_worker_3``, ``orchestrator``, ``trainer_dp0``), after any fork, and
-    calls ``close`` at a clean shutdown. Construction writes the session's ``open``
-    event at once (one put, plus one refused put that probes exclusivity): from then
-    on the audit counts the session as a live holder of the chunks it keeps, and a new
-    ``Ledger`` under the same actor name ends it. Later events are buffered and written as one
-    segment per 512 events, per 2 s (checked on the next ``record``), on ``flush``,
-    at ``close``, and right after a delete that found a problem.
+    calls ``close`` at a clean shutdown. Construction opens the session (``LedgerSession``:
+    one put of the ``open`` event, one refused put that probes exclusivity, the heartbeat).
+    Events are buffered as ``LedgerSession`` says, and also flushed right after a delete
+    that found a problem.
 
     Args:
         store: the run's store.
         actor: who this is (1-128 of ``[A-Za-z0-9._-]``); names the holder in delete
             records and errors.
 
-    Attributes:
-        session: ``<pid>-<ms>``, unique per actor; names this session's segments.
-        ledger_seconds: wall-clock seconds spent in ledger I/O so far (segment puts,
-            delete claims), for ``bench/keep_fetch.py``'s ``ledger_overhead_ratio``.
-
     Raises:
-        ConfigError: ``actor`` is not a valid name, or another session of ``actor`` is live (its
-            heartbeat changed; may wait up to one heartbeat timeout to tell a stale one from a live one).
-        StorageError: the store does not honour exclusive puts (probed once per session by
-            putting the ``open`` segment twice), so exactly-once deletes cannot be guaranteed.
+        As ``LedgerSession``.
     """
 
     def __init__(self, store: Store, actor: str):
-        check_id(actor, "ledger actor")
-        self.store = store
-        self.actor = actor
-        self.ledger_seconds = 0.0
-        self._events: list[dict[str, Any]] = []
-        self._seq = 0
-        self._flushed_at = time.monotonic()
-        self._lock = threading.Lock()
-        self._flush_lock = threading.Lock()
         self._unfinished: dict[str, _Unfinished] = {}
-        self._flush_failed = False
-        self._refuse_a_live_session()
-        self.session = self._open()
-
-    def _refuse_a_live_session(self) -> None:
-        keys = self.store.list_prefix(f"{HEARTBEATS_PREFIX}/{self.actor}")
-        mine = [s for s in map(parse_heartbeat_key, keys) if s and s[0] == self.actor]
-        live = sorted(live_sessions(self.store, mine))
-        if live:
-            raise ConfigError(f"ledger actor {self.actor!r} of run {self.store.prefix.uri} already has a live session "
-                              f"{live[0][1]} (its heartbeat {self.store.uri(heartbeat_key(*live[0]))} changed): "
-                              f"one process per actor; stop it, or give this one another actor name")
-
-    def _open(self) -> str:
-        """Write the ``open`` segment under a fresh session id (the next millisecond on a clash),
-        then probe that the store honours exclusive puts by putting at its key again (another call: its write
-        token is not the first put's)."""
-        opened_ms = int(time.time() * 1000)
-        event = {"event": "open", "actor": self.actor, "t": round(time.time(), 3), "pid": os.getpid(),
-                 "host": socket.gethostname()}
-        while True:
-            session = session_id(os.getpid(), opened_ms)
-            self._heartbeat = Heartbeat(self.store, self.actor, session, self)
-            self._heartbeat.start()  # before the open event: an open session without a heartbeat is dead
-            try:
-                self._put_segment(session, 0, [event])
-            except KeyExistsError:
-                opened_ms += 1
-                continue
-            break
-        try:
-            self._put_segment(session, 0, [{**event, "probe": True}])
-        except KeyExistsError:
-            self._seq = 1
-            return session
-        raise StorageError(f"store {self.store.prefix.uri} does not honour exclusive puts (a second exclusive put "
-                           f"of a ledger segment succeeded; a proxy dropping If-None-Match?): refusing to run "
-                           f"without delete-exactly-once")
-
-    def record(self, event: str, **fields: object) -> None:
-        """Append an event (JSON-serialisable fields) to this session's log; no I/O unless a segment is due."""
-        with self._lock:
-            self._events.append({"event": event, "actor": self.actor, "t": round(time.time(), 3), **fields})
-            due = len(self._events) >= SEGMENT_MAX_EVENTS or time.monotonic() - self._flushed_at > SEGMENT_MAX_AGE_S
-        if due:
-            self.flush()
-
-    def flush(self) -> None:
-        """Write buffered events as one new segment object (one exclusive put); no-op when none are buffered.
-
-        Raises:
-            StorageError: the put failed after the store's retries; the events stay buffered for the next flush
-                (same segment number: a put that was applied after all is found holding the first of them).
-        """
-        with self._flush_lock:
-            with self._lock:
-                events, self._events = self._events, []
-                seq = self._seq
-                self._flushed_at = time.monotonic()
-            if not events:
-                return
-            try:
-                seq = self._put_next_segment(seq, events)
-            except StorageError:
-                with self._lock:
-                    self._events[:0] = events
-                    self._flush_failed = True
-                raise
-            with self._lock:
-                self._seq, self._flush_failed = seq, False
-
-    def _put_next_segment(self, seq: int, events: list[dict[str, Any]]) -> int:
-        """Put ``events`` as segment ``seq``; return the next segment number. After a failed flush, segment ``seq``
-        may exist although its put failed (applied, its answer lost): when it holds exactly the first events
-        buffered, only the rest are put, from ``seq + 1``.
-
-        Raises:
-            KeyExistsError: segment ``seq`` holds something else.
-        """
-        try:
-            self._put_segment(self.session, seq, events)
-            return seq + 1
-        except KeyExistsError:
-            if not self._flush_failed:
-                raise
-            stored = self.store.get(segment_key(self.actor, self.session, seq))
-            lines = [encode_record(event) for event in events]
-            written = next((n for n in range(1, len(lines) + 1) if b"".join(lines[:n]) == stored), None)
-            if written is None:
-                raise
-        return self._put_next_segment(seq + 1, events[written:]) if written < len(events) else seq + 1
-
-    def _put_segment(self, session: str, seq: int, events: list[dict[str, Any]]) -> None:
-        body = b"".join(map(encode_record, events))
-        started = time.perf_counter()
-        try:
-            self.store.put(segment_key(self.actor, session, seq), body, exclusive=True)
-        finally:
-            self._add_seconds(time.perf_counter() - started)
-
-    def _add_seconds(self, seconds: float) -> None:
-        with self._lock:
-            self.ledger_seconds += seconds
+        super().__init__(store, actor)
 
     def close(self) -> None:
         """Retry unfinished deletes once more, record a clean end of this session and flush; the last heartbeat
@@ -399,13 +140,7 @@ class Ledger:
                 self.finish_unfinished()
             except (DoubleDeleteError, UnknownRefError):
                 pass  # recorded as events; the audit reports them
-        self.record("close")
-        self.flush()
-        self._heartbeat.close()
-
-    def record_keep(self, ref: PayloadRef) -> None:
-        """Record that this actor kept ``ref`` (buffered; the chunk's ``zarr.json`` also names the writer)."""
-        self.record("keep", branch_id=ref.branch_id, uri=ref.uri, nbytes=ref.nbytes)
+        super().close()
 
     def delete(self, refs: Sequence[PayloadRef], *, reason: str, max_concurrency: int = 8) -> DeleteResult:
         """Delete chunks exactly once, recording who deleted each and why.
@@ -526,11 +261,11 @@ class Ledger:
             self.record("already_released", branch_id=target.branch_id, uri=target.uri, reason=reason,
                         first_session=problem.session)
         elif isinstance(problem, DoubleDeleteError):
-            result.double_deletes.append(problem)
+            result.double_deletes[target.uri] = problem
             self.record("double_delete", branch_id=target.branch_id, uri=target.uri, reason=reason,
                         first=problem.first_holder)
         elif isinstance(problem, UnknownRefError):
-            result.unknown.append(problem)
+            result.unknown[target.uri] = problem
             self.record("unknown_delete", branch_id=target.branch_id, uri=target.uri, reason=reason)
         elif problem is not None:
             result.failed[target.uri] = problem
@@ -650,13 +385,14 @@ class Ledger:
 
     @staticmethod
     def _raise_problems(result: DeleteResult) -> None:
-        problems = result.double_deletes or result.unknown
-        first = problems[0]
-        holders = ({"first_holder": first.first_holder, "second_holder": first.second_holder}
-                   if isinstance(first, DoubleDeleteError) else {})
-        raise type(first)(
-            f"{len(result.double_deletes)} double deletes, {len(result.unknown)} deletes of unknown refs "
-            f"({len(result.deleted)} other chunks deleted); first: {first}", result=result, **holders)
+        def message(first: StorageError) -> str:
+            return (f"{len(result.double_deletes)} double deletes, {len(result.unknown)} deletes of unknown refs "
+                    f"({len(result.deleted)} other chunks deleted); first: {first}")
 
+        double = next(iter(result.double_deletes.values()), None)
+        if double is not None:
+            raise DoubleDeleteError(message(double), result=result, first_holder=double.first_holder,
+                                    second_holder=double.second_holder)
+        raise UnknownRefError(message(next(iter(result.unknown.values()))), result=result)
 
-__all__ = ["DeleteRecord", "DeleteResult", "Ledger", "encode_record", "read_delete_record", "read_segment"]
+__all__ = ["DeleteResult", "Ledger"]

@@ -41,7 +41,7 @@ from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.checkpoints import newest_checkpoint
 from refpipe.storage.errors import ConfigError
 from refpipe.storage.layout import EVENTS_PREFIX, STEPS_PREFIX, parse_step_key, tombstone_key, trainer_actor
-from refpipe.storage.ledger import read_segment
+from refpipe.storage.ledger_records import read_segment
 from refpipe.storage.store import Store
 
 log = logging.getLogger(__name__)

@@ -149,7 +149,8 @@ def test_a_forged_block_rows_in_zarr_json_is_a_verify_problem(local_run, block_r
 def test_a_malformed_delete_record_is_a_verify_and_show_problem_not_a_crash(local_run):
     """A deleted chunk whose delete record is ``[]``: ``refpipe verify`` ended with ``error: AttributeError: 'list'
     object has no attribute 'get'`` (exit 2, the other chunks never reported). The one reader
-    (``storage.ledger.read_delete_record``) names the record and what is wrong; every other chunk is still checked."""
+    (``storage.ledger_records.read_delete_record``) names the record and what is wrong; every other chunk is still
+    checked."""
     store = local_run.store
     ref = StepFile.read(store, 0).header.refs[0]
     store.delete_keys(list(chunk_keys(ref.key)))

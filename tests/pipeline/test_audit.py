@@ -155,7 +155,7 @@ def test_incomplete_keeps_and_unfinished_deletes_are_swept(run):
 
 
 def test_a_truncated_or_unparseable_ledger_record_is_a_violation_and_blocks_the_sweep(run, monkeypatch):
-    monkeypatch.setattr("refpipe.storage.ledger.SEGMENT_MAX_AGE_S", 3600.0)  # the 3 keeps in one segment, however slow
+    monkeypatch.setattr("refpipe.storage.ledger_session.SEGMENT_MAX_AGE_S", 3600.0)  # the 3 keeps in one segment
     store, keeper, orchestrator, trainers = run
     refs = [keep(keeper, seed) for seed in range(3)]
     keeper.ledger.flush()

@@ -38,7 +38,7 @@ class CountingStore(LocalStore):
 @pytest.fixture
 def run(local_config, monkeypatch):
     """(counting store, env worker keeper, [trainer_dp0, trainer_dp1] ledgers, 8 kept refs)."""
-    monkeypatch.setattr("refpipe.storage.ledger.SEGMENT_MAX_AGE_S", 3600.0)  # segments counted exactly below
+    monkeypatch.setattr("refpipe.storage.ledger_session.SEGMENT_MAX_AGE_S", 3600.0)  # segments counted exactly below
     store = open_store(local_config)
     keeper = make_keeper(store, local_config)
     trainers = [Ledger(store, f"trainer_dp{r}") for r in range(2)]

@@ -34,7 +34,7 @@ def _deleter(config: StorageConfig, index: int, refs_json: list[str], barrier, r
     except DoubleDeleteError as e:
         result = e.result
     ledger.close()
-    holders = {(err.first_holder, err.second_holder) for err in result.double_deletes}
+    holders = {(err.first_holder, err.second_holder) for err in result.double_deletes.values()}
     results.put((index, len(result.deleted), len(result.double_deletes), len(result.unknown), sorted(holders)))
 
 

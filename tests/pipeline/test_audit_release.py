@@ -17,7 +17,8 @@ from refpipe.cli.main import app
 from refpipe.pipeline.audit import audit
 from refpipe.pipeline.sweep import sweep
 from refpipe.storage.backends import open_store
-from refpipe.storage.ledger import Ledger, encode_record
+from refpipe.storage.ledger import Ledger
+from refpipe.storage.ledger_records import encode_record
 from refpipe.storage.store import Store
 from refpipe.trainer.background import BackgroundRelease, ReleaseCounts
 from refpipe.trainer.config import TrainerConfig

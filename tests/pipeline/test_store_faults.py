@@ -284,7 +284,7 @@ def test_delete_objects_permanent_key_error_is_an_unfinished_delete_finished_lat
     assert audit(direct).unfinished_deletes == [refs[1].uri]
     proxy.clear()
     again = trainer.finish_unfinished()  # the same holder, its own claim: never a double delete
-    assert again.deleted == [refs[1].uri] and again.double_deletes == [] and trainer.unfinished == []
+    assert again.deleted == [refs[1].uri] and again.double_deletes == {} and trainer.unfinished == []
     keeper.ledger.close()
     trainer.close()
     _assert_deleted(direct, refs)
@@ -307,7 +307,7 @@ def test_commit_marker_404_once_is_read_again_not_an_unknown_ref(run):
     refs, _ = _kept_pair(direct)
     proxy.add(_fault("404", "HEAD", "/" + chunk_keys(refs[0].key)[1]))
     result = Ledger(store, "trainer_dp0").delete(refs, reason="trained")
-    assert result.deleted == [r.uri for r in refs] and result.unknown == []
+    assert result.deleted == [r.uri for r in refs] and result.unknown == {}
     assert store.retries == 1
     _assert_deleted(direct, refs)
 
@@ -324,7 +324,7 @@ def test_claim_applied_but_answered_500_every_time_is_this_holders_on_the_next_c
     assert direct.exists(tomb) and trainer.unfinished == [refs[0].uri]
     proxy.clear()
     second = trainer.delete([refs[0]], reason="trained")  # the caller retries the same ref
-    assert second.deleted == [refs[0].uri] and second.double_deletes == []
+    assert second.deleted == [refs[0].uri] and second.double_deletes == {}
     assert json.loads(direct.get(tomb))["holder"] == "trainer_dp0"
     _assert_deleted(direct, refs)
     with pytest.raises(ChunkNotFoundError):

@@ -304,7 +304,7 @@ def test_a_transient_error_that_outlasts_the_retries_is_an_unfinished_delete(run
     assert str(error).startswith(f"cannot delete {store.uri(chunk_keys(refs[0].key)[1])}: gave up after 3 attempts")
     assert "ESTALE (Stale file handle)" in str(error) and trainer.unfinished == [refs[0].uri]
     again = trainer.finish_unfinished()
-    assert again.deleted == [refs[0].uri] and again.double_deletes == [] and trainer.unfinished == []
+    assert again.deleted == [refs[0].uri] and again.double_deletes == {} and trainer.unfinished == []
     assert trainer.delete(refs[1:], reason="trained").deleted == [refs[1].uri]
     _assert_deleted(store, refs, keeper.ledger, trainer)
 
@@ -323,7 +323,7 @@ def test_a_refused_unlink_fails_that_ref_only_and_is_finished_later(run):
         assert str(result.failed[refs[1].uri]) == f"cannot delete {store.uri(meta)}: {code} ({reason})"
         assert trainer.unfinished == [refs[1].uri] and audit(store, stopped=True).unfinished_deletes == [refs[1].uri]
     again = trainer.finish_unfinished()  # the same holder, its own claim: never a double delete
-    assert again.deleted == [refs[1].uri] and again.double_deletes == [] and trainer.unfinished == []
+    assert again.deleted == [refs[1].uri] and again.double_deletes == {} and trainer.unfinished == []
     _assert_deleted(store, refs, keeper.ledger, trainer)
 
 

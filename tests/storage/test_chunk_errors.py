@@ -16,7 +16,8 @@ from refpipe.storage.chunk_read import fetch_arrays
 from refpipe.storage.chunk_ref import PayloadRef
 from refpipe.storage.errors import ChunkCorruptError, ChunkNotFoundError, OutsideRunError
 from refpipe.storage.layout import DATA_NAME, META_NAME, node_key, tombstone_key
-from refpipe.storage.ledger import Ledger, read_delete_record
+from refpipe.storage.ledger import Ledger
+from refpipe.storage.ledger_records import read_delete_record
 from tests.storage.storage_helpers import FIELDS_CFG, Backend, FsOps, S3Requests, make_backend, make_fields
 
 P, C = 4, 6

@@ -29,7 +29,9 @@ from refpipe.storage.layout import (
     segment_key,
     tombstone_key,
 )
-from refpipe.storage.ledger import SEGMENT_MAX_EVENTS, Ledger, encode_record, read_segment
+from refpipe.storage.ledger import Ledger
+from refpipe.storage.ledger_records import encode_record, read_segment
+from refpipe.storage.ledger_session import SEGMENT_MAX_EVENTS
 from refpipe.storage.local_store import LocalStore
 from refpipe.storage.s3_store import S3Store
 from refpipe.storage.store import Store
@@ -54,7 +56,7 @@ def events_of(store: Store, actor: str) -> list[list[dict]]:
 
 
 def test_open_is_written_at_once_and_events_are_buffered_into_segments(store, monkeypatch):
-    monkeypatch.setattr("refpipe.storage.ledger.SEGMENT_MAX_AGE_S", 3600.0)  # no age flush on a slow machine
+    monkeypatch.setattr("refpipe.storage.ledger_session.SEGMENT_MAX_AGE_S", 3600.0)  # no age flush on a slow machine
     ledger = Ledger(store, "env_worker_0")
     [[opened]] = events_of(store, "env_worker_0")
     assert opened["event"] == "open" and opened["actor"] == "env_worker_0"
@@ -100,7 +102,7 @@ def test_each_line_carries_the_crc32c_of_its_content_and_a_changed_line_is_a_bad
 
 
 def test_a_segment_is_written_every_512_events(store, monkeypatch):
-    monkeypatch.setattr("refpipe.storage.ledger.SEGMENT_MAX_AGE_S", 3600.0)  # only the count may flush here
+    monkeypatch.setattr("refpipe.storage.ledger_session.SEGMENT_MAX_AGE_S", 3600.0)  # only the count may flush here
     ledger = Ledger(store, "a")
     for i in range(SEGMENT_MAX_EVENTS + 1):
         ledger.record("x", i=i)
@@ -139,7 +141,7 @@ def test_delete_is_exactly_once_and_a_second_delete_names_both_holders(store):
                                                 "from orchestrator \\(filtered\\)") as info:
         second.delete([refs[1], refs[2]], reason="filtered")
     assert info.value.result.deleted == [refs[2].uri]
-    [double] = info.value.result.double_deletes
+    [double] = info.value.result.double_deletes.values()
     assert (double.first_holder, double.second_holder) == ("trainer_dp3", "orchestrator")
     assert json.loads(store.get(tombstone_key("b1")))["holder"] == "trainer_dp3"
     assert store.list_prefix("payloads") == []
@@ -156,7 +158,9 @@ def test_a_double_delete_deletes_nothing_else(store):
     kept_bytes = store.get(f"{store.prefix.key_of(refs[1].uri)}/c.0")
     with pytest.raises(DoubleDeleteError) as info:
         ledger.delete([refs[0], refs[0]], reason="again")
-    assert info.value.result.deleted == [] and len(info.value.result.double_deletes) == 2
+    assert info.value.result.deleted == [] and list(info.value.result.double_deletes) == [refs[0].uri]
+    doubles = [e["reason"] for seg in events_of(store, "a") for e in seg if e["event"] == "double_delete"]
+    assert doubles == ["again", "again"]  # the result is keyed by URI; each refused delete is an event
     assert store.get(f"{store.prefix.key_of(refs[1].uri)}/c.0") == kept_bytes
     np.testing.assert_array_equal(fetch_arrays(store, refs[1])["x"], np.arange(4, dtype=np.int32) + 2)
 
@@ -167,6 +171,24 @@ def test_the_same_ref_twice_in_one_call_is_deleted_once(store):
         Ledger(store, "a").delete([ref, ref], reason="twice")
     assert info.value.result.deleted == [ref.uri] and len(info.value.result.double_deletes) == 1
     assert store.list_prefix("ledger/deletes") == [tombstone_key("d0")]
+
+
+def test_outcomes_are_keyed_by_uri_never_found_in_a_message(store):
+    """A ref never kept whose URI is a prefix of a double-deleted ref's URI (``payloads/a2/f4`` in
+    ``payloads/a2/f45``, one shard) is ``unknown``; finding the URI in the double delete's message called it
+    ``double_delete``."""
+    gone = kept(store, "f45")
+    ghost = gone.model_copy(update={"uri": store.uri(node_key("f4")), "branch_id": "f4"})
+    assert gone.uri.startswith(ghost.uri)
+    ledger = Ledger(store, "a")
+    ledger.delete([gone], reason="first")
+    with pytest.raises(DoubleDeleteError) as info:
+        ledger.delete([ghost, gone], reason="again")
+    result = info.value.result
+    assert [result.outcome(ghost.uri), result.outcome(gone.uri)] == ["unknown", "double_delete"]
+    assert (list(result.unknown), list(result.double_deletes)) == ([ghost.uri], [gone.uri])
+    with pytest.raises(KeyError, match="not the URI of a ref of this delete call"):
+        result.outcome(store.uri(node_key("f")))
 
 
 def test_a_ref_never_kept_is_refused_and_recorded(store):
@@ -194,7 +216,7 @@ def test_a_ref_outside_the_run_deletes_nothing(store, uri):
 
 
 def test_ledger_seconds_counts_claims_and_segment_puts(store, monkeypatch):
-    monkeypatch.setattr("refpipe.storage.ledger.SEGMENT_MAX_AGE_S", 3600.0)  # no age-due flush, however slow the host
+    monkeypatch.setattr("refpipe.storage.ledger_session.SEGMENT_MAX_AGE_S", 3600.0)  # no age-due flush on a slow host
     refs = [kept(store, f"g{i}") for i in range(4)]
     ledger = Ledger(store, "a")
     after_open = ledger.ledger_seconds

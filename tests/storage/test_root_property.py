@@ -16,7 +16,8 @@ from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.storage.backends import open_store
 from refpipe.storage.chunk_read import fetch_arrays
 from refpipe.storage.config import StorageConfig
-from refpipe.storage.ledger import Ledger, tombstone_key
+from refpipe.storage.layout import tombstone_key
+from refpipe.storage.ledger import Ledger
 from refpipe.storage.uri import RunPrefix
 
 SEGMENT = st.text(st.sampled_from(list("ab#?%. :-_é") + ["\n", "\t", "\x7f", "😀"]), min_size=1, max_size=5)

@@ -3,7 +3,7 @@
 A forged ``block_rows`` is refused by its one rule (``storage.chunk_ref.check_block_rows``); a zstd frame
 is decoded only into a buffer of the ref's declared size, so a small frame that declares or expands
 to more is refused without allocating it (tracemalloc measures the Python and numpy allocations);
-a malformed delete record is refused by its one reader (``storage.ledger.read_delete_record``).
+a malformed delete record is refused by its one reader (``storage.ledger_records.read_delete_record``).
 Local backend only: these rules run on bytes already read, the same for every store.
 """
 
@@ -166,9 +166,9 @@ def test_bytes_that_are_not_a_zstd_frame_are_named_so(backend):
                                         "Field required"),
 ])
 def test_a_malformed_delete_record_is_a_double_delete_naming_it(backend, record, problem):
-    """The ledger's claim reads the record it lost to (``storage.ledger.read_delete_record``, the one reader; the CLI's
-    ``deleted by`` uses it too). Before: ``[]`` raised AttributeError out of ``Ledger.delete``; ``not json`` was
-    "deleted by ? (unreadable delete record)"; ``holder: 3`` was "deleted by 3 (died)", trusted."""
+    """The ledger's claim reads the record it lost to (``storage.ledger_records.read_delete_record``, the one reader;
+    the CLI's ``deleted by`` uses it too). Before: ``[]`` raised AttributeError out of ``Ledger.delete``; ``not json``
+    was "deleted by ? (unreadable delete record)"; ``holder: 3`` was "deleted by 3 (died)", trusted."""
     ref = keep(backend)
     tomb = tombstone_key(ref.branch_id)
     backend.raw.put(tomb, record)

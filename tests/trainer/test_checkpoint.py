@@ -19,7 +19,7 @@ from refpipe.storage.backends import open_store
 from refpipe.storage.checkpoints import newest_checkpoint
 from refpipe.storage.errors import CheckpointError
 from refpipe.storage.layout import segment_key, trainer_actor
-from refpipe.storage.ledger import encode_record
+from refpipe.storage.ledger_records import encode_record
 from refpipe.trainer.checkpoint import checkpoint_key, load_checkpoint, training_state
 from refpipe.trainer.resume import _highest_release
 from tests.helpers.checkpoint import FILES, assert_loads_back, one_rank_world, save, trained

@@ -1,0 +1,131 @@
+"""The ledger's on-disk records: event lines of ledger segments and delete records, each with its one reader.
+
+A segment (``ledger/events/<actor>/<session>/<bucket>/<seq>.jsonl``) holds one JSON object per line, each
+ending in its ``crc``: crc32c of the rest of the line as compact JSON with sorted keys (``encode_record``;
+read back by ``read_segment``). A delete record (``ledger/deletes/<aa>/<bb>/<branch_id>.json``) is one
+``DeleteRecord`` document, the exactly-once claim of its chunk (written by ``storage.ledger.Ledger``; read
+by ``read_delete_record`` and ``delete_record_of``). Keys are built by ``storage.layout``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import crc32c
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from refpipe.storage.errors import DeleteRecordError, KeyNotFoundError, validation_problems
+from refpipe.storage.layout import tombstone_key
+from refpipe.storage.store import Store
+
+CRC_FIELD = "crc"
+"""The field each ledger line ends with: crc32c (8 hex digits) of ``canonical_record`` of the rest of the line."""
+
+
+def canonical_record(event: Mapping[str, Any]) -> bytes:
+    """The bytes a ledger line's crc covers: the event without its crc, as compact JSON with sorted keys."""
+    return json.dumps(event, separators=(",", ":"), sort_keys=True).encode()
+
+
+def encode_record(event: Mapping[str, Any]) -> bytes:
+    """One ledger line: ``event`` as compact JSON with its ``crc`` appended, then a line end (the one encoder;
+    ``read_segment`` checks it).
+
+    Raises:
+        ValueError: ``event`` already holds a ``crc`` field.
+    """
+    if CRC_FIELD in event:
+        raise ValueError(f"ledger event {event.get('event')!r}: the field name {CRC_FIELD!r} is the line's own")
+    crc = crc32c.crc32c(canonical_record(event))
+    return json.dumps({**event, CRC_FIELD: f"{crc:08x}"}, separators=(",", ":")).encode() + b"\n"
+
+
+def _decode_record(line: bytes) -> dict[str, Any]:
+    """The event of one complete ledger line, its crc checked and removed.
+
+    Raises:
+        ValueError: not JSON (``json.JSONDecodeError``), not an object with an ``event`` name, no crc, or a crc
+            that does not match the line's content (the line was changed after the ledger wrote it).
+    """
+    event = json.loads(line)
+    if not isinstance(event, dict) or not isinstance(event.get("event"), str):
+        raise ValueError(f"{line[:40]!r}: expected a JSON object with an 'event' name")
+    stored = event.pop(CRC_FIELD, None)
+    computed = f"{crc32c.crc32c(canonical_record(event)):08x}"
+    if stored != computed:
+        raise ValueError(f"crc32c {computed} of the record, the line says {stored!r} (changed after it was "
+                         f"written)" if stored is not None else f"{line[:40]!r}: no {CRC_FIELD!r} field")
+    return event
+
+
+def read_segment(data: bytes) -> list[tuple[int, dict[str, Any] | ValueError]]:
+    """Every record of a ledger segment, tolerantly: ``(line number, event)`` per non-empty line, or
+    ``(line number, ValueError)`` for a line that is not a JSON object with an ``event`` name, whose
+    crc32c is missing or does not match (``encode_record``), or a last line without its line end. Never
+    raises: the one reader of segments, shared by the audit and sweep, ``refpipe ls`` and the trainer's
+    resume. Callers decide what a bad record means (the audit: a violation that blocks the sweep)."""
+    lines = data.split(b"\n")
+    out: list[tuple[int, dict[str, Any] | ValueError]] = []
+    for number, line in enumerate(lines, 1):
+        if not line:
+            continue
+        try:
+            if number == len(lines):
+                raise ValueError("truncated record (no line end)")
+            out.append((number, _decode_record(line)))
+        except ValueError as e:  # json.JSONDecodeError included
+            out.append((number, e))
+    return out
+
+
+class DeleteRecord(BaseModel):
+    """A chunk's delete record (``ledger/deletes/<aa>/<bb>/<branch_id>.json``): the exactly-once claim, written
+    once by ``Ledger`` (exclusive put) and read only through ``read_delete_record``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    branch_id: str
+    uri: str
+    """The deleted chunk's URI as its deleter saw it."""
+    holder: str
+    """The actor that deleted it."""
+    reason: str
+    """Why (the deletion path)."""
+    t: float
+    """Unix time of the claim, seconds."""
+    session: str
+    """The deleter's ledger session."""
+    claim: str
+    """Random per claim: a deleter whose put's answer was lost recognises its own record."""
+
+
+def read_delete_record(data: bytes, uri: str) -> DeleteRecord:
+    """The one reader of delete records: the ledger's claims (every holder's delete, the sweep) and the CLI's
+    ``deleted by`` lines (``show``, ``verify``, ``inspect``).
+
+    Raises:
+        DeleteRecordError: ``data`` is not a ``DeleteRecord`` (names ``uri`` and each field that is wrong).
+    """
+    try:
+        return DeleteRecord.model_validate_json(data)
+    except ValidationError as e:
+        raise DeleteRecordError(f"delete record {uri} is unreadable: {validation_problems(e)}") from None
+
+
+def delete_record_of(store: Store, branch_id: str) -> DeleteRecord | DeleteRecordError | None:
+    """The delete record of ``branch_id``'s chunk, the error that makes it unreadable, or None when there is none:
+    how a missing chunk is explained (``storage.chunk_read`` after a not-found; the CLI's ``show``, ``verify``,
+    ``inspect``). One ``Store.get``."""
+    key = tombstone_key(branch_id)
+    try:
+        return read_delete_record(store.get(key), store.uri(key))
+    except KeyNotFoundError:
+        return None
+    except DeleteRecordError as e:
+        return e
+
+
+__all__ = ["CRC_FIELD", "DeleteRecord", "canonical_record", "delete_record_of", "encode_record",
+           "read_delete_record", "read_segment"]
