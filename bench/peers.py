@@ -242,7 +242,9 @@ def main() -> None:
     p.add_argument("--get-batch", type=positive_int, default=32, help="arrays per get call (bounds memory)")
     args = p.parse_args()
     workdir = tempfile.mkdtemp(prefix="refpipe-bench-peers-", dir=args.dir or "/tmp")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+    ray_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit AF_UNIX's limit
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,
+             _temp_dir=ray_dir)
     sides: dict = {}
     try:
         tq.init({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}})
@@ -255,6 +257,7 @@ def main() -> None:
         tq.close()
         ray.shutdown()
         shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(ray_dir, ignore_errors=True)
     print(json.dumps({"dir": workdir, **report(args, seconds, routing().nbytes)}))
 
 
