@@ -1,5 +1,4 @@
-"""Put, get and free of routing arrays: refpipe against raw ``.npy`` files, Ray's object store and TransferQueue,
-in one run.
+"""Put, get and free of routing arrays in one run: refpipe, raw .npy files, Ray's object store, TransferQueue.
 
 The peers' shape: ``--arrays`` (1,024) routing arrays ``routed_experts`` [4096, 48, 8] uint8 (1,024 prompt +
 3,072 completion tokens, 1.5 MiB each, distinct expert ids per row), one array generated once and changed by
@@ -12,9 +11,9 @@ a few bytes per put. Each system through its public API, in the same process:
 - ray: ``ray.put`` into a local Ray's object store, ``ray.get`` of ``--get-batch`` refs at once with a copy
   out of shared memory (``np.array``), free by dropping the last reference (``del``; the object store unlinks
   the objects asynchronously: Ray has no synchronous free).
-- transferqueue: TransferQueue's key-value API on its default in-memory ``SimpleStorage`` backend (one
-  storage unit, ZMQ): ``kv_put`` per array, ``kv_batch_get`` of ``--get-batch`` keys, ``kv_clear`` of each
-  round's keys.
+- transferqueue: TransferQueue's key-value API on its default in-memory ``SimpleStorage`` backend (ZMQ), with
+  one storage unit instead of its default two (2 cores): ``kv_put`` per array, ``kv_batch_get`` of
+  ``--get-batch`` keys, ``kv_clear`` of each round's keys.
 
 Puts go one array at a time (arrays arrive one branch at a time); gets go ``--get-batch`` arrays per call
 (refpipe and raw: one per thread); frees take each round's arrays in one call where the API has one (raw and
@@ -28,7 +27,7 @@ Last line: one JSON object with ``keep_vs_ray_put``, ``fetch_vs_ray_get``, ``fre
 ``keep_vs_transferqueue_put``, ``fetch_vs_transferqueue_get``, ``free_vs_transferqueue_clear``,
 ``keep_vs_np_save``, ``fetch_vs_np_load``, ``free_vs_os_remove`` (refpipe's throughput over the peer's), and
 the raw figures: ``put_gib_per_s``, ``get_gib_per_s``, ``frees_per_s`` and ``seconds`` per system.
-Targets (issue figures): keep ahead of Ray's put (``keep_vs_ray_put`` >= 1), frees ahead of TransferQueue's
+Targets: keep ahead of Ray's put (``keep_vs_ray_put`` >= 1), frees ahead of TransferQueue's
 clear (``free_vs_transferqueue_clear`` >= 1).
 """
 
