@@ -34,6 +34,10 @@ SMOKE = {
                       "incremental_audit_seconds", "incremental_audit_seconds_growth"}),
     "release_hold.py": (["--steps", "2", "--checkpoint-every", "1"],
                         {"peak_held_bytes", "after_checkpoint_vs_after_step", "resume_wall_s"}),
+    "peers.py": (["--arrays", "4", "--rounds", "2", "--threads", "2", "--get-batch", "2"],
+                 {"keep_vs_ray_put", "fetch_vs_ray_get", "free_vs_ray_free", "keep_vs_transferqueue_put",
+                  "fetch_vs_transferqueue_get", "free_vs_transferqueue_clear", "keep_vs_np_save", "fetch_vs_np_load",
+                  "free_vs_os_remove", "put_gib_per_s", "get_gib_per_s", "frees_per_s"}),
 }
 
 
@@ -45,7 +49,8 @@ def test_every_bench_has_a_smoke_shape():
 def test_bench_completes_and_prints_its_summary(script, tmp_path):
     args, keys = SMOKE[script]
     extra = ["--tmp", str(tmp_path)] if script in ("trainer_fetch.py", "scale_sim.py") else \
-        ["--dir", str(tmp_path)] if script in ("keep_fetch.py", "release_hold.py") else ["--workdir", str(tmp_path)]
+        ["--dir", str(tmp_path)] if script in ("keep_fetch.py", "release_hold.py", "peers.py") else \
+        ["--workdir", str(tmp_path)]
     out = subprocess.run([sys.executable, str(BENCH / script), *args, *extra], capture_output=True, text=True,
                          timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
