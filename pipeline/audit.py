@@ -171,16 +171,16 @@ def step_nodes(scan: RunScan) -> tuple[dict[str, int], dict[str, str], set[str]]
     protected: dict[str, str] = {}
     borrowed: set[str] = set()
     for step, header in sorted(scan.steps.items()):
-        nodes = [ref.key for ref in header.refs]
         released = all(scan.released.get(owner, -1) >= step for owner in set(header.owners))
-        for node, owner in zip(nodes, header.owners):
+        for node, owner in ((n, o) for ref, o in zip(header.refs, header.owners) for n in ref.nodes):
             shipped.setdefault(node, step)
             if released or node in protected:
                 continue
             held = scan.trained.get(owner, -1) >= step > scan.released.get(owner, -1)
             protected[node] = f"trainer_dp{owner} ({AWAITING_CHECKPOINT})" if held else f"trainer step {step}"
-        borrowed |= {nodes[s.ref] for mb in header.micro_batches for s in mb.sequences
-                     if s.borrowed and s.ref is not None}  # (StepHeader: a borrowed sequence has a ref)
+        borrowed |= {n for mb in header.micro_batches for s in mb.sequences
+                     if s.borrowed and s.ref is not None  # (StepHeader: a borrowed sequence has a ref)
+                     for n in header.refs[s.ref].nodes}
     return shipped, protected, borrowed
 
 
@@ -202,7 +202,8 @@ def _replayed(store: Store, scan: RunScan, protected: dict[str, str]) -> dict[st
     run without ``config.json``), so no lost, corrupted or forged ledger record exposes them to the sweep. Reads
     ``config.json`` and the checkpoints only when a step file's chunks are present and otherwise unprotected."""
     steps = {step: nodes for step, header in scan.steps.items()
-             if (nodes := [ref.key for ref in header.refs]) and not any(n in scan.tombstoned for n in nodes)
+             if (nodes := [n for ref in header.refs for n in ref.nodes])
+             and not any(n in scan.tombstoned for n in nodes)
              and any(n in scan.nodes and n not in protected for n in nodes)}
     if not steps or not _replays_after_checkpoint(store, scan):
         return {}

@@ -167,7 +167,7 @@ def _list_deletes(store: Store, scan: RunScan, progress: Progress | None) -> Non
 def _named(scan: RunScan) -> set[str]:
     """Chunks a keep, receive, retain or unfinished_delete event or a step file read names."""
     return set(scan.keeps) | scan.received | scan.retained | set(scan.unfinished) \
-        | {ref.key for h in scan.steps.values() for ref in h.refs}
+        | {n for h in scan.steps.values() for ref in h.refs for n in ref.nodes}
 
 
 def _check_deletes(store: Store, scan: RunScan, nodes: set[str], progress: Progress | None) -> None:
@@ -179,7 +179,7 @@ def _check_deletes(store: Store, scan: RunScan, nodes: set[str], progress: Progr
 
 
 def _recheck_deletes(store: Store, scan: RunScan, progress: Progress | None) -> None:
-    named = set(scan.keeps) | {ref.key for h in scan.steps.values() for ref in h.refs}
+    named = set(scan.keeps) | {n for h in scan.steps.values() for ref in h.refs for n in ref.nodes}
     gone = sorted(n for n in named if n not in scan.nodes and n not in scan.tombstoned)
     found = _parallel(store, lambda n: store.exists(tombstone_key(branch_id_of(n))), gone, progress,
                       "checking delete records")
@@ -273,7 +273,7 @@ def _take_event(scan: RunScan, actor: str, session: str, event: dict | ValueErro
 
 def _scan_writers(store: Store, scan: RunScan, progress: Progress | None) -> None:
     """Writers of unshipped chunks without a keep event: from a drawn branch id, else ``zarr.json``."""
-    shipped = {ref.key for h in scan.steps.values() for ref in h.refs}
+    shipped = {n for h in scan.steps.values() for ref in h.refs for n in ref.nodes}
     unnamed = []
     for node, keys in scan.nodes.items():
         if node in scan.keeps or node in shipped or node in scan.tombstoned:

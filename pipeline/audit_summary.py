@@ -90,7 +90,7 @@ def seed_scan(summary: AuditSummary) -> RunScan:
 def settle(scan: RunScan) -> AuditSummary:
     """The summary after ``scan``: its chunks with a delete record and no objects left, and not shipped by a step
     that is still open, become settled counts; steps whose every chunk is settled become settled steps."""
-    step_nodes = {step: {ref.key for ref in h.refs} for step, h in scan.steps.items()}
+    step_nodes = {step: {n for ref in h.refs for n in ref.nodes} for step, h in scan.steps.items()}
     open_steps = {s for s, nodes in step_nodes.items() if not nodes <= scan.tombstoned or nodes & scan.nodes.keys()}
     in_open_steps = set().union(*(step_nodes[s] for s in open_steps))
     done = {n for n in scan.tombstoned if n not in scan.nodes and n not in in_open_steps}
@@ -98,8 +98,9 @@ def settle(scan: RunScan) -> AuditSummary:
     settled.update(kept=len(done), deleted=len(done))
     closing = sorted(set(step_nodes) - open_steps)
     shipped = set().union(*(step_nodes[s] for s in closing))
-    borrowed = {scan.steps[s].refs[q.ref].key for s in closing for mb in scan.steps[s].micro_batches
-                for q in mb.sequences if q.borrowed and q.ref is not None}  # (StepHeader: a borrowed one has a ref)
+    borrowed = {n for s in closing for mb in scan.steps[s].micro_batches for q in mb.sequences
+                if q.borrowed and q.ref is not None  # (StepHeader: a borrowed one has a ref)
+                for n in scan.steps[s].refs[q.ref].nodes}
     settled.update(shipped=len(shipped), borrowed=len(borrowed))
     return AuditSummary(
         segments=sorted(scan.covered_segments), settled_steps=sorted(scan.settled_steps | set(closing)),

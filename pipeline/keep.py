@@ -12,9 +12,12 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from refpipe.pipeline.fields import FieldsConfig, validate_branch
+from refpipe.pipeline.open_branch import OpenBranch
 from refpipe.storage.chunk_codec import encode_chunk
-from refpipe.storage.chunk_ref import PayloadRef
+from refpipe.storage.chunk_ref import ArraySpec, PayloadRef
 from refpipe.storage.chunk_write import put_chunk
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.ledger import DeleteResult, Ledger
@@ -63,16 +66,34 @@ class Keeper:
         what = f"branch {branch_id} (env worker {self.ledger.actor})"
         arrays, specs = validate_branch(branch.fields, self.fields, num_prompt_tokens=branch.num_prompt_tokens,
                                         num_completion_tokens=branch.num_completion_tokens, what=what)
-        chunk = encode_chunk(branch_id, arrays, specs, num_prompt_tokens=branch.num_prompt_tokens,
-                             num_completion_tokens=branch.num_completion_tokens,
+        return self.write(branch_id, arrays, specs, branch.num_prompt_tokens, branch.num_completion_tokens)
+
+    def write(self, chunk_id: str, arrays: Mapping[str, np.ndarray], specs: Mapping[str, ArraySpec],
+              num_prompt_tokens: int, num_completion_tokens: int) -> PayloadRef:
+        """Write validated arrays (``validate_branch``'s) as one chunk under ``chunk_id``, record its keep.
+
+        Raises:
+            KeyExistsError: ``chunk_id`` was already kept in this run.
+        """
+        chunk = encode_chunk(chunk_id, arrays, specs, num_prompt_tokens=num_prompt_tokens,
+                             num_completion_tokens=num_completion_tokens,
                              compression=self.storage.compression, zstd_level=self.storage.zstd_level,
                              writer=self.ledger.actor)
-        uri = put_chunk(self.store, branch_id, chunk)
-        ref = PayloadRef(uri=uri, branch_id=branch_id, num_prompt_tokens=branch.num_prompt_tokens,
-                         num_completion_tokens=branch.num_completion_tokens, arrays=chunk.arrays,
+        uri = put_chunk(self.store, chunk_id, chunk)
+        ref = PayloadRef(uri=uri, branch_id=chunk_id, num_prompt_tokens=num_prompt_tokens,
+                         num_completion_tokens=num_completion_tokens, arrays=chunk.arrays,
                          nbytes=chunk.nbytes, checksum=chunk.checksum, compression=self.storage.compression)
         self.ledger.record_keep(ref)
         return ref
+
+    def open_branch(self, num_prompt_tokens: int, *, branch_id: str | None = None) -> OpenBranch:
+        """Open a branch to keep turn by turn (``pipeline.open_branch.OpenBranch``: append, close).
+
+        Raises:
+            ConfigError: ``branch_id`` is not a valid id, or too long to name its segments.
+            FieldError: ``num_prompt_tokens`` is not an integer >= 0.
+        """
+        return OpenBranch(self, branch_id or f"{self.ledger.actor}-{uuid.uuid4().hex}", num_prompt_tokens)
 
     def discard(self, refs: Sequence[PayloadRef], *, reason: str = "discarded by env server") -> DeleteResult:
         """Delete kept branches that will never reach the orchestrator (exactly once, via the ledger)."""

@@ -31,8 +31,8 @@ DIGEST_HEX_CHARS = 16
 
 def ref_digest(ref: PayloadRef) -> str:
     """16 hex characters of BLAKE2b-64 over the ref's JSON without ``uri`` (provenance only, so two views of one
-    run agree): branch id, token counts, arrays with their block crcs, byte count, checksum, codec."""
-    canonical = ref.model_dump_json(exclude={"uri"}).encode()
+    run agree): branch id, token counts, arrays with their block crcs, byte count, checksum, codec, segments."""
+    canonical = ref.model_dump_json(exclude={"uri": True, "segments": {"__all__": {"uri"}}}).encode()
     return hashlib.blake2b(canonical, digest_size=DIGEST_HEX_CHARS // 2).hexdigest()
 
 

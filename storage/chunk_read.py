@@ -118,6 +118,8 @@ def fetch_into(store: Store, ref: PayloadRef, num_tokens: int | None, out: Mappi
     problem = ref.rows_problem()  # a step file's refs are validated without it (``REF_ROWS_CHECKED_PER_USE``)
     if problem:
         raise RefError(f"chunk {ref.uri}: {problem}: not read")
+    if ref.segments:
+        return _fetch_segments(store, ref, n, out)
     def attempt() -> Fetched | str:
         try:
             return _fetch(store, data_key, ref, n, dict(out))
@@ -135,6 +137,49 @@ def fetch_into(store: Store, ref: PayloadRef, num_tokens: int | None, out: Mappi
     if isinstance(fetched, str):  # final: a deleted chunk never comes back, so it is not read again
         raise ChunkNotFoundError(f"{store.uri(data_key)} does not exist: {fetched}")
     return fetched
+
+
+def _fetch_segments(store: Store, ref: PayloadRef, n: int, out: Mapping[str, np.ndarray]) -> Fetched:
+    """A segmented branch's first ``n`` tokens: each segment they reach (a cut one too) read by ``fetch_into`` straight
+    into its rows of the destinations; arrays without a destination (and ragged values) are joined from the pieces.
+    Every segment's errors are its own (a missing segment: ``ChunkNotFoundError`` naming it)."""
+    for name, dest in out.items():
+        _check_destination(ref, name, dest, (_cut_rows(ref, name, n, out), *ref.arrays[name].shape[1:]))
+    pieces: dict[str, list[np.ndarray]] = {name: [] for name in ref.arrays}
+    offsets = dict.fromkeys(ref.arrays, 0)
+    start, in_place = 0, True
+    for seg in ref.segments:
+        if start >= n and start:
+            break
+        k = min(seg.num_tokens, n - start)
+        dests = {name: dest[offsets[name] : offsets[name] + domain_rows(seg.arrays[name].domain,
+                                                                         seg.num_prompt_tokens, k)]
+                 for name, dest in out.items() if not ref.arrays[name].domain.startswith("values:")}
+        fetched = fetch_into(store, seg, k, dests)
+        in_place &= fetched.in_place
+        for name, a in fetched.arrays.items():
+            if name not in dests:
+                pieces[name].append(a)
+            offsets[name] += len(a)
+        start += seg.num_tokens
+    arrays = {}
+    for name, parts in pieces.items():
+        if name in out and not parts:
+            arrays[name] = out[name]
+            continue
+        arrays[name] = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        arrays[name].flags.writeable = False
+        if name in out:
+            _check_destination(ref, name, out[name], arrays[name].shape)
+            out[name][...] = arrays[name]
+            arrays[name] = out[name]
+    return Fetched(arrays, in_place)
+
+
+def _cut_rows(ref: PayloadRef, name: str, n: int, out: Mapping[str, np.ndarray]) -> int:
+    """Rows array ``name`` has in the first ``n`` tokens (a ragged one: its destination's, checked after)."""
+    domain = ref.arrays[name].domain
+    return len(out[name]) if domain.startswith("values:") else domain_rows(domain, ref.num_prompt_tokens, n)
 
 
 def _deleted(store: Store, ref: PayloadRef) -> str | None:

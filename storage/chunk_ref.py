@@ -13,8 +13,18 @@ import math
 from collections.abc import Mapping
 from typing import Literal, NamedTuple
 
+import crc32c
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from refpipe.storage.errors import ConfigError, OutsideRunError
 from refpipe.storage.layout import node_key
@@ -108,6 +118,11 @@ class PayloadRef(BaseModel):
     """Bytes-to-bytes codec between ``bytes`` and ``crc32c``."""
     block_rows: int = BLOCK_ROWS
     """Rows per block of each array's ``block_crcs``: always ``BLOCK_ROWS`` (``check_block_rows``)."""
+    segments: tuple["PayloadRef", ...] = ()
+    """A segmented branch (``pipeline.open_branch``): the refs of its segments in token order, each an ordinary
+    chunk covering tokens ``[start, end)`` of the branch (its own token counts are that range's prompt and
+    completion tokens). The branch then has no chunk of its own: ``arrays`` holds the whole branch's shapes
+    without block crcs, ``nbytes`` the segments' total and ``checksum`` ``segments_checksum``. Empty: one chunk."""
 
     @field_validator("block_rows", mode="before")
     @classmethod
@@ -125,6 +140,9 @@ class PayloadRef(BaseModel):
         problem = None if info.context == REF_ROWS_CHECKED_PER_USE else self.rows_problem()
         if problem:
             raise ValueError(problem)
+        if self.segments:
+            _check_segments(self)
+            return self
         payload_nbytes = layout_arrays(self.arrays)[1]
         if self.compression == "none" and self.nbytes != payload_nbytes + 4:
             raise ValueError(f"nbytes={self.nbytes}: expected {payload_nbytes + 4} for the "
@@ -138,6 +156,28 @@ class PayloadRef(BaseModel):
     def _uri_names_the_branch(self) -> "PayloadRef":
         check_ref_uri(self.uri, self.branch_id)
         return self
+
+    @model_serializer(mode="wrap")
+    def _without_empty_segments(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        """A one-chunk ref serialises without ``segments``, as it always did."""
+        out: dict[str, object] = handler(self)
+        if not self.segments:
+            out.pop("segments", None)
+        return out
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """Node keys of every chunk this ref names: its segments' (``segments``), else its own ``key``.
+
+        Raises:
+            OutsideRunError: as ``key``.
+        """
+        return tuple(s.key for s in self.segments) if self.segments else (self.key,)
+
+    @property
+    def chunks(self) -> tuple["PayloadRef", ...]:
+        """The refs of the chunks this ref names: its ``segments``, else itself."""
+        return self.segments or (self,)
 
     @property
     def key(self) -> str:
@@ -174,6 +214,48 @@ class PayloadRef(BaseModel):
         return layout_arrays(self.arrays)[0]
 
 
+def segments_checksum(segments: tuple[PayloadRef, ...]) -> int:
+    """A segmented ref's ``checksum``: crc32c of its segments' checksums (uint32 little-endian, in order)."""
+    return int(crc32c.crc32c(np.array([s.checksum for s in segments], "<u4").tobytes()))
+
+
+def segment_tokens(num_prompt_tokens: int, start: int, end: int) -> tuple[int, int]:
+    """``(prompt, completion)`` tokens among tokens ``[start, end)`` of a branch of ``num_prompt_tokens``."""
+    prompt = min(end, num_prompt_tokens) - min(start, num_prompt_tokens)
+    return prompt, end - start - prompt
+
+
+def _check_segments(ref: "PayloadRef") -> None:
+    """Raise ``ValueError`` unless a segmented ref's segments tile its tokens and arrays exactly."""
+    start, rows = 0, dict.fromkeys(ref.arrays, 0)
+    for i, seg in enumerate(ref.segments):
+        what = f"segment {i} ({seg.branch_id})"
+        counts = segment_tokens(ref.num_prompt_tokens, start, start + seg.num_tokens)
+        if seg.segments or (seg.num_prompt_tokens, seg.num_completion_tokens) != counts \
+                or seg.compression != ref.compression:
+            raise ValueError(f"{what}: {seg.num_prompt_tokens} prompt + {seg.num_completion_tokens} completion "
+                             f"tokens ({seg.compression}): expected {counts[0]} + {counts[1]} (tokens [{start}, "
+                             f"{start + seg.num_tokens}) of the branch; {ref.compression}, no segments of its own)")
+        if seg.arrays.keys() != ref.arrays.keys():
+            raise ValueError(f"{what}: arrays {list(seg.arrays)}: expected {list(ref.arrays)}")
+        for name, spec in seg.arrays.items():
+            whole = ref.arrays[name]
+            if (spec.dtype, spec.domain, spec.shape[1:]) != (whole.dtype, whole.domain, whole.shape[1:]):
+                raise ValueError(f"{what}: array {name!r} is {spec.dtype} {list(spec.shape)} ({spec.domain}): "
+                                 f"expected {whole.dtype} [rows, {', '.join(map(str, whole.shape[1:]))}] "
+                                 f"({whole.domain})")
+            rows[name] += spec.shape[0]
+        start += seg.num_tokens
+    problems = [f"array {n!r}: {rows[n]} rows in segments, {s.shape[0]} declared" for n, s in ref.arrays.items()
+                if rows[n] != s.shape[0]]
+    if start != ref.num_tokens or problems:
+        raise ValueError(f"segments cover {start} tokens: expected {ref.num_tokens}; {'; '.join(problems)}")
+    if ref.nbytes != sum(s.nbytes for s in ref.segments) or ref.checksum != segments_checksum(ref.segments):
+        raise ValueError(f"nbytes={ref.nbytes}, checksum={ref.checksum:#010x}: expected the segments' total "
+                         f"{sum(s.nbytes for s in ref.segments)} and segments_checksum "
+                         f"{segments_checksum(ref.segments):#010x}")
+
+
 def layout_arrays(arrays: Mapping[str, ArraySpec]) -> tuple[list[ArrayLayout], int]:
     """Place arrays at 64-byte aligned offsets; return the layouts and the payload size (>= 64)."""
     out, offset = [], 0
@@ -199,9 +281,11 @@ def _check_spec(ref: "PayloadRef", name: str, dtype: str, shape: tuple[int, ...]
         raise ValueError(f"{what}: shape {list(shape)}: expected at least one dimension, none negative")
     if domain not in ("tokens", "completion", "prompt") and not (domain.startswith("values:") and domain[7:] in names):
         raise ValueError(f"{what}: domain {domain!r}: expected 'tokens', 'completion', 'prompt' or 'values:<array>'")
-    if len(crcs) != -(-shape[0] // ref.block_rows) or any(not 0 <= c < 2**32 for c in crcs):
-        raise ValueError(f"{what}: {len(crcs)} block crcs: expected {-(-shape[0] // ref.block_rows)} uint32 "
-                         f"(one per {ref.block_rows} rows of {shape[0]})")
+    expected = 0 if ref.segments else -(-shape[0] // ref.block_rows)
+    if len(crcs) != expected or any(not 0 <= c < 2**32 for c in crcs):
+        raise ValueError(f"{what}: {len(crcs)} block crcs: expected {expected} uint32 "
+                         + ("(a segmented ref: its segments carry them)" if ref.segments
+                            else f"(one per {ref.block_rows} rows of {shape[0]})"))
 
 
 def check_block_rows(value: object, what: str) -> int:

@@ -129,6 +129,11 @@ class UnknownRefError(StorageError, LookupError):
         self.result = result
 
 
+class OpenBranchError(RefpipeError, ValueError):
+    """An open branch was used out of turn: rows appended out of order, an append or close after close, a close
+    with nothing appended, a shared prefix held by a branch not declared as its holder."""
+
+
 class FieldError(RefpipeError, ValueError):
     """A side-channel array does not match its field's registry entry."""
 

@@ -146,7 +146,8 @@ class Ledger(LedgerSession):
         """Delete chunks exactly once, recording who deleted each and why.
 
         Each ref's chunk is the one its branch id names in this run (``PayloadRef.key``, checked
-        against its URI before any I/O). For each ref, in parallel: check
+        against its URI before any I/O); a segmented branch's chunks are its segments (``PayloadRef.chunks``),
+        each an outcome of its own. For each ref, in parallel: check
         the commit marker (``zarr.json``), claim with an exclusive put of the delete record;
         then the claimed chunks' objects are deleted (S3: batched ``DeleteObjects``),
         commit marker first, so a fetch after a delete is ``ChunkNotFoundError``.
@@ -170,8 +171,9 @@ class Ledger(LedgerSession):
         """
         targets = []
         for ref in refs:
-            data_key, meta_key = chunk_keys(ref.key)
-            targets.append(_Target(ref.branch_id, self.store.uri(ref.key), meta_key, [meta_key, data_key]))
+            for chunk in ref.chunks:  # a segmented branch: each of its segments
+                data_key, meta_key = chunk_keys(chunk.key)
+                targets.append(_Target(chunk.branch_id, self.store.uri(chunk.key), meta_key, [meta_key, data_key]))
         return self._delete_targets(targets, reason, max_concurrency)
 
     def delete_nodes(self, nodes: Mapping[str, Sequence[str]], *, reason: str,

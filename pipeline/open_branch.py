@@ -1,0 +1,180 @@
+"""Open branches: keep a multi-turn branch turn by turn, each append writing only the turn's new rows.
+
+An env-server worker opens a branch (``Keeper.open_branch``), appends each turn's rows as they arrive
+(``OpenBranch.append``: rows of tokens ``[start, end)`` of every field, checked against the declarations as
+``Keeper.keep`` checks a whole branch) and closes it (``OpenBranch.close``), which returns one ``PayloadRef``
+listing the branch's segments (``PayloadRef.segments``). Appended rows wait in a buffer until it holds
+``COALESCE_BYTES``, then go out as one segment: an ordinary chunk (same codec, its own block crcs) under the
+id ``<branch_id>.<index>``, kept in the ledger like any chunk. So a worker holds at most one turn plus the
+buffer per open branch, and writes each row once.
+
+Routing rows as engines return them (``FieldsConfig.routing_rows = "all_but_last"``, or a field declared
+``rows = "all_but_last"``): an append's rows of such a field are those of positions ``[start - 1, end - 1)``
+(the first append: ``[0, end - 1)``), since the row of a turn's last token comes with the next turn's prefill.
+The buffer keeps the last appended token's rows back until that row arrives; ``close`` fills the branch's last
+row by the field's padding rule, as ``keep`` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from refpipe.pipeline.field_decl import padding_rows
+from refpipe.pipeline.fields import FieldsConfig, validate_branch
+from refpipe.storage.chunk_ref import ArraySpec, PayloadRef, domain_rows, segment_tokens, segments_checksum
+from refpipe.storage.errors import FieldError, OpenBranchError
+from refpipe.storage.layout import check_id, node_key
+from refpipe.storage.ledger import DeleteResult
+
+if TYPE_CHECKING:
+    from refpipe.pipeline.keep import Keeper
+
+COALESCE_BYTES = 1 << 16
+"""Bytes of appended rows a branch buffers before writing them as one segment (smaller turns are coalesced)."""
+MAX_SEGMENTS = 100_000
+"""Segments one branch may have (its segment ids ``<branch_id>.<index>`` must stay valid ids)."""
+
+
+class OpenBranch:
+    """A branch kept turn by turn by one env-server worker; made by ``Keeper.open_branch``, used in that process.
+
+    Attributes:
+        branch_id: the branch's id (its segments are ``<branch_id>.<index>``).
+        num_prompt_tokens: the branch's prompt tokens (its first tokens; every later token is a completion token).
+        num_tokens: tokens appended so far (the next append starts here).
+        segments: refs of the segments written so far, in token order.
+    """
+
+    def __init__(self, keeper: "Keeper", branch_id: str, num_prompt_tokens: int):
+        check_id(f"{branch_id}.{MAX_SEGMENTS}", f"branch_id {branch_id!r} with a segment index")
+        if isinstance(num_prompt_tokens, bool) or not isinstance(num_prompt_tokens, (int, np.integer)) \
+                or num_prompt_tokens < 0:
+            raise FieldError(f"open branch {branch_id}: num_prompt_tokens={num_prompt_tokens!r}: expected an "
+                             f"integer >= 0")
+        self.keeper, self.branch_id, self.num_prompt_tokens = keeper, branch_id, int(num_prompt_tokens)
+        self.num_tokens = 0
+        self.segments: list[PayloadRef] = []
+        self.closed = False
+        self._start = 0
+        """First token of the buffered rows."""
+        self._pending: dict[str, list[np.ndarray]] = {}
+        self._specs: dict[str, ArraySpec] = {}
+        registry = keeper.fields.registry()
+        self._lagging = {name for name, d in registry.items() if d.rows == "all_but_last"}
+        self._all_rows = _all_rows_config(keeper.fields)
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"OpenBranch({self.branch_id!r}, {state}, {self.num_tokens} tokens, {len(self.segments)} segments)"
+
+    def append(self, start: int, end: int, fields: Mapping[str, object]) -> None:
+        """Append the rows of tokens ``[start, end)``: ``fields`` as ``Branch.fields`` takes them, with the rows of
+        those tokens only (the module doc says which rows an ``all_but_last`` field gives). Writes a segment when
+        the buffer holds ``COALESCE_BYTES``.
+
+        Raises:
+            OpenBranchError: the branch is closed, or ``start`` is not ``num_tokens`` or ``end <= start``
+                (nothing is buffered).
+            FieldError: the rows break their declarations, or a field's stored arrays differ from the first
+                append's (nothing is buffered; the branch stays open at ``num_tokens``).
+            KeyExistsError: a segment id was already kept in this run.
+        """
+        what = f"branch {self.branch_id} (env worker {self.keeper.ledger.actor}) rows [{start}, {end})"
+        self._check_open(f"append rows [{start}, {end})")
+        if start != self.num_tokens or not end > start:
+            raise OpenBranchError(f"{what}: expected rows [{self.num_tokens}, end > {self.num_tokens}) (appends "
+                                  f"follow each other: {self.num_tokens} tokens appended so far)")
+        prompt, completion = segment_tokens(self.num_prompt_tokens, start, end)
+        cfg = self.keeper.fields if start == 0 else self._all_rows
+        arrays, specs = validate_branch(fields, cfg, num_prompt_tokens=prompt, num_completion_tokens=completion,
+                                        what=what)
+        self._check_specs(specs, what)
+        for name, a in arrays.items():
+            self._pending.setdefault(name, []).append(a[:-1] if start == 0 and name in self._lagging else a)
+        self.num_tokens = end
+        if sum(a.nbytes for parts in self._pending.values() for a in parts) >= COALESCE_BYTES:
+            self._flush(end - 1 if self._lagging & specs.keys() else end)
+
+    def close(self) -> PayloadRef:
+        """Fill an ``all_but_last`` field's last row by its padding rule, write the buffered rows and return the
+        branch's ref (``PayloadRef.segments``), to hand on like ``Keeper.keep``'s.
+
+        Raises:
+            OpenBranchError: the branch is closed, or nothing was appended.
+        """
+        self._check_open("close")
+        if not self.num_tokens:
+            raise OpenBranchError(f"branch {self.branch_id}: close with no rows appended: expected at least one "
+                                  f"append (keep an empty branch with Keeper.keep)")
+        registry, dims = self.keeper.fields.registry(), self.keeper.fields.dims
+        for name in self._lagging & self._pending.keys():
+            decl, dtype = registry[name], np.dtype(self._specs[name].dtype)
+            trailing = self._specs[name].shape[1:]
+            last = padding_rows(decl, 1, trailing, dims, dtype, first_row=self.num_tokens - 1)
+            self._pending[name].append(np.asarray(last, dtype))
+        self._flush(self.num_tokens)
+        self.closed = True
+        return self._ref()
+
+    def discard(self, *, reason: str = "open branch discarded by env server") -> DeleteResult:
+        """Drop the buffered rows and delete the segments written so far (exactly once, via the ledger); the branch
+        is closed. Raises as ``Ledger.delete``."""
+        self.closed, self._pending = True, {}
+        return self.keeper.ledger.delete(self.segments, reason=reason)
+
+    def _check_open(self, doing: str) -> None:
+        if self.closed:
+            raise OpenBranchError(f"branch {self.branch_id}: {doing}: the branch is closed (closed or discarded "
+                                  f"after {self.num_tokens} tokens); open a new branch")
+
+    def _check_specs(self, specs: Mapping[str, ArraySpec], what: str) -> None:
+        """Every append stores the same arrays in the same dtypes as the first."""
+        if not self._specs:
+            self._specs = dict(specs)
+            return
+        want = {n: s.dtype for n, s in self._specs.items()}
+        got = {n: s.dtype for n, s in specs.items()}
+        if got != want:
+            raise FieldError(f"{what}: stores arrays {got}: expected {want} (as the branch's first append)")
+
+    def _flush(self, end: int) -> None:
+        """Write the buffered rows of tokens ``[self._start, end)`` as the next segment; keep the rest buffered."""
+        if end <= self._start:
+            return
+        p = self.num_prompt_tokens
+        arrays: dict[str, np.ndarray] = {}
+        for name, spec in self._specs.items():
+            parts = self._pending.get(name) or [np.empty((0, *spec.shape[1:]), spec.dtype)]
+            a = np.concatenate(parts) if len(parts) > 1 else parts[0]
+            domain = spec.domain
+            if domain.startswith("values:"):
+                rows = int(arrays[domain[7:]].sum(dtype=np.int64))
+            else:
+                rows = domain_rows(domain, p, end) - domain_rows(domain, p, self._start)
+            arrays[name] = a[:rows]
+            self._pending[name] = [a[rows:].copy()] if len(a) > rows else []
+        prompt, completion = segment_tokens(p, self._start, end)
+        specs = {n: s._replace(shape=arrays[n].shape) for n, s in self._specs.items()}
+        seg_id = f"{self.branch_id}.{len(self.segments)}"
+        self.segments.append(self.keeper.write(seg_id, arrays, specs, prompt, completion))
+        self._start = end
+
+    def _ref(self) -> PayloadRef:
+        segments = tuple(self.segments)
+        arrays = {n: ArraySpec(s.dtype, (sum(g.arrays[n].shape[0] for g in segments), *s.shape[1:]), s.domain)
+                  for n, s in self._specs.items()}
+        return PayloadRef(uri=self.keeper.store.uri(node_key(self.branch_id)), branch_id=self.branch_id,
+                          num_prompt_tokens=min(self.num_prompt_tokens, self.num_tokens),
+                          num_completion_tokens=max(0, self.num_tokens - self.num_prompt_tokens), arrays=arrays,
+                          nbytes=sum(g.nbytes for g in segments), checksum=segments_checksum(segments),
+                          compression=self.keeper.storage.compression, segments=segments)
+
+
+def _all_rows_config(cfg: FieldsConfig) -> FieldsConfig:
+    """``cfg`` with every field taking all its rows: how an append after the first is checked (its ``all_but_last``
+    rows are those of ``[start - 1, end - 1)``, as many as its tokens)."""
+    declare = tuple(d.model_copy(update={"rows": "all"}) for d in cfg.declare)
+    return cfg.model_copy(update={"routing_rows": "all_tokens", "declare": declare})

@@ -1,0 +1,193 @@
+"""Open branches: appends write only their rows as segments; the closed ref reads back byte-identical to the
+same rows kept whole, cut anywhere; bad use is a typed error naming the input; nothing leaks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from refpipe.pipeline import open_branch
+from refpipe.pipeline.fields import FieldsConfig, Ragged
+from refpipe.pipeline.keep import Branch, Keeper
+from refpipe.storage.backends import open_store
+from refpipe.storage.chunk_read import fetch_arrays, fetch_into
+from refpipe.storage.chunk_ref import PayloadRef
+from refpipe.storage.errors import ChunkNotFoundError, FieldError, OpenBranchError
+from refpipe.storage.layout import chunk_keys, node_key
+from refpipe.storage.ledger import Ledger
+from tests.pipeline.test_keep import CFG, fields_of, stored
+
+P, C = 4, 26
+TURNS = [(0, 7), (7, 8), (8, 19), (19, 30)]
+
+
+def rows_of(fields: dict, start: int, end: int, lag: bool = False) -> dict:
+    """The rows of tokens [start, end) of a whole branch's fields (P prompt tokens); ``lag``: routing rows of
+    positions [start - 1, end - 1) (the first turn: [0, end - 1)), as engines return them."""
+    cut: dict = {}
+    c0, c1 = max(0, start - P), max(0, end - P)
+    for name, value in fields.items():
+        if isinstance(value, Ragged):
+            cu = np.concatenate([[0], np.cumsum(value.counts)])
+            cut[name] = Ragged(value.ids[cu[c0] : cu[c1]], value.counts[c0:c1])
+        elif name == "routed_experts":
+            cut[name] = value[max(0, start - 1) : end - 1] if lag else value[start:end]
+        else:
+            cut[name] = value[c0:c1]
+    return cut
+
+
+def keeper_of(config, fields: FieldsConfig = CFG) -> Keeper:
+    store = open_store(config)
+    return Keeper(store, Ledger(store, "env_worker_0"), fields, config)
+
+
+def kept_both(keeper: Keeper, fields: dict, turns=TURNS) -> tuple[PayloadRef, PayloadRef]:
+    """(segmented ref of ``fields`` appended turn by turn, ref of the same rows kept whole)."""
+    branch = keeper.open_branch(P, branch_id="seg")
+    for start, end in turns:
+        branch.append(start, end, rows_of(fields, start, end))
+    return branch.close(), keeper.keep(Branch(P, turns[-1][1] - P, fields, branch_id="whole"))
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert list(got) == list(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape, name
+        assert got[name].tobytes() == want[name].tobytes(), name
+
+
+def test_appended_turns_read_back_as_the_whole_branch(storage_config, monkeypatch):
+    monkeypatch.setattr(open_branch, "COALESCE_BYTES", 1)  # a segment per append
+    keeper = keeper_of(storage_config)
+    fields = fields_of(P, C, seed=3)
+    seg, whole = kept_both(keeper, fields)
+    assert [(s.branch_id, s.num_prompt_tokens, s.num_completion_tokens) for s in seg.segments] == [
+        ("seg.0", 4, 3), ("seg.1", 0, 1), ("seg.2", 0, 11), ("seg.3", 0, 11)]
+    assert (seg.num_prompt_tokens, seg.num_completion_tokens) == (P, C)
+    assert {n: s.shape for n, s in seg.arrays.items()} == {n: s.shape for n, s in whole.arrays.items()}
+    assert seg.nodes == tuple(node_key(f"seg.{i}") for i in range(4))
+    assert PayloadRef.model_validate_json(seg.model_dump_json()) == seg
+    assert "segments" not in whole.model_dump()
+    assert_same(fetch_arrays(keeper.store, seg), fetch_arrays(keeper.store, whole))
+    for n in range(P + C + 1):  # every cut, through a segment or at its edge
+        assert_same(fetch_arrays(keeper.store, seg, n), fetch_arrays(keeper.store, whole, n))
+
+
+def test_fetch_into_reads_each_segment_straight_into_the_destination(local_config, monkeypatch):
+    monkeypatch.setattr(open_branch, "COALESCE_BYTES", 1)
+    keeper = keeper_of(local_config)
+    fields = fields_of(P, C, seed=4)
+    seg, whole = kept_both(keeper, fields)
+    for n in (P + C, 12):
+        out = {"routed_experts": np.empty((n, 3, 2), np.uint8), "topk_ids": np.empty((n - P, 4), np.int32),
+               "topk_logprobs": np.empty((n - P, 4), np.float32), "sample_support": np.empty((n - P, 5), np.int32)}
+        fetched = fetch_into(keeper.store, seg, n, out)
+        assert fetched.in_place is (n == P + C)
+        assert fetched.arrays["routed_experts"] is out["routed_experts"]
+        assert_same(fetched.arrays, fetch_arrays(keeper.store, whole, n))
+
+
+def test_small_appends_are_coalesced_and_every_row_is_written_once(local_config, monkeypatch):
+    monkeypatch.setattr(open_branch, "COALESCE_BYTES", 200)
+    keeper = keeper_of(local_config)
+    fields = fields_of(P, C, seed=5)
+    turns = [(t, t + 1) for t in range(P + C)]
+    seg, whole = kept_both(keeper, fields, turns)
+    sizes = [s.num_tokens for s in seg.segments]
+    assert sum(sizes) == P + C and len(sizes) < P + C
+    payload = {n: sum(np.prod(s.arrays[n].shape) * np.dtype(s.arrays[n].dtype).itemsize for s in seg.segments)
+               for n in seg.arrays}
+    assert payload == {n: a.nbytes for n, a in stored(fields).items()}
+    assert_same(fetch_arrays(keeper.store, seg), fetch_arrays(keeper.store, whole))
+
+
+def test_routing_rows_of_all_but_last_lag_one_token_and_close_fills_the_last(local_config, monkeypatch):
+    monkeypatch.setattr(open_branch, "COALESCE_BYTES", 1)
+    keeper = keeper_of(local_config, CFG.model_copy(update={"routing_rows": "all_but_last"}))
+    fields = fields_of(P, C, seed=6)
+    engine = dict(fields, routed_experts=fields["routed_experts"][:-1])  # P + C - 1 rows, as vLLM returns them
+    branch = keeper.open_branch(P, branch_id="lag")
+    for start, end in TURNS:
+        branch.append(start, end, rows_of(fields, start, end, lag=True))
+    assert [s.num_tokens for s in branch.segments] == [6, 1, 11, 11]  # each turn's last token waits for its row
+    seg = branch.close()
+    assert [s.num_tokens for s in seg.segments] == [6, 1, 11, 11, 1]
+    whole = keeper.keep(Branch(P, C, engine, branch_id="whole"))
+    assert_same(fetch_arrays(keeper.store, seg), fetch_arrays(keeper.store, whole))
+
+
+def test_bad_use_is_a_typed_error_naming_the_input_and_nothing_leaks(local_config, monkeypatch):
+    monkeypatch.setattr(open_branch, "COALESCE_BYTES", 1)
+    keeper = keeper_of(local_config)
+    fields = fields_of(P, C, seed=7)
+    branch = keeper.open_branch(P, branch_id="bad")
+    with pytest.raises(OpenBranchError, match=r"^branch bad: close with no rows appended"):
+        branch.close()
+    with pytest.raises(OpenBranchError, match=r"^branch bad \(env worker env_worker_0\) rows \[3, 7\): expected "
+                                              r"rows \[0, end > 0\)"):
+        branch.append(3, 7, rows_of(fields, 3, 7))
+    branch.append(0, 7, rows_of(fields, 0, 7))
+    wrong = rows_of(fields, 7, 8)
+    wrong["topk_ids"] = np.zeros((2, 4), np.int32)
+    with pytest.raises(FieldError, match=r"^branch bad \(env worker env_worker_0\) rows \[7, 8\): field 'topk_ids' "
+                                         r"has shape \[2, 4\]: expected \[1, 4\]"):
+        branch.append(7, 8, wrong)
+    missing = rows_of(fields, 7, 8)
+    del missing["topk_logprobs"]
+    with pytest.raises(FieldError, match=r"rows \[7, 8\): stores arrays \{'routed_experts': '\|u1', 'topk_ids': "
+                                         r"'<i4', 'sample_support'.*: expected \{'routed_experts': '\|u1', 'topk_ids': "
+                                         r"'<i4', 'topk_logprobs': '<f4', .*\(as the branch's first append\)"):
+        branch.append(7, 8, missing)
+    assert branch.num_tokens == 7 and len(branch.segments) == 1
+    for start, end in TURNS[1:]:
+        branch.append(start, end, rows_of(fields, start, end))
+    ref = branch.close()
+    with pytest.raises(OpenBranchError, match=r"^branch bad: close: the branch is closed \(closed or discarded "
+                                              r"after 30 tokens\)"):
+        branch.close()
+    with pytest.raises(OpenBranchError, match=r"^branch bad: append rows \[30, 31\): the branch is closed"):
+        branch.append(30, 31, rows_of(fields, 29, 30))
+    assert_same(fetch_arrays(keeper.store, ref), stored_le(fields))
+    result = keeper.discard([ref])
+    assert sorted(result.deleted) == sorted(keeper.store.uri(node_key(f"bad.{i}")) for i in range(4))
+    assert not any(keeper.store.exists(k) for n in ref.nodes for k in chunk_keys(n))
+
+
+def test_discarding_an_open_branch_deletes_its_segments_once(local_config, monkeypatch):
+    monkeypatch.setattr(open_branch, "COALESCE_BYTES", 1)
+    keeper = keeper_of(local_config)
+    fields = fields_of(P, C, seed=8)
+    branch = keeper.open_branch(P, branch_id="gone")
+    branch.append(0, 7, rows_of(fields, 0, 7))
+    branch.append(7, 8, rows_of(fields, 7, 8))
+    result = branch.discard(reason="episode abandoned")
+    assert result.deleted == [keeper.store.uri(node_key("gone.0")), keeper.store.uri(node_key("gone.1"))]
+    with pytest.raises(OpenBranchError, match="the branch is closed"):
+        branch.append(8, 9, rows_of(fields, 8, 9))
+
+
+def test_a_missing_segment_fails_the_read_naming_it(local_config, monkeypatch):
+    monkeypatch.setattr(open_branch, "COALESCE_BYTES", 1)
+    keeper = keeper_of(local_config)
+    seg, _ = kept_both(keeper, fields_of(P, C, seed=9))
+    keeper.ledger.delete([seg.segments[2]], reason="test: lose one segment")
+    assert fetch_arrays(keeper.store, seg, 8)["routed_experts"].shape == (8, 3, 2)  # before the lost segment
+    with pytest.raises(ChunkNotFoundError, match=r"payloads/../seg\.2/c\.0 does not exist: chunk .*seg\.2 was "
+                                                 r"deleted by env_worker_0 .*\(test: lose one segment\)"):
+        fetch_arrays(keeper.store, seg, 9)
+
+
+def test_a_segmented_ref_whose_segments_disagree_is_refused(local_config, monkeypatch):
+    monkeypatch.setattr(open_branch, "COALESCE_BYTES", 1)
+    keeper = keeper_of(local_config)
+    seg, _ = kept_both(keeper, fields_of(P, C, seed=10))
+    doc = seg.model_dump()
+    doc["segments"] = doc["segments"][:3]
+    with pytest.raises(ValueError, match=r"segments cover 19 tokens: expected 30; array 'routed_experts': 19 rows "
+                                         r"in segments, 30 declared"):
+        PayloadRef.model_validate(doc)
+
+
+def stored_le(fields: dict) -> dict[str, np.ndarray]:
+    return {n: np.ascontiguousarray(a, a.dtype.newbyteorder("<")) for n, a in stored(fields).items()}
