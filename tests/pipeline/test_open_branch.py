@@ -21,11 +21,11 @@ P, C = 4, 26
 TURNS = [(0, 7), (7, 8), (8, 19), (19, 30)]
 
 
-def rows_of(fields: dict, start: int, end: int, lag: bool = False) -> dict:
-    """The rows of tokens [start, end) of a whole branch's fields (P prompt tokens); ``lag``: routing rows of
-    positions [start - 1, end - 1) (the first turn: [0, end - 1)), as engines return them."""
+def rows_of(fields: dict, start: int, end: int, lag: bool = False, num_prompt: int = P) -> dict:
+    """The rows of tokens [start, end) of a whole branch's fields (``num_prompt`` prompt tokens); ``lag``: routing
+    rows of positions [start - 1, end - 1) (the first turn: [0, end - 1)), as engines return them."""
     cut: dict = {}
-    c0, c1 = max(0, start - P), max(0, end - P)
+    c0, c1 = max(0, start - num_prompt), max(0, end - num_prompt)
     for name, value in fields.items():
         if isinstance(value, Ragged):
             cu = np.concatenate([[0], np.cumsum(value.counts)])
