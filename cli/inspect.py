@@ -52,8 +52,10 @@ def _micro_batch_summary(header: StepHeader, mb: MicroBatchRecord, states: list[
         "fields": field_names(name for i in ref_ids for name in header.refs[i].arrays),
         "num_chunks": len(ref_ids), "num_chunks_present": len(ref_ids) - len(missing),
         "num_chunks_missing": len(missing), "missing": missing,
+        "num_segments": sum(len(header.refs[i].segments) for i in ref_ids),
         "sequences": [{"num_tokens": s.num_tokens, "env_name": s.env_name, "borrowed": s.borrowed,
-                       "branch_id": None if s.ref is None else header.refs[s.ref].branch_id}
+                       "branch_id": None if s.ref is None else header.refs[s.ref].branch_id,
+                       "num_segments": 0 if s.ref is None else len(header.refs[s.ref].segments)}
                       for s in mb.sequences],
     }
 
@@ -105,6 +107,8 @@ def render(summary: dict, console: Console) -> None:
             chunks = f"[green]{mb['num_chunks_present']} present[/]"
             if mb["num_chunks_missing"]:
                 chunks += f", [red]{mb['num_chunks_missing']} missing[/]"
+            if mb["num_segments"]:
+                chunks += f" ({mb['num_segments']} segments)"
             table.add_row(str(mb["index"]), str(mb["num_sequences"]), str(mb["num_tokens"]),
                           str(mb["num_padding_tokens"]), str(mb["num_borrowed"]), _envs(mb["env_names"]),
                           markup_safe(", ".join(mb["fields"])) or "-", chunks)

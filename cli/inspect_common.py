@@ -172,11 +172,15 @@ class ChunkState:
 
 def chunk_state(store: Store, ref: PayloadRef) -> ChunkState:
     """Check that the ref's data object (``c.0``) and commit marker (``zarr.json``) both exist and, when
-    either is gone, its delete record.
+    either is gone, its delete record. A segmented branch (``PayloadRef.segments``): the state of its first
+    segment that is not present (named by the segment's URI), else present.
 
     Raises:
         OutsideRunError: the ref lies outside the run (``StepFile`` already refuses such step files).
     """
+    if ref.segments:  # a segmented branch is present when every segment is; else its first missing one
+        states = [chunk_state(store, s) for s in ref.segments]
+        return next((s for s in states if not s.present), ChunkState(store.uri(ref.key), True))
     gone = [key.rpartition("/")[2] for key in chunk_keys(ref.key) if not store.exists(key)]
     if not gone:
         return ChunkState(store.uri(ref.key), True)
@@ -186,7 +190,11 @@ def chunk_state(store: Store, ref: PayloadRef) -> ChunkState:
 
 def deleted_by(store: Store, ref: PayloadRef) -> str | None:
     """``deleted by <holder> (<reason>)`` from the chunk's delete record (``storage.ledger_records.delete_record_of``),
-    ``deleted (delete record <uri> is unreadable: ...)``, or None without one."""
+    ``deleted (delete record <uri> is unreadable: ...)``, or None without one; a segmented branch: ``segment
+    <id> deleted by ...`` of its first segment with a delete record."""
+    for segment in ref.segments:
+        if (why := deleted_by(store, segment)) is not None:
+            return f"segment {segment.branch_id} {why}"
     record = delete_record_of(store, ref.branch_id)
     if record is None:
         return None
