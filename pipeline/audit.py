@@ -27,12 +27,14 @@ Who accounts for a present chunk (its holder), in this order:
    ``config.json`` says ``release = "after_checkpoint"``, the step is after the newest complete
    checkpoint and none of its chunks has a delete record): ``trainer step N (after the newest
    checkpoint: ...)``, even over an ``unfinished_delete`` event; not for a finished or abandoned run;
-3. a shipped chunk its owner released: ``retained`` if a ``retain`` event names it (kept for
+3. a shared prefix (``storage.ledger_holds``) some of whose declared holders were not released, while any
+   session is live: ``shared prefix (<k> of <m> holders released)``;
+4. a shipped chunk its owner released: ``retained`` if a ``retain`` event names it (kept for
    inspection; not outstanding, and not a violation of a finished run), else nobody; with or without its
    ``zarr.json`` (a step file names it, so its keep committed once: a missing marker is damage, which
    ``refpipe verify`` names, never an incomplete keep the sweep would remove);
-4. an unshipped incomplete keep: its writer's live session, else (writer unknown) any live session;
-5. an unshipped chunk: the live ``orchestrator`` session if a ``receive`` event names it;
+5. an unshipped incomplete keep: its writer's live session, else (writer unknown) any live session;
+6. an unshipped chunk: the live ``orchestrator`` session if a ``receive`` event names it;
    else its keeping session while live (the ``keep`` event's session; without one, the
    writer's latest session); else a live ``orchestrator`` session, which may still hold
    it in its queue (a restarted env server loses nothing).
@@ -215,10 +217,13 @@ def _replayed(store: Store, scan: RunScan, protected: dict[str, str]) -> dict[st
 
 def _holder(node: str, keys: list[str], scan: RunScan, live: set[tuple[str, str]], shipped: dict[str, int],
             protected: dict[str, str]) -> str | None:
-    """Who accounts for a present, undeleted chunk (module doc, rules 2-5); None: leaked."""
+    """Who accounts for a present, undeleted chunk (module doc, rules 2-6); None: leaked."""
     live_actors = {actor for actor, _ in live}
     if node in protected:
         return protected[node]
+    held, released = set(scan.holds.get(node, ())), scan.released_holds.get(node, set())
+    if live and not held <= released:  # a shared prefix: its holders may still release it
+        return f"shared prefix ({len(held & released)} of {len(held)} holders released)"
     keeper = scan.keeps.get(node)
     writer = keeper[0] if keeper else scan.writers.get(node, "")
     keeper_live = keeper in live if keeper else writer in live_actors

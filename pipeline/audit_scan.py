@@ -48,6 +48,7 @@ from refpipe.storage.layout import (
     step_key,
     tombstone_key,
 )
+from refpipe.storage.ledger_holds import HOLDS_PREFIX, parse_hold_key
 from refpipe.storage.ledger_records import read_segment
 from refpipe.storage.store import Store
 
@@ -70,6 +71,10 @@ class RunScan:
     """``(actor, session)`` -> ``(pid, host)`` its ``open`` event recorded."""
     keeps: dict[str, tuple[str, str]] = field(default_factory=dict)
     """Node key -> ``(actor, session)`` of its keep event."""
+    holds: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Node key of a shared prefix -> its declared holders (its keep event)."""
+    released_holds: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
+    """Node key of a shared prefix -> the holders whose release is recorded (``storage.ledger_holds``)."""
     received: set[str] = field(default_factory=set)
     released: dict[int, int] = field(default_factory=dict)
     """DP rank -> highest step it released."""
@@ -137,6 +142,9 @@ def scan_run(store: Store, progress: Progress | None = None, seed: RunScan | Non
     scan = seed or RunScan()
     _scan_steps(store, scan, progress)
     _scan_events(store, scan, progress)
+    for key in _list(store, HOLDS_PREFIX, progress) if scan.holds else ():  # only a run with shared prefixes
+        if hold := parse_hold_key(key):
+            scan.released_holds[node_key(hold[0])].add(hold[1])
     if seed is None:
         _list_deletes(store, scan, progress)
     else:
@@ -255,6 +263,8 @@ def _take_event(scan: RunScan, actor: str, session: str, event: dict | ValueErro
             scan.opens[(actor, session)] = (pid, str(event["host"]))
         elif kind == "keep":
             scan.keeps[node_key(event["branch_id"])] = (actor, session)
+            if event.get("holders"):
+                scan.holds[node_key(event["branch_id"])] = tuple(str(h) for h in event["holders"])
         elif kind == "receive":
             scan.received.update(node_key(b) for b in event["branch_ids"])
         elif kind in ("release", "trained"):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from refpipe.pipeline.fields import FieldsConfig, validate_branch
-from refpipe.pipeline.open_branch import OpenBranch
+from refpipe.pipeline.open_branch import OpenBranch, keep_prefix
 from refpipe.storage.chunk_codec import encode_chunk
 from refpipe.storage.chunk_ref import ArraySpec, PayloadRef
 from refpipe.storage.chunk_write import put_chunk
@@ -69,8 +69,9 @@ class Keeper:
         return self.write(branch_id, arrays, specs, branch.num_prompt_tokens, branch.num_completion_tokens)
 
     def write(self, chunk_id: str, arrays: Mapping[str, np.ndarray], specs: Mapping[str, ArraySpec],
-              num_prompt_tokens: int, num_completion_tokens: int) -> PayloadRef:
-        """Write validated arrays (``validate_branch``'s) as one chunk under ``chunk_id``, record its keep.
+              num_prompt_tokens: int, num_completion_tokens: int, holders: Sequence[str] = ()) -> PayloadRef:
+        """Write validated arrays (``validate_branch``'s) as one chunk under ``chunk_id``, record its keep (a shared
+        prefix's with its ``holders``).
 
         Raises:
             KeyExistsError: ``chunk_id`` was already kept in this run.
@@ -82,18 +83,42 @@ class Keeper:
         uri = put_chunk(self.store, chunk_id, chunk)
         ref = PayloadRef(uri=uri, branch_id=chunk_id, num_prompt_tokens=num_prompt_tokens,
                          num_completion_tokens=num_completion_tokens, arrays=chunk.arrays,
-                         nbytes=chunk.nbytes, checksum=chunk.checksum, compression=self.storage.compression)
+                         nbytes=chunk.nbytes, checksum=chunk.checksum, compression=self.storage.compression,
+                         holders=tuple(holders))
         self.ledger.record_keep(ref)
         return ref
 
-    def open_branch(self, num_prompt_tokens: int, *, branch_id: str | None = None) -> OpenBranch:
-        """Open a branch to keep turn by turn (``pipeline.open_branch.OpenBranch``: append, close).
+    def open_branch(self, num_prompt_tokens: int, *, branch_id: str | None = None,
+                    prefix: PayloadRef | None = None) -> OpenBranch:
+        """Open a branch to keep turn by turn (``pipeline.open_branch.OpenBranch``: append, close), starting with a
+        shared ``prefix`` (``keep_prefix``; ``branch_id`` must be one of its holders) or with no tokens.
 
         Raises:
             ConfigError: ``branch_id`` is not a valid id, or too long to name its segments.
             FieldError: ``num_prompt_tokens`` is not an integer >= 0.
+            OpenBranchError: ``branch_id`` is not a holder of ``prefix``, or the prefix's prompt tokens disagree.
         """
-        return OpenBranch(self, branch_id or f"{self.ledger.actor}-{uuid.uuid4().hex}", num_prompt_tokens)
+        return OpenBranch(self, branch_id or f"{self.ledger.actor}-{uuid.uuid4().hex}", num_prompt_tokens, prefix)
+
+    def keep_prefix(self, num_tokens: int, fields: Mapping[str, object], *, holders: Sequence[str],
+                    prefix_id: str | None = None) -> PayloadRef:
+        """Keep the rows of a group's shared prompt once, held by the branches ``holders`` (their ids, declared now):
+        each opens with ``open_branch(..., prefix=ref)`` and is kept turn by turn; the prefix is deleted after the
+        last of them was released or discarded (``Ledger.delete``, ``OpenBranch.discard``, ``release_holders``).
+        ``fields`` as ``Branch.fields`` for ``num_tokens`` prompt tokens (every row, ``all_but_last`` fields too).
+        The keep event is flushed at once. Returns the prefix's ref (``PayloadRef.holders``).
+
+        Raises:
+            FieldError: the rows break their declarations.
+            ConfigError: a holder or ``prefix_id`` is not a valid id; OpenBranchError: no holders, or repeated.
+        """
+        return keep_prefix(self, num_tokens, fields, holders, prefix_id or f"{self.ledger.actor}-{uuid.uuid4().hex}")
+
+    def release_holders(self, prefix: PayloadRef, holders: Sequence[str], *,
+                        reason: str = "holder discarded by env server") -> DeleteResult:
+        """Release ``prefix`` for declared holders that will never hold it (their episodes failed before opening).
+        Raises as ``Ledger.delete``."""
+        return self.ledger.release_chunks([(prefix, h) for h in holders], reason=reason)
 
     def discard(self, refs: Sequence[PayloadRef], *, reason: str = "discarded by env server") -> DeleteResult:
         """Delete kept branches that will never reach the orchestrator (exactly once, via the ledger)."""

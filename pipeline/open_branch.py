@@ -17,7 +17,7 @@ row by the field's padding rule, as ``keep`` does.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -48,18 +48,21 @@ class OpenBranch:
         segments: refs of the segments written so far, in token order.
     """
 
-    def __init__(self, keeper: "Keeper", branch_id: str, num_prompt_tokens: int):
+    def __init__(self, keeper: "Keeper", branch_id: str, num_prompt_tokens: int, prefix: PayloadRef | None = None):
         check_id(f"{branch_id}.{MAX_SEGMENTS}", f"branch_id {branch_id!r} with a segment index")
         if isinstance(num_prompt_tokens, bool) or not isinstance(num_prompt_tokens, (int, np.integer)) \
                 or num_prompt_tokens < 0:
             raise FieldError(f"open branch {branch_id}: num_prompt_tokens={num_prompt_tokens!r}: expected an "
                              f"integer >= 0")
         self.keeper, self.branch_id, self.num_prompt_tokens = keeper, branch_id, int(num_prompt_tokens)
-        self.num_tokens = 0
-        self.segments: list[PayloadRef] = []
+        self.segments: list[PayloadRef] = [] if prefix is None else [_checked_prefix(prefix, branch_id,
+                                                                                     self.num_prompt_tokens)]
+        self.num_tokens = 0 if prefix is None else prefix.num_tokens
         self.closed = False
-        self._start = 0
+        self._start = self.num_tokens
         """First token of the buffered rows."""
+        self._short = True
+        """The next append gives one row fewer of ``all_but_last`` fields (rows are complete up to its start)."""
         self._pending: dict[str, list[np.ndarray]] = {}
         self._specs: dict[str, ArraySpec] = {}
         registry = keeper.fields.registry()
@@ -88,13 +91,13 @@ class OpenBranch:
             raise OpenBranchError(f"{what}: expected rows [{self.num_tokens}, end > {self.num_tokens}) (appends "
                                   f"follow each other: {self.num_tokens} tokens appended so far)")
         prompt, completion = segment_tokens(self.num_prompt_tokens, start, end)
-        cfg = self.keeper.fields if start == 0 else self._all_rows
+        cfg = self.keeper.fields if self._short else self._all_rows
         arrays, specs = validate_branch(fields, cfg, num_prompt_tokens=prompt, num_completion_tokens=completion,
                                         what=what)
         self._check_specs(specs, what)
         for name, a in arrays.items():
-            self._pending.setdefault(name, []).append(a[:-1] if start == 0 and name in self._lagging else a)
-        self.num_tokens = end
+            self._pending.setdefault(name, []).append(a[:-1] if self._short and name in self._lagging else a)
+        self.num_tokens, self._short = end, False
         if sum(a.nbytes for parts in self._pending.values() for a in parts) >= COALESCE_BYTES:
             self._flush(end - 1 if self._lagging & specs.keys() else end)
 
@@ -106,7 +109,7 @@ class OpenBranch:
             OpenBranchError: the branch is closed, or nothing was appended.
         """
         self._check_open("close")
-        if not self.num_tokens:
+        if self._short:
             raise OpenBranchError(f"branch {self.branch_id}: close with no rows appended: expected at least one "
                                   f"append (keep an empty branch with Keeper.keep)")
         registry, dims = self.keeper.fields.registry(), self.keeper.fields.dims
@@ -120,10 +123,10 @@ class OpenBranch:
         return self._ref()
 
     def discard(self, *, reason: str = "open branch discarded by env server") -> DeleteResult:
-        """Drop the buffered rows and delete the segments written so far (exactly once, via the ledger); the branch
-        is closed. Raises as ``Ledger.delete``."""
+        """Drop the buffered rows and delete the segments written so far (exactly once, via the ledger; a shared
+        prefix is released by this branch); the branch is closed. Raises as ``Ledger.delete``."""
         self.closed, self._pending = True, {}
-        return self.keeper.ledger.delete(self.segments, reason=reason)
+        return self.keeper.ledger.release_chunks([(s, self.branch_id) for s in self.segments], reason=reason)
 
     def _check_open(self, doing: str) -> None:
         if self.closed:
@@ -131,12 +134,15 @@ class OpenBranch:
                                   f"after {self.num_tokens} tokens); open a new branch")
 
     def _check_specs(self, specs: Mapping[str, ArraySpec], what: str) -> None:
-        """Every append stores the same arrays in the same dtypes as the first."""
-        if not self._specs:
-            self._specs = dict(specs)
-            return
-        want = {n: s.dtype for n, s in self._specs.items()}
+        """Every append stores the same arrays in the same dtypes as the first, and a shared prefix's among them."""
         got = {n: s.dtype for n, s in specs.items()}
+        if not self._specs:
+            prefix = {n: s.dtype for n, s in self.segments[0].arrays.items()} if self.segments else {}
+            if any(got.get(n) != dtype for n, dtype in prefix.items()):
+                raise FieldError(f"{what}: stores arrays {got}: expected the shared prefix's arrays {prefix} among "
+                                 f"them")
+            self._specs = dict(specs)
+        want = {n: s.dtype for n, s in self._specs.items()}
         if got != want:
             raise FieldError(f"{what}: stores arrays {got}: expected {want} (as the branch's first append)")
 
@@ -164,13 +170,43 @@ class OpenBranch:
 
     def _ref(self) -> PayloadRef:
         segments = tuple(self.segments)
-        arrays = {n: ArraySpec(s.dtype, (sum(g.arrays[n].shape[0] for g in segments), *s.shape[1:]), s.domain)
+        arrays = {n: ArraySpec(s.dtype, (sum(g.arrays[n].shape[0] for g in segments if n in g.arrays),
+                                         *s.shape[1:]), s.domain)
                   for n, s in self._specs.items()}
         return PayloadRef(uri=self.keeper.store.uri(node_key(self.branch_id)), branch_id=self.branch_id,
                           num_prompt_tokens=min(self.num_prompt_tokens, self.num_tokens),
                           num_completion_tokens=max(0, self.num_tokens - self.num_prompt_tokens), arrays=arrays,
                           nbytes=sum(g.nbytes for g in segments), checksum=segments_checksum(segments),
                           compression=self.keeper.storage.compression, segments=segments)
+
+
+def keep_prefix(keeper: "Keeper", num_tokens: int, fields: Mapping[str, object], holders: Sequence[str],
+                prefix_id: str) -> PayloadRef:
+    """``Keeper.keep_prefix``: validate a shared prompt's rows (every row), write them as one chunk with its holders,
+    flush the keep event."""
+    if not holders or len(set(holders)) != len(holders):
+        raise OpenBranchError(f"shared prefix {prefix_id}: holders {list(holders)}: expected distinct branch ids, "
+                              f"at least one")
+    for holder in holders:
+        check_id(holder, f"shared prefix {prefix_id}: holder")
+    what = f"shared prefix {prefix_id} (env worker {keeper.ledger.actor})"
+    arrays, specs = validate_branch(fields, _all_rows_config(keeper.fields), num_prompt_tokens=num_tokens,
+                                    num_completion_tokens=0, what=what)
+    ref = keeper.write(prefix_id, arrays, specs, num_tokens, 0, holders=holders)
+    keeper.ledger.flush()
+    return ref
+
+
+def _checked_prefix(prefix: PayloadRef, branch_id: str, num_prompt_tokens: int) -> PayloadRef:
+    """``prefix`` if ``branch_id`` holds it and it is all prompt tokens of the branch."""
+    if branch_id not in prefix.holders:
+        raise OpenBranchError(f"branch {branch_id}: prefix {prefix.branch_id} is held by {list(prefix.holders)}: "
+                              f"expected {branch_id!r} among them (declare every holder in keep_prefix)")
+    if prefix.num_completion_tokens or prefix.num_tokens > num_prompt_tokens:
+        raise OpenBranchError(f"branch {branch_id}: prefix {prefix.branch_id} has {prefix.num_prompt_tokens} + "
+                              f"{prefix.num_completion_tokens} tokens: expected at most the branch's "
+                              f"{num_prompt_tokens} prompt tokens, no completion tokens")
+    return prefix
 
 
 def _all_rows_config(cfg: FieldsConfig) -> FieldsConfig:

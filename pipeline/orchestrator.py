@@ -166,7 +166,7 @@ class Orchestrator:
             self._refuse(episode, e)
             raise
         self.ledger.record("receive", episode_id=episode.episode_id, group_id=episode.group_id,
-                           branch_ids=[r.branch_id for r in episode.refs()])
+                           branch_ids=[c.branch_id for r in episode.refs() for c in r.chunks])
         what = f"episode {episode.episode_id} of group {episode.group_id}"
         if not episode.is_eval:
             episode = self._filter_missing_fields(episode, what)

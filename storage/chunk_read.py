@@ -154,7 +154,8 @@ def _fetch_segments(store: Store, ref: PayloadRef, n: int, out: Mapping[str, np.
         k = min(seg.num_tokens, n - start)
         dests = {name: dest[offsets[name] : offsets[name] + domain_rows(seg.arrays[name].domain,
                                                                          seg.num_prompt_tokens, k)]
-                 for name, dest in out.items() if not ref.arrays[name].domain.startswith("values:")}
+                 for name, dest in out.items()
+                 if name in seg.arrays and not ref.arrays[name].domain.startswith("values:")}
         fetched = fetch_into(store, seg, k, dests)
         in_place &= fetched.in_place
         for name, a in fetched.arrays.items():
@@ -164,9 +165,11 @@ def _fetch_segments(store: Store, ref: PayloadRef, n: int, out: Mapping[str, np.
         start += seg.num_tokens
     arrays = {}
     for name, parts in pieces.items():
-        if name in out and not parts:
+        if name in out and not parts and not ref.arrays[name].domain.startswith("values:"):
             arrays[name] = out[name]
             continue
+        spec = ref.arrays[name]
+        parts = parts or [np.empty((0, *spec.shape[1:]), spec.dtype)]  # no rows in the segments read
         arrays[name] = np.concatenate(parts) if len(parts) > 1 else parts[0]
         arrays[name].flags.writeable = False
         if name in out:

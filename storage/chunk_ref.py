@@ -27,7 +27,7 @@ from pydantic import (
 )
 
 from refpipe.storage.errors import ConfigError, OutsideRunError
-from refpipe.storage.layout import node_key
+from refpipe.storage.layout import ID_RULE, is_id, node_key
 
 FORMAT_VERSION = 2
 """2: per-array block crc32c (``block_rows``, ``block_crcs``)."""
@@ -118,6 +118,9 @@ class PayloadRef(BaseModel):
     """Bytes-to-bytes codec between ``bytes`` and ``crc32c``."""
     block_rows: int = BLOCK_ROWS
     """Rows per block of each array's ``block_crcs``: always ``BLOCK_ROWS`` (``check_block_rows``)."""
+    holders: tuple[str, ...] = ()
+    """A shared prefix (``Keeper.keep_prefix``): the branch ids holding it, declared when it was kept; it is deleted
+    after each of them was released or discarded (``storage.ledger_holds``). Empty: the chunk of one branch."""
     segments: tuple["PayloadRef", ...] = ()
     """A segmented branch (``pipeline.open_branch``): the refs of its segments in token order, each an ordinary
     chunk covering tokens ``[start, end)`` of the branch (its own token counts are that range's prompt and
@@ -140,6 +143,10 @@ class PayloadRef(BaseModel):
         problem = None if info.context == REF_ROWS_CHECKED_PER_USE else self.rows_problem()
         if problem:
             raise ValueError(problem)
+        bad = [h for h in self.holders if not is_id(h)]
+        if bad or len(set(self.holders)) != len(self.holders) or (self.holders and self.segments):
+            raise ValueError(f"holders {list(self.holders)}: expected distinct branch ids ({ID_RULE}), on a ref "
+                             f"without segments")
         if self.segments:
             _check_segments(self)
             return self
@@ -159,10 +166,11 @@ class PayloadRef(BaseModel):
 
     @model_serializer(mode="wrap")
     def _without_empty_segments(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
-        """A one-chunk ref serialises without ``segments``, as it always did."""
+        """A ref serialises without empty ``holders`` and ``segments``, as before either existed."""
         out: dict[str, object] = handler(self)
-        if not self.segments:
-            out.pop("segments", None)
+        for name in ("holders", "segments"):
+            if not getattr(self, name):
+                out.pop(name, None)
         return out
 
     @property
@@ -236,8 +244,10 @@ def _check_segments(ref: "PayloadRef") -> None:
             raise ValueError(f"{what}: {seg.num_prompt_tokens} prompt + {seg.num_completion_tokens} completion "
                              f"tokens ({seg.compression}): expected {counts[0]} + {counts[1]} (tokens [{start}, "
                              f"{start + seg.num_tokens}) of the branch; {ref.compression}, no segments of its own)")
-        if seg.arrays.keys() != ref.arrays.keys():
-            raise ValueError(f"{what}: arrays {list(seg.arrays)}: expected {list(ref.arrays)}")
+        absent = [n for n in ref.arrays.keys() - seg.arrays.keys() if _segment_rows(ref, seg, n)]
+        if absent or seg.arrays.keys() - ref.arrays.keys():
+            raise ValueError(f"{what}: arrays {list(seg.arrays)}: expected {list(ref.arrays)} (an array may be absent "
+                             f"only where it has no rows: a shared prefix without completion arrays)")
         for name, spec in seg.arrays.items():
             whole = ref.arrays[name]
             if (spec.dtype, spec.domain, spec.shape[1:]) != (whole.dtype, whole.domain, whole.shape[1:]):
@@ -254,6 +264,14 @@ def _check_segments(ref: "PayloadRef") -> None:
         raise ValueError(f"nbytes={ref.nbytes}, checksum={ref.checksum:#010x}: expected the segments' total "
                          f"{sum(s.nbytes for s in ref.segments)} and segments_checksum "
                          f"{segments_checksum(ref.segments):#010x}")
+
+
+def _segment_rows(ref: "PayloadRef", seg: "PayloadRef", name: str) -> int:
+    """Rows array ``name`` of ``ref`` would have in segment ``seg`` (ragged values: 1 unless its counts are absent)."""
+    domain = ref.arrays[name].domain
+    if domain.startswith("values:"):
+        return int(domain[7:] in seg.arrays)
+    return domain_rows(domain, seg.num_prompt_tokens, seg.num_tokens)
 
 
 def layout_arrays(arrays: Mapping[str, ArraySpec]) -> tuple[list[ArrayLayout], int]:

@@ -32,6 +32,7 @@ from refpipe.storage.errors import (
     UnknownRefError,
 )
 from refpipe.storage.layout import branch_id_of, chunk_keys, meta_key, tombstone_key
+from refpipe.storage.ledger_holds import release_holds
 from refpipe.storage.ledger_records import DeleteRecord, read_delete_record
 from refpipe.storage.ledger_session import LedgerSession
 from refpipe.storage.store import Store
@@ -105,6 +106,11 @@ class _Unfinished:
     """The delete record is known to be this claim's (written, or read back)."""
 
 
+def _target(store: Store, chunk: PayloadRef) -> _Target:
+    data_key, meta_key = chunk_keys(chunk.key)
+    return _Target(chunk.branch_id, store.uri(chunk.key), meta_key, [meta_key, data_key])
+
+
 class Ledger(LedgerSession):
     """One actor's session of the ledger, with its exactly-once deletes.
 
@@ -169,12 +175,19 @@ class Ledger(LedgerSession):
                 deleted. ``.result`` holds the full ``DeleteResult``.
             UnknownRefError: some refs were never kept (and none double-deleted); ``.result`` as above.
         """
-        targets = []
-        for ref in refs:
-            for chunk in ref.chunks:  # a segmented branch: each of its segments
-                data_key, meta_key = chunk_keys(chunk.key)
-                targets.append(_Target(chunk.branch_id, self.store.uri(chunk.key), meta_key, [meta_key, data_key]))
-        return self._delete_targets(targets, reason, max_concurrency)
+        return self.release_chunks([(c, ref.branch_id) for ref in refs for c in ref.chunks], reason=reason,
+                                   max_concurrency=max_concurrency)
+
+    def release_chunks(self, chunks: Sequence[tuple[PayloadRef, str]], *, reason: str,
+                       max_concurrency: int = 8) -> DeleteResult:
+        """``delete`` of chunks, each with the branch releasing it: a shared prefix (``PayloadRef.holders``) records
+        that branch's release, deleted after its last holder's (``storage.ledger_holds``). Raises as ``delete``."""
+        targets = [_target(self.store, c) for c, _ in chunks if not c.holders or c.key]  # keys before any I/O
+        doomed, held = release_holds(self.store, [(c, b) for c, b in chunks if c.holders], actor=self.actor,
+                                     reason=reason)
+        return self._delete_targets([t for (c, _), t in zip(chunks, targets) if not c.holders]
+                                    + [_target(self.store, c) for c in doomed], reason, max_concurrency,
+                                    [(_target(self.store, c), e) for c, e in held])
 
     def delete_nodes(self, nodes: Mapping[str, Sequence[str]], *, reason: str,
                      max_concurrency: int = 8) -> DeleteResult:
@@ -220,8 +233,11 @@ class Ledger(LedgerSession):
         return {self.store.uri(node): next(failed[k] for k in keys if k in failed)
                 for node, keys in nodes.items() if any(k in failed for k in keys)}
 
-    def _delete_targets(self, targets: list[_Target], reason: str, max_concurrency: int) -> DeleteResult:
+    def _delete_targets(self, targets: list[_Target], reason: str, max_concurrency: int,
+                        held: Sequence[tuple[_Target, StorageError]] = ()) -> DeleteResult:
         result = DeleteResult()
+        for target, refused in held:  # a shared prefix's release refused (storage.ledger_holds)
+            self._note(target, refused, reason, result)
         seen: set[str] = set()
         firsts: list[_Target] = []
         repeats: list[_Target] = []

@@ -183,8 +183,10 @@ class LedgerSession:
         self._heartbeat.close()
 
     def record_keep(self, ref: PayloadRef) -> None:
-        """Record that this actor kept ``ref`` (buffered; the chunk's ``zarr.json`` also names the writer)."""
-        self.record("keep", branch_id=ref.branch_id, uri=ref.uri, nbytes=ref.nbytes)
+        """Record that this actor kept ``ref`` (buffered; the chunk's ``zarr.json`` also names the writer), with the
+        holders of a shared prefix (``PayloadRef.holders``)."""
+        self.record("keep", branch_id=ref.branch_id, uri=ref.uri, nbytes=ref.nbytes,
+                    **({"holders": list(ref.holders)} if ref.holders else {}))
 
 
 __all__ = ["SEGMENT_MAX_AGE_S", "SEGMENT_MAX_EVENTS", "LedgerSession"]

@@ -61,6 +61,6 @@ class ReleasePolicy:
         refs = header.owned_refs(self.dp_rank)
         if self.config.retains(header.step):
             self.ledger.record("retain", step=header.step, dp_rank=self.dp_rank,
-                               branch_ids=[r.branch_id for r in refs])
+                               branch_ids=[c.branch_id for r in refs for c in r.chunks])
             refs = []
         self.background.submit(header.step, refs)
