@@ -27,6 +27,8 @@ Who accounts for a present chunk (its holder), in this order:
    ``config.json`` says ``release = "after_checkpoint"``, the step is after the newest complete
    checkpoint and none of its chunks has a delete record): ``trainer step N (after the newest
    checkpoint: ...)``, even over an ``unfinished_delete`` event; not for a finished or abandoned run;
+   and a segment of an open branch suspended at a step boundary (``storage.ledger_open``: its record exists):
+   ``open branch <id> (suspended)``, not for a finished or abandoned run (the sweep then discards it whole);
 3. a shared prefix (``storage.ledger_holds``) some of whose declared holders were not released, while any
    session is live: ``shared prefix (<k> of <m> holders released)``;
 4. a shipped chunk its owner released: ``retained`` if a ``retain`` event names it (kept for
@@ -75,6 +77,7 @@ RETAINED = "retained"
 AWAITING_CHECKPOINT = "trained, awaiting checkpoint"
 REPLAY = "after the newest checkpoint: a resume replays it"
 UNFINISHED = "unfinished delete"
+SUSPENDED = "suspended"
 
 
 class AuditReport(BaseModel):
@@ -252,6 +255,8 @@ def judge(scan: RunScan, store: Store, *, stopped: bool = False, finished: bool 
     shipped, protected, borrowed = step_nodes(scan)
     replayed = {} if finished or abandoned else _replayed(store, scan, protected)
     protected = {} if abandoned else {**protected, **replayed}
+    if not finished and not abandoned:  # a later step may continue a suspended open branch
+        protected |= {n: f"open branch {b} ({SUSPENDED})" for n, b in scan.open_nodes.items() if n not in protected}
     holders: Counter[str] = Counter()
     leaked, unfinished, retained_chunks = [], [], []
     for node, keys in sorted(scan.nodes.items()):

@@ -30,7 +30,7 @@ from refpipe.pipeline.step_file import StepFile, check_step
 from refpipe.pipeline.step_header import StepHeader
 from refpipe.storage.chunk_codec import read_writer
 from refpipe.storage.concurrency import bounded_map
-from refpipe.storage.errors import ConfigError, KeyNotFoundError, RunNotFoundError, StepFileError
+from refpipe.storage.errors import ConfigError, KeyNotFoundError, OpenBranchError, RunNotFoundError, StepFileError
 from refpipe.storage.layout import (
     DELETES_PREFIX,
     EVENTS_PREFIX,
@@ -49,6 +49,7 @@ from refpipe.storage.layout import (
     tombstone_key,
 )
 from refpipe.storage.ledger_holds import HOLDS_PREFIX, parse_hold_key
+from refpipe.storage.ledger_open import read_suspended
 from refpipe.storage.ledger_records import read_segment
 from refpipe.storage.store import Store
 
@@ -75,6 +76,10 @@ class RunScan:
     """Node key of a shared prefix -> its declared holders (its keep event)."""
     released_holds: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
     """Node key of a shared prefix -> the holders whose release is recorded (``storage.ledger_holds``)."""
+    suspended: set[str] = field(default_factory=set)
+    """Branch ids a ``suspend`` event names (``storage.ledger_open``)."""
+    open_nodes: dict[str, str] = field(default_factory=dict)
+    """Node key -> branch id of a suspended open branch whose record still names it."""
     received: set[str] = field(default_factory=set)
     released: dict[int, int] = field(default_factory=dict)
     """DP rank -> highest step it released."""
@@ -145,6 +150,7 @@ def scan_run(store: Store, progress: Progress | None = None, seed: RunScan | Non
     for key in _list(store, HOLDS_PREFIX, progress) if scan.holds else ():  # only a run with shared prefixes
         if hold := parse_hold_key(key):
             scan.released_holds[node_key(hold[0])].add(hold[1])
+    _scan_suspended(store, scan)
     if seed is None:
         _list_deletes(store, scan, progress)
     else:
@@ -162,6 +168,19 @@ def scan_run(store: Store, progress: Progress | None = None, seed: RunScan | Non
             or scan.settled_steps):
         raise RunNotFoundError(f"nothing under the run prefix {store.prefix.uri}: wrong URI or endpoint?")
     return scan
+
+
+def _scan_suspended(store: Store, scan: RunScan) -> None:
+    """The segments of every suspended open branch whose record still exists (one read per ``suspend`` event's
+    branch); an unreadable record is a bad record."""
+    for branch_id in sorted(scan.suspended):
+        try:
+            record = read_suspended(store, branch_id)
+        except OpenBranchError as e:
+            scan.bad_records.append(str(e))
+            continue
+        for segment in record.segments if record else ():
+            scan.open_nodes[segment.key] = branch_id
 
 
 def _list_deletes(store: Store, scan: RunScan, progress: Progress | None) -> None:
@@ -265,6 +284,8 @@ def _take_event(scan: RunScan, actor: str, session: str, event: dict | ValueErro
             scan.keeps[node_key(event["branch_id"])] = (actor, session)
             if event.get("holders"):
                 scan.holds[node_key(event["branch_id"])] = tuple(str(h) for h in event["holders"])
+        elif kind == "suspend":
+            scan.suspended.add(str(event["branch_id"]))
         elif kind == "receive":
             scan.received.update(node_key(b) for b in event["branch_ids"])
         elif kind in ("release", "trained"):

@@ -100,6 +100,17 @@ class Keeper:
         """
         return OpenBranch(self, branch_id or f"{self.ledger.actor}-{uuid.uuid4().hex}", num_prompt_tokens, prefix)
 
+    def resume_branch(self, branch_id: str) -> OpenBranch:
+        """Continue a branch suspended at a step boundary (``OpenBranch.suspend``), by this or an earlier process:
+        open again at its committed tokens (``OpenBranch.num_tokens``; the next append starts there, giving one row
+        fewer of an ``all_but_last`` field, as the first append does).
+
+        Raises:
+            OpenBranchError: no suspended branch of that id (never suspended, or already closed or discarded), or
+                its record is unreadable.
+        """
+        return OpenBranch.resume(self, branch_id)
+
     def keep_prefix(self, num_tokens: int, fields: Mapping[str, object], *, holders: Sequence[str],
                     prefix_id: str | None = None) -> PayloadRef:
         """Keep the rows of a group's shared prompt once, held by the branches ``holders`` (their ids, declared now):

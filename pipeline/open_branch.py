@@ -28,6 +28,7 @@ from refpipe.storage.chunk_ref import ArraySpec, PayloadRef, domain_rows, segmen
 from refpipe.storage.errors import FieldError, OpenBranchError
 from refpipe.storage.layout import check_id, node_key
 from refpipe.storage.ledger import DeleteResult
+from refpipe.storage.ledger_open import SuspendedBranch, open_key, read_suspended
 
 if TYPE_CHECKING:
     from refpipe.pipeline.keep import Keeper
@@ -63,6 +64,8 @@ class OpenBranch:
         """First token of the buffered rows."""
         self._short = True
         """The next append gives one row fewer of ``all_but_last`` fields (rows are complete up to its start)."""
+        self._suspended = False
+        """A record of this branch exists (``suspend``; ``resume``)."""
         self._pending: dict[str, list[np.ndarray]] = {}
         self._specs: dict[str, ArraySpec] = {}
         registry = keeper.fields.registry()
@@ -120,13 +123,58 @@ class OpenBranch:
             self._pending[name].append(np.asarray(last, dtype))
         self._flush(self.num_tokens)
         self.closed = True
-        return self._ref()
+        ref = self._ref()
+        self._unsuspend()
+        return ref
 
     def discard(self, *, reason: str = "open branch discarded by env server") -> DeleteResult:
         """Drop the buffered rows and delete the segments written so far (exactly once, via the ledger; a shared
         prefix is released by this branch); the branch is closed. Raises as ``Ledger.delete``."""
         self.closed, self._pending = True, {}
-        return self.keeper.ledger.release_chunks([(s, self.branch_id) for s in self.segments], reason=reason)
+        result = self.keeper.ledger.release_chunks([(s, self.branch_id) for s in self.segments], reason=reason)
+        self._unsuspend()
+        return result
+
+    def suspend(self) -> SuspendedBranch:
+        """Cut the branch at a step boundary: write its buffered rows, record its segments durably
+        (``storage.ledger_open``: a record under the run and a flushed ``suspend`` event) and close this object.
+        Any env-server process continues it with ``Keeper.resume_branch`` from ``SuspendedBranch.num_tokens``
+        (with ``all_but_last`` fields, the last appended token is not committed: its row had not arrived).
+
+        Raises:
+            OpenBranchError: the branch is closed.
+            StorageError: a put failed (after the store's retries); the branch stays open.
+        """
+        self._check_open("suspend")
+        if not self._short:
+            self._flush(self.num_tokens - 1 if self._lagging & self._specs.keys() else self.num_tokens)
+        record = SuspendedBranch(branch_id=self.branch_id, num_prompt_tokens=self.num_prompt_tokens,
+                                 segments=tuple(self.segments), actor=self.keeper.ledger.actor)
+        self.keeper.store.put(open_key(self.branch_id), record.model_dump_json().encode())
+        self.keeper.ledger.record("suspend", branch_id=self.branch_id, num_tokens=record.num_tokens,
+                                  segments=[s.branch_id for s in self.segments])
+        self.keeper.ledger.flush()
+        self.closed, self._pending, self._suspended = True, {}, True
+        return record
+
+    @classmethod
+    def resume(cls, keeper: "Keeper", branch_id: str) -> "OpenBranch":
+        """``Keeper.resume_branch``: the suspended branch ``branch_id``, open again at its committed tokens."""
+        record = read_suspended(keeper.store, branch_id)
+        if record is None:
+            raise OpenBranchError(f"branch {branch_id}: no suspended branch of that id in run "
+                                  f"{keeper.store.prefix.uri} (never suspended, or already closed or discarded)")
+        branch = cls(keeper, branch_id, record.num_prompt_tokens)
+        branch.segments = list(record.segments)
+        branch.num_tokens = branch._start = record.num_tokens
+        branch._suspended = True
+        keeper.ledger.record("resume", branch_id=branch_id, num_tokens=record.num_tokens, suspended_by=record.actor)
+        return branch
+
+    def _unsuspend(self) -> None:
+        """A suspended branch closed or discarded: remove its record (it is continued or discarded once)."""
+        if self._suspended:
+            self.keeper.store.delete_keys([open_key(self.branch_id)])
 
     def _check_open(self, doing: str) -> None:
         if self.closed:
@@ -136,11 +184,11 @@ class OpenBranch:
     def _check_specs(self, specs: Mapping[str, ArraySpec], what: str) -> None:
         """Every append stores the same arrays in the same dtypes as the first, and a shared prefix's among them."""
         got = {n: s.dtype for n, s in specs.items()}
-        if not self._specs:
-            prefix = {n: s.dtype for n, s in self.segments[0].arrays.items()} if self.segments else {}
-            if any(got.get(n) != dtype for n, dtype in prefix.items()):
-                raise FieldError(f"{what}: stores arrays {got}: expected the shared prefix's arrays {prefix} among "
-                                 f"them")
+        if not self._specs:  # a shared prefix's or a suspended branch's segments
+            earlier = {n: s.dtype for seg in self.segments for n, s in seg.arrays.items()}
+            if any(got.get(n) != dtype for n, dtype in earlier.items()):
+                raise FieldError(f"{what}: stores arrays {got}: expected the arrays of the branch's earlier segments "
+                                 f"{earlier} among them")
             self._specs = dict(specs)
         want = {n: s.dtype for n, s in self._specs.items()}
         if got != want:

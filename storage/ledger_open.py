@@ -1,0 +1,70 @@
+"""Suspended open branches: the record that lets a branch cut at a step boundary be continued by a later process.
+
+``OpenBranch.suspend`` writes the committed segments of an open branch as ``ledger/open/<aa>/<bb>/<branch_id>.json``
+(a ``SuspendedBranch``) and a flushed ``suspend`` event naming it; ``Keeper.resume_branch`` (any env-server
+process, after a restart too) reads it back and continues appending. Closing or discarding the branch removes the
+record, so it is continued or discarded once. While the record exists the audit counts its segments as held by
+``open branch <id> (suspended)``; in a finished or abandoned run they are leaked and the sweep deletes them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from refpipe.storage.chunk_ref import PayloadRef
+from refpipe.storage.errors import KeyNotFoundError, OpenBranchError, validation_problems
+from refpipe.storage.layout import check_id
+from refpipe.storage.store import Store
+
+OPEN_PREFIX = "ledger/open"
+
+
+class SuspendedBranch(BaseModel):
+    """An open branch's committed state: its id, prompt tokens and the refs of its segments so far (token order)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    branch_id: str
+    num_prompt_tokens: int
+    segments: tuple[PayloadRef, ...]
+    actor: str
+    """The env-server worker that suspended it."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the segments cover (the next append starts here)."""
+        return sum(s.num_tokens for s in self.segments)
+
+
+def open_key(branch_id: str) -> str:
+    """Key of a suspended branch's record: ``ledger/open/<aa>/<bb>/<branch_id>.json``."""
+    check_id(branch_id, "branch_id")
+    digest = hashlib.blake2b(branch_id.encode(), digest_size=2).hexdigest()
+    return f"{OPEN_PREFIX}/{digest[:2]}/{digest[2:]}/{branch_id}.json"
+
+
+def read_suspended(store: Store, branch_id: str) -> SuspendedBranch | None:
+    """The record of a suspended branch, or None when there is none (never suspended, closed or discarded).
+
+    Raises:
+        OpenBranchError: the record is not a ``SuspendedBranch`` of ``branch_id`` (names the key and what is wrong).
+    """
+    key = open_key(branch_id)
+    try:
+        data = store.get(key)
+    except KeyNotFoundError:
+        return None
+    try:
+        record = SuspendedBranch.model_validate_json(data)
+    except ValidationError as e:
+        raise OpenBranchError(f"suspended branch record {store.uri(key)} is unreadable: {validation_problems(e)}") \
+            from None
+    if record.branch_id != branch_id:
+        raise OpenBranchError(f"suspended branch record {store.uri(key)} names branch {record.branch_id!r}: "
+                              f"expected {branch_id!r}")
+    return record
+
+
+__all__ = ["OPEN_PREFIX", "SuspendedBranch", "open_key", "read_suspended"]

@@ -1,0 +1,116 @@
+"""Partial rollouts: an open branch cut at a step boundary is recorded, held while the run lives, continued by a
+restarted env server (byte-identical to the branch kept whole) or discarded once; an abandoned one is swept whole."""
+
+from __future__ import annotations
+
+import pytest
+
+from refpipe.pipeline import open_branch
+from refpipe.pipeline.audit import audit
+from refpipe.pipeline.keep import Branch, Keeper
+from refpipe.pipeline.sweep import sweep
+from refpipe.storage.backends import open_store
+from refpipe.storage.chunk_read import fetch_arrays
+from refpipe.storage.errors import KeyExistsError, OpenBranchError
+from refpipe.storage.layout import node_key
+from refpipe.storage.ledger import Ledger
+from refpipe.storage.ledger_open import open_key
+from tests.pipeline.test_keep import CFG, fields_of
+from tests.pipeline.test_open_branch import P, assert_same, rows_of
+
+C = 26
+
+
+def keeper_of(config, cfg=CFG) -> Keeper:
+    store = open_store(config)
+    return Keeper(store, Ledger(store, "env_worker_0"), cfg, config)
+
+
+@pytest.fixture(autouse=True)
+def segment_per_append(monkeypatch):
+    monkeypatch.setattr(open_branch, "COALESCE_BYTES", 1)
+
+
+def test_a_branch_cut_at_a_step_boundary_is_held_then_continued_after_a_restart(local_config):
+    fields = fields_of(P, C, seed=1)
+    first = keeper_of(local_config)
+    orchestrator = Ledger(first.store, "orchestrator")  # a live session of the run
+    branch = first.open_branch(P, branch_id="long")
+    for start, end in [(0, 7), (7, 12)]:
+        branch.append(start, end, rows_of(fields, start, end))
+    suspended = branch.suspend()
+    assert (suspended.num_tokens, [s.branch_id for s in suspended.segments]) == (12, ["long.0", "long.1"])
+    with pytest.raises(OpenBranchError, match=r"^branch long: append rows \[12, 13\): the branch is closed"):
+        branch.append(12, 13, rows_of(fields, 12, 13))
+    first.ledger.close()  # the env server restarts
+    assert audit(first.store).outstanding_by_holder == {"open branch long (suspended)": 2}
+
+    again = keeper_of(local_config)
+    resumed = again.resume_branch("long")
+    assert (resumed.num_tokens, len(resumed.segments)) == (12, 2)
+    for start, end in [(12, 20), (20, P + C)]:
+        resumed.append(start, end, rows_of(fields, start, end))
+    ref = resumed.close()
+    assert [s.branch_id for s in ref.segments] == ["long.0", "long.1", "long.2", "long.3"]
+    assert not again.store.exists(open_key("long"))
+    whole = again.keep(Branch(P, C, fields, branch_id="whole"))
+    assert_same(fetch_arrays(again.store, ref), fetch_arrays(again.store, whole))
+    with pytest.raises(OpenBranchError, match=r"^branch long: no suspended branch of that id in run .* \(never "
+                                              r"suspended, or already closed or discarded\)"):
+        again.resume_branch("long")
+    again.discard([ref, whole])
+    again.ledger.close()
+    orchestrator.close()
+    report = audit(again.store, finished=True)
+    assert (report.kept, report.deleted, report.present, report.outstanding) == (5, 5, 0, 0) and report.clean
+
+
+def test_routing_rows_of_the_last_token_wait_across_the_cut(local_config):
+    cfg = CFG.model_copy(update={"routing_rows": "all_but_last"})
+    fields = fields_of(P, C, seed=2)
+    keeper = keeper_of(local_config, cfg)
+    branch = keeper.open_branch(P, branch_id="lag")
+    branch.append(0, 7, rows_of(fields, 0, 7, lag=True))
+    branch.append(7, 12, rows_of(fields, 7, 12, lag=True))
+    assert branch.suspend().num_tokens == 11  # token 11's row had not arrived: it is appended again
+    resumed = keeper.resume_branch("lag")
+    resumed.append(11, 20, dict(rows_of(fields, 11, 20), routed_experts=fields["routed_experts"][11:19]))
+    resumed.append(20, P + C, rows_of(fields, 20, P + C, lag=True))
+    ref = resumed.close()
+    whole = keeper.keep(Branch(P, C, dict(fields, routed_experts=fields["routed_experts"][:-1]), branch_id="whole"))
+    assert_same(fetch_arrays(keeper.store, ref), fetch_arrays(keeper.store, whole))
+
+
+def test_a_suspended_branch_is_continued_or_discarded_once(local_config):
+    fields = fields_of(P, C, seed=3)
+    keeper = keeper_of(local_config)
+    branch = keeper.open_branch(P, branch_id="once")
+    branch.append(0, 7, rows_of(fields, 0, 7))
+    branch.suspend()
+    one, two = keeper.resume_branch("once"), keeper.resume_branch("once")
+    one.append(7, 9, rows_of(fields, 7, 9))
+    with pytest.raises(KeyExistsError, match=r"branch 'once.1' was already kept in run"):
+        two.append(7, 9, rows_of(fields, 7, 9))
+    assert one.discard(reason="episode dropped").deleted == [keeper.store.uri(node_key(f"once.{i}")) for i in (0, 1)]
+    assert not keeper.store.exists(open_key("once"))
+    with pytest.raises(OpenBranchError, match="no suspended branch of that id"):
+        keeper.resume_branch("once")
+    keeper.ledger.close()
+    report = audit(keeper.store, finished=True)
+    assert (report.kept, report.deleted, report.present, report.double_deletes) == (2, 2, 0, 0) and report.clean
+
+
+def test_an_abandoned_open_branch_is_swept_whole(local_config):
+    fields = fields_of(P, C, seed=4)
+    keeper = keeper_of(local_config)
+    branch = keeper.open_branch(P, branch_id="lost")
+    for start, end in [(0, 7), (7, 12), (12, 15)]:
+        branch.append(start, end, rows_of(fields, start, end))
+    branch.suspend()
+    keeper.ledger.close()
+    assert sweep(keeper.store, stopped=True).deleted == []  # a resumed run may still continue it
+    assert audit(keeper.store, stopped=True).outstanding_by_holder == {"open branch lost (suspended)": 3}
+    swept = sweep(keeper.store, abandon=True)
+    assert sorted(swept.deleted) == sorted(keeper.store.uri(node_key(f"lost.{i}")) for i in range(3))
+    report = audit(keeper.store, finished=True)
+    assert (report.kept, report.deleted, report.present) == (3, 3, 0) and report.clean
