@@ -34,6 +34,11 @@ SMOKE = {
                       "incremental_audit_seconds", "incremental_audit_seconds_growth"}),
     "release_hold.py": (["--steps", "2", "--checkpoint-every", "1"],
                         {"peak_held_bytes", "after_checkpoint_vs_after_step", "resume_wall_s"}),
+    "multi_turn.py": (["--branches", "4", "--turns", "4", "--turn-tokens", "16", "--prompt-tokens", "32",
+                       "--group-size", "2", "--layers", "2", "--top-k", "2", "--rounds", "1"],
+                      {"bytes_written_vs_unique_rows", "env_peak_rss_growth_vs_one_turn",
+                       "keep_seconds_last_vs_first_turns", "fetch_segmented_vs_whole", "shared_prefix_copies",
+                       "partial_rollouts_continued", "audit_violations"}),
     "peers.py": (["--arrays", "4", "--rounds", "2", "--threads", "2", "--get-batch", "2"],
                  {"keep_vs_ray_put", "fetch_vs_ray_get", "free_vs_ray_free", "keep_vs_transferqueue_put",
                   "fetch_vs_transferqueue_get", "free_vs_transferqueue_clear", "keep_vs_np_save", "fetch_vs_np_load",
@@ -49,7 +54,7 @@ def test_every_bench_has_a_smoke_shape():
 def test_bench_completes_and_prints_its_summary(script, tmp_path):
     args, keys = SMOKE[script]
     extra = ["--tmp", str(tmp_path)] if script in ("trainer_fetch.py", "scale_sim.py") else \
-        ["--dir", str(tmp_path)] if script in ("keep_fetch.py", "release_hold.py", "peers.py") else \
+        ["--dir", str(tmp_path)] if script in ("keep_fetch.py", "release_hold.py", "peers.py", "multi_turn.py") else \
         ["--workdir", str(tmp_path)]
     out = subprocess.run([sys.executable, str(BENCH / script), *args, *extra], capture_output=True, text=True,
                          timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
