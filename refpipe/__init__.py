@@ -3,8 +3,9 @@
 The stable API for embedding refpipe in your own RL stack (README, "Use refpipe in your own
 stack"); every other module is internal and may change:
 
-- env-server worker: ``Keeper`` (``keep`` a branch's arrays -> ``PayloadRef``; ``discard``),
-  ``Branch``, ``Ragged``, ``Ledger`` (one per actor per process);
+- env-server worker: ``Keeper`` (``keep`` a branch's arrays -> ``PayloadRef``; ``discard``; multi-turn:
+  ``open_branch`` -> ``OpenBranch`` to append each turn's rows, ``keep_prefix`` for a group's shared prompt,
+  ``resume_branch`` for a ``SuspendedBranch``), ``Branch``, ``Ragged``, ``Ledger`` (one per actor per process);
 - orchestrator: ``Orchestrator`` (``submit`` episodes, ``build_step`` publishes a step file;
   ``shutdown``), ``Episode``, ``BranchResult``, ``StepHeader``;
 - the layers below it (docs/embedding.md): ``PayloadSlice`` / ``SliceId`` (a sample's slice of a ref and its
@@ -41,9 +42,10 @@ _ERRORS = ("RefpipeError", "ConfigError", "OutsideRunError", "StorageError", "Tr
            "DoubleDeleteError", "UnknownRefError", "FieldError", "EpisodeError", "StepFileError", "PackingError",
            "FetchError", "AlignmentError", "DeleteKeysError", "CheckpointError", "ReplayMismatchError",
            "RunStillRunningError", "RunError", "DeleteRecordError", "LedgerRecordError", "TruncatedChunkError",
-           "StepOrderError", "RefError")
+           "StepOrderError", "RefError", "OpenBranchError")
 _WHERE = {
     "Branch": "refpipe.pipeline.keep", "Keeper": "refpipe.pipeline.keep",
+    "OpenBranch": "refpipe.pipeline.open_branch", "SuspendedBranch": "refpipe.storage.ledger_open",
     "Ragged": "refpipe.pipeline.fields", "FieldsConfig": "refpipe.pipeline.fields",
     "FieldDecl": "refpipe.pipeline.field_decl", "ValueChecks": "refpipe.pipeline.field_decl",
     "sglang_routed_experts": "refpipe.pipeline.engines", "engine_routed_experts": "refpipe.pipeline.engines",
@@ -73,11 +75,13 @@ __all__ = [
     "AlignmentError", "Branch", "BranchResult", "CheckpointError", "ChunkCorruptError", "ChunkNotFoundError",
     "ConfigError", "DeleteKeysError", "DeleteRecordError", "DeleteResult", "DoubleDeleteError", "Episode",
     "EpisodeError", "FetchError", "FieldDecl", "FieldError", "FieldsConfig", "GroupRollouts", "Keeper",
-    "KeyExistsError", "KeyNotFoundError", "Ledger", "LedgerRecordError", "Orchestrator", "OrchestratorConfig",
-    "OutsideRunError", "PackedSequence", "PackingError", "PayloadRef", "PayloadSlice", "Ragged", "RefError",
+    "KeyExistsError", "KeyNotFoundError", "Ledger", "LedgerRecordError", "OpenBranch", "OpenBranchError",
+    "Orchestrator", "OrchestratorConfig", "OutsideRunError", "PackedSequence", "PackingError", "PayloadRef",
+    "PayloadSlice", "Ragged", "RefError",
     "RefpipeError", "ReplayMismatchError", "ResumePlan", "RunError", "RunNotFoundError", "RunPathNotADirectoryError",
     "RunStillRunningError", "SliceError", "SliceId", "StepDataset", "StepFile", "StepFileError", "StepHeader",
-    "StepMetrics", "StepMicroBatch", "StepOrderError", "StorageConfig", "StorageError", "Store", "TrainMicroBatch",
+    "StepMetrics", "StepMicroBatch", "StepOrderError", "StorageConfig", "StorageError", "Store", "SuspendedBranch",
+    "TrainMicroBatch",
     "TrainerConfig", "TrainerRank", "TrainingStep", "TransientStorageError", "TruncatedChunkError",
     "UnknownRefError", "ValueChecks", "balanced_packer", "engine_routed_experts", "fetch_arrays",
     "first_fit_packer", "from_episode", "group_normalized", "init_process_group", "new_data_group", "open_store",
@@ -91,6 +95,7 @@ if TYPE_CHECKING:
     from refpipe.pipeline.field_decl import FieldDecl, ValueChecks
     from refpipe.pipeline.fields import FieldsConfig, Ragged
     from refpipe.pipeline.keep import Branch, Keeper
+    from refpipe.pipeline.open_branch import OpenBranch
     from refpipe.pipeline.orchestrator import Orchestrator, OrchestratorConfig
     from refpipe.pipeline.packing import balanced_packer, first_fit_packer
     from refpipe.pipeline.publish import PackedSequence, StepMicroBatch, publish_step
@@ -117,6 +122,7 @@ if TYPE_CHECKING:
         KeyExistsError,
         KeyNotFoundError,
         LedgerRecordError,
+        OpenBranchError,
         OutsideRunError,
         PackingError,
         RefError,
@@ -135,6 +141,7 @@ if TYPE_CHECKING:
         UnknownRefError,
     )
     from refpipe.storage.ledger import DeleteResult, Ledger
+    from refpipe.storage.ledger_open import SuspendedBranch
     from refpipe.storage.store import Store
     from refpipe.trainer.config import TrainerConfig
     from refpipe.trainer.dist import init_process_group, new_data_group
