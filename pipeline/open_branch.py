@@ -110,18 +110,25 @@ class OpenBranch:
 
         Raises:
             OpenBranchError: the branch is closed, or nothing was appended.
+            KeyExistsError, StorageError: writing the last segment failed; the branch stays open (close again, or
+                discard it).
         """
         self._check_open("close")
         if self._short:
             raise OpenBranchError(f"branch {self.branch_id}: close with no rows appended: expected at least one "
                                   f"append (keep an empty branch with Keeper.keep)")
         registry, dims = self.keeper.fields.registry(), self.keeper.fields.dims
-        for name in self._lagging & self._pending.keys():
+        appended = {name: list(parts) for name, parts in self._pending.items()}
+        for name in self._lagging & appended.keys():
             decl, dtype = registry[name], np.dtype(self._specs[name].dtype)
-            trailing = self._specs[name].shape[1:]
-            last = padding_rows(decl, 1, trailing, dims, dtype, first_row=self.num_tokens - 1)
-            self._pending[name].append(np.asarray(last, dtype))
-        self._flush(self.num_tokens)
+            last = padding_rows(decl, 1, self._specs[name].shape[1:], dims, dtype, first_row=self.num_tokens - 1)
+            appended[name].append(np.asarray(last, dtype))
+        pending, self._pending = self._pending, appended
+        try:
+            self._flush(self.num_tokens)
+        except Exception:
+            self._pending = pending  # without the padding rows: a close again adds them once
+            raise
         self.closed = True
         ref = self._ref()
         self._unsuspend()
@@ -195,11 +202,13 @@ class OpenBranch:
             raise FieldError(f"{what}: stores arrays {got}: expected {want} (as the branch's first append)")
 
     def _flush(self, end: int) -> None:
-        """Write the buffered rows of tokens ``[self._start, end)`` as the next segment; keep the rest buffered."""
+        """Write the buffered rows of tokens ``[self._start, end)`` as the next segment; keep the rest buffered (all
+        of them when the write fails: a later flush writes them)."""
         if end <= self._start:
             return
         p = self.num_prompt_tokens
         arrays: dict[str, np.ndarray] = {}
+        rest: dict[str, list[np.ndarray]] = {}
         for name, spec in self._specs.items():
             parts = self._pending.get(name) or [np.empty((0, *spec.shape[1:]), spec.dtype)]
             a = np.concatenate(parts) if len(parts) > 1 else parts[0]
@@ -208,13 +217,12 @@ class OpenBranch:
                 rows = int(arrays[domain[7:]].sum(dtype=np.int64))
             else:
                 rows = domain_rows(domain, p, end) - domain_rows(domain, p, self._start)
-            arrays[name] = a[:rows]
-            self._pending[name] = [a[rows:].copy()] if len(a) > rows else []
+            arrays[name], rest[name] = a[:rows], [a[rows:].copy()] if len(a) > rows else []
         prompt, completion = segment_tokens(p, self._start, end)
         specs = {n: s._replace(shape=arrays[n].shape) for n, s in self._specs.items()}
         seg_id = f"{self.branch_id}.{len(self.segments)}"
         self.segments.append(self.keeper.write(seg_id, arrays, specs, prompt, completion))
-        self._start = end
+        self._pending, self._start = rest, end
 
     def _ref(self) -> PayloadRef:
         segments = tuple(self.segments)

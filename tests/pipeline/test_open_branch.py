@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 
 from refpipe.pipeline import open_branch
+from refpipe.pipeline.audit import audit
 from refpipe.pipeline.fields import FieldsConfig, Ragged
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.storage.backends import open_store
 from refpipe.storage.chunk_read import fetch_arrays, fetch_into
 from refpipe.storage.chunk_ref import PayloadRef
-from refpipe.storage.errors import ChunkNotFoundError, FieldError, OpenBranchError
+from refpipe.storage.errors import ChunkNotFoundError, FieldError, KeyExistsError, OpenBranchError
 from refpipe.storage.layout import chunk_keys, node_key
 from refpipe.storage.ledger import Ledger
 from tests.pipeline.test_keep import CFG, fields_of, stored
@@ -152,6 +153,25 @@ def test_bad_use_is_a_typed_error_naming_the_input_and_nothing_leaks(local_confi
     result = keeper.discard([ref])
     assert sorted(result.deleted) == sorted(keeper.store.uri(node_key(f"bad.{i}")) for i in range(4))
     assert not any(keeper.store.exists(k) for n in ref.nodes for k in chunk_keys(n))
+
+
+def test_a_failed_segment_write_keeps_the_rows_buffered_and_nothing_leaks(local_config, monkeypatch):
+    monkeypatch.setattr(open_branch, "COALESCE_BYTES", 1)
+    keeper = keeper_of(local_config)
+    fields = fields_of(P, C, seed=11)
+    clash = keeper.keep(Branch(P, C, fields, branch_id="clash.1"))  # takes the id of the branch's second segment
+    branch = keeper.open_branch(P, branch_id="clash")
+    branch.append(0, 7, rows_of(fields, 0, 7))
+    with pytest.raises(KeyExistsError, match=r"^branch 'clash.1' was already kept in run"):
+        branch.append(7, 8, rows_of(fields, 7, 8))
+    with pytest.raises(KeyExistsError, match=r"^branch 'clash.1' was already kept in run"):
+        branch.close()
+    assert (branch.num_tokens, [s.branch_id for s in branch.segments], branch.closed) == (8, ["clash.0"], False)
+    assert branch.discard().deleted == [keeper.store.uri(node_key("clash.0"))]
+    keeper.discard([clash])
+    keeper.ledger.close()
+    report = audit(keeper.store, finished=True)
+    assert (report.kept, report.deleted, report.present) == (2, 2, 0) and report.clean
 
 
 def test_discarding_an_open_branch_deletes_its_segments_once(local_config, monkeypatch):
