@@ -95,8 +95,14 @@ class OpenBranch:
                                   f"follow each other: {self.num_tokens} tokens appended so far)")
         prompt, completion = segment_tokens(self.num_prompt_tokens, start, end)
         cfg = self.keeper.fields if self._short else self._all_rows
-        arrays, specs = validate_branch(fields, cfg, num_prompt_tokens=prompt, num_completion_tokens=completion,
-                                        what=what)
+        try:
+            arrays, specs = validate_branch(fields, cfg, num_prompt_tokens=prompt, num_completion_tokens=completion,
+                                            what=what)
+        except FieldError as e:
+            if self._short or not self._lagging:
+                raise
+            raise FieldError(f"{e}; in an open branch, an append after the first gives an all_but_last field's rows "
+                             f"of positions [{start - 1}, {end - 1}): {end - start} rows") from None
         self._check_specs(specs, what)
         for name, a in arrays.items():
             self._pending.setdefault(name, []).append(a[:-1] if self._short and name in self._lagging else a)

@@ -114,6 +114,13 @@ def test_routing_rows_of_all_but_last_lag_one_token_and_close_fills_the_last(loc
     assert [s.num_tokens for s in branch.segments] == [6, 1, 11, 11]  # each turn's last token waits for its row
     seg = branch.close()
     assert [s.num_tokens for s in seg.segments] == [6, 1, 11, 11, 1]
+    again = keeper.open_branch(P, branch_id="lag-short")
+    again.append(0, 7, rows_of(fields, 0, 7, lag=True))
+    with pytest.raises(FieldError, match=r"rows \[7, 12\): field 'routed_experts' has shape \[4, 3, 2\]: expected "
+                                         r"\[5, 3, 2\] .*; in an open branch, an append after the first gives an "
+                                         r"all_but_last field's rows of positions \[6, 11\): 5 rows$"):
+        again.append(7, 12, rows_of(fields, 8, 12, lag=True))
+    again.discard()
     whole = keeper.keep(Branch(P, C, engine, branch_id="whole"))
     assert_same(fetch_arrays(keeper.store, seg), fetch_arrays(keeper.store, whole))
 
@@ -153,6 +160,9 @@ def test_bad_use_is_a_typed_error_naming_the_input_and_nothing_leaks(local_confi
     result = keeper.discard([ref])
     assert sorted(result.deleted) == sorted(keeper.store.uri(node_key(f"bad.{i}")) for i in range(4))
     assert not any(keeper.store.exists(k) for n in ref.nodes for k in chunk_keys(n))
+    keeper.ledger.close()
+    report = audit(keeper.store, finished=True)
+    assert (report.kept, report.deleted, report.present) == (4, 4, 0) and report.clean
 
 
 def test_a_failed_segment_write_keeps_the_rows_buffered_and_nothing_leaks(local_config, monkeypatch):
