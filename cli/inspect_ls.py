@@ -6,8 +6,8 @@ bar) and reads no chunk. Each step file's last bytes are read (one ranged read o
 (``<actor>-<32 hex>``, what ``Keeper`` draws); only chunks with other ids have
 their ``zarr.json`` read for the ``writer`` attribute (an unreadable one is
 listed as corrupt, and the listing goes on). The ledger part counts
-delete records and, per actor, event segments and sessions, reading the last
-segment of each session to see whether it ended with a clean ``close``.
+delete records, suspended open branches (``storage.ledger_open``) and, per actor, event segments and sessions,
+reading the last segment of each session to see whether it ended with a clean ``close``.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from refpipe.storage.layout import (
     parse_step_key,
     session_opened_ms,
 )
+from refpipe.storage.ledger_open import OPEN_PREFIX
 from refpipe.storage.ledger_records import read_segment
 from refpipe.storage.store import Store
 
@@ -102,7 +103,7 @@ def _session_closed(store: Store, last_segment: str) -> bool:
     return any(isinstance(event, dict) and event["event"] == "close" for _, event in records)
 
 
-def _ledger(store: Store, deletes: dict[str, int], events: dict[str, int]) -> dict:
+def _ledger(store: Store, deletes: dict[str, int], events: dict[str, int], suspended: dict[str, int]) -> dict:
     last_segment: dict[tuple[str, str], tuple[int, str]] = {}
     segments: Counter[str] = Counter()
     for key in events:
@@ -117,7 +118,8 @@ def _ledger(store: Store, deletes: dict[str, int], events: dict[str, int]) -> di
     for (actor, _), is_closed in zip(sessions, closed):
         actors[actor]["num_sessions"] += 1
         actors[actor]["num_closed"] += int(is_closed)
-    return {"num_delete_records": sum(k.endswith(".json") for k in deletes), "actors": actors}
+    return {"num_delete_records": sum(k.endswith(".json") for k in deletes), "actors": actors,
+            "num_suspended_branches": sum(k.endswith(".json") for k in suspended)}
 
 
 def run_summary(store: Store) -> dict:
@@ -126,8 +128,10 @@ def run_summary(store: Store) -> dict:
     payloads = _sized_listing(store, PAYLOADS_PREFIX, "listing chunks")
     deletes = _sized_listing(store, DELETES_PREFIX, "listing delete records")
     events = _sized_listing(store, EVENTS_PREFIX, "listing ledger events")
+    suspended = _sized_listing(store, OPEN_PREFIX, "listing suspended branches")
     return {"run_uri": store.prefix.uri, "steps": _steps(store, steps), "chunks": _chunks(store, payloads),
-            "ledger": _ledger(store, deletes, events), "empty": not (steps or payloads or deletes or events)}
+            "ledger": _ledger(store, deletes, events, suspended),
+            "empty": not (steps or payloads or deletes or events)}
 
 
 def render(summary: dict, console: Console) -> None:
@@ -148,7 +152,8 @@ def render(summary: dict, console: Console) -> None:
     console.print(writers)
     for uri in chunks["corrupt"]:
         console.print(f"[yellow]corrupt zarr.json (writer unknown):[/] {uri}", highlight=False, soft_wrap=True)
-    console.print(f"ledger: {ledger['num_delete_records']} delete records", highlight=False, soft_wrap=True)
+    console.print(f"ledger: {ledger['num_delete_records']} delete records, {ledger['num_suspended_branches']} "
+                  f"suspended open branches", highlight=False, soft_wrap=True)
     actors = Table("actor", "event segments", "sessions", "closed cleanly")
     for actor, a in ledger["actors"].items():
         closed = f"{a['num_closed']}/{a['num_sessions']}"

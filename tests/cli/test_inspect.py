@@ -228,7 +228,8 @@ def test_ls_counts_steps_chunks_per_writer_and_ledger(run):
     segments = {a: sum(k.startswith(f"ledger/events/{a}/") for k in files) for a in ("env_worker_0", "env_worker_1")}
     assert summary["ledger"] == {"num_delete_records": 1, "actors": {
         "env_worker_0": {"num_segments": segments["env_worker_0"], "num_sessions": 1, "num_closed": 1},
-        "env_worker_1": {"num_segments": segments["env_worker_1"], "num_sessions": 1, "num_closed": 0}}}
+        "env_worker_1": {"num_segments": segments["env_worker_1"], "num_sessions": 1, "num_closed": 0}},
+        "num_suspended_branches": 0}
     assert snapshot(run.store) == before
 
 
@@ -243,7 +244,7 @@ def test_ls_table(local_run):
         ["env_worker_0", "4"], ["env_worker_1", "3"]]
     assert [line.split(" │ ")[2:] for line in lines if line.startswith("env_worker_")][2:] == [
         ["1", "1/1"], ["1", "0/1"]]
-    assert "ledger: 1 delete records" in lines
+    assert "ledger: 1 delete records, 0 suspended open branches" in lines
 
 
 def test_ls_sees_incomplete_and_temp_objects(local_run):

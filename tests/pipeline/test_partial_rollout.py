@@ -3,8 +3,12 @@ restarted env server (byte-identical to the branch kept whole) or discarded once
 
 from __future__ import annotations
 
-import pytest
+import json
 
+import pytest
+from typer.testing import CliRunner
+
+from refpipe.cli.main import app
 from refpipe.pipeline import open_branch
 from refpipe.pipeline.audit import audit
 from refpipe.pipeline.keep import Branch, Keeper
@@ -108,6 +112,8 @@ def test_an_abandoned_open_branch_is_swept_whole(local_config):
         branch.append(start, end, rows_of(fields, start, end))
     branch.suspend()
     keeper.ledger.close()
+    listed = CliRunner().invoke(app, ["ls", keeper.store.prefix.uri, "--json"], catch_exceptions=False)
+    assert json.loads(listed.stdout)["ledger"]["num_suspended_branches"] == 1
     assert sweep(keeper.store, stopped=True).deleted == []  # a resumed run may still continue it
     assert audit(keeper.store, stopped=True).outstanding_by_holder == {"open branch lost (suspended)": 3}
     swept = sweep(keeper.store, abandon=True)
