@@ -40,6 +40,18 @@ EXIT_ERROR = 2
 S3_ENDPOINT_HELP = "S3 endpoint URL (MinIO, Ceph RGW, moto); default: AWS_ENDPOINT_URL or AWS."
 
 err_console = Console(stderr=True)
+PIPED_WIDTH = 400
+"""Columns a command's tables may take when stdout is not a terminal and ``COLUMNS`` is unset (rich assumes 80)."""
+
+
+def out_console() -> Console:
+    """The console a command prints its report on: stdout. Piped into a file, ``less`` or a job log (not a
+    terminal, no ``COLUMNS``), tables take the width their cells need, up to ``PIPED_WIDTH`` columns, instead of
+    rich's 80, so no URI or env name is cut."""
+    console = Console()
+    if console.is_terminal or "COLUMNS" in os.environ:
+        return console
+    return Console(width=PIPED_WIDTH)
 
 
 def _click_exceptions(name: str) -> tuple[type[Exception], ...]:
