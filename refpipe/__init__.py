@@ -41,7 +41,7 @@ _ERRORS = ("RefpipeError", "ConfigError", "OutsideRunError", "StorageError", "Tr
            "DoubleDeleteError", "UnknownRefError", "FieldError", "EpisodeError", "StepFileError", "PackingError",
            "FetchError", "AlignmentError", "DeleteKeysError", "CheckpointError", "ReplayMismatchError",
            "RunStillRunningError", "RunError", "DeleteRecordError", "LedgerRecordError", "TruncatedChunkError",
-           "StepOrderError", "RefError")
+           "StepOrderError", "RefError", "LedgerClosedError")
 _WHERE = {
     "Branch": "refpipe.pipeline.keep", "Keeper": "refpipe.pipeline.keep",
     "Ragged": "refpipe.pipeline.fields", "FieldsConfig": "refpipe.pipeline.fields",
@@ -73,7 +73,8 @@ __all__ = [
     "AlignmentError", "Branch", "BranchResult", "CheckpointError", "ChunkCorruptError", "ChunkNotFoundError",
     "ConfigError", "DeleteKeysError", "DeleteRecordError", "DeleteResult", "DoubleDeleteError", "Episode",
     "EpisodeError", "FetchError", "FieldDecl", "FieldError", "FieldsConfig", "GroupRollouts", "Keeper",
-    "KeyExistsError", "KeyNotFoundError", "Ledger", "LedgerRecordError", "Orchestrator", "OrchestratorConfig",
+    "KeyExistsError", "KeyNotFoundError", "Ledger", "LedgerClosedError", "LedgerRecordError", "Orchestrator",
+    "OrchestratorConfig",
     "OutsideRunError", "PackedSequence", "PackingError", "PayloadRef", "PayloadSlice", "Ragged", "RefError",
     "RefpipeError", "ReplayMismatchError", "ResumePlan", "RunError", "RunNotFoundError", "RunPathNotADirectoryError",
     "RunStillRunningError", "SliceError", "SliceId", "StepDataset", "StepFile", "StepFileError", "StepHeader",
@@ -116,6 +117,7 @@ if TYPE_CHECKING:
         FieldError,
         KeyExistsError,
         KeyNotFoundError,
+        LedgerClosedError,
         LedgerRecordError,
         OutsideRunError,
         PackingError,

@@ -133,8 +133,10 @@ class Ledger(LedgerSession):
         says closed.
 
         What is still unfinished is left to ``refpipe sweep`` (the delete records exist, or the
-        chunks are leaked and claimed there).
+        chunks are leaked and claimed there). A second call does nothing.
         """
+        if self.closed:
+            return
         if self.unfinished:
             try:
                 self.finish_unfinished()
@@ -167,6 +169,7 @@ class Ledger(LedgerSession):
             DoubleDeleteError: some chunks were already deleted; every other chunk was
                 deleted. ``.result`` holds the full ``DeleteResult``.
             UnknownRefError: some refs were never kept (and none double-deleted); ``.result`` as above.
+            LedgerClosedError: this session was closed (nothing deleted).
         """
         targets = []
         for ref in refs:
@@ -219,6 +222,7 @@ class Ledger(LedgerSession):
                 for node, keys in nodes.items() if any(k in failed for k in keys)}
 
     def _delete_targets(self, targets: list[_Target], reason: str, max_concurrency: int) -> DeleteResult:
+        self.check_open(f"delete ({reason})")
         result = DeleteResult()
         seen: set[str] = set()
         firsts: list[_Target] = []
