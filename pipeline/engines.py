@@ -189,9 +189,10 @@ class TurnRows:
                              f"(positions [{first_row}, {end}): P + C - 1 rows of {end + 1} tokens from "
                              f"first_row={first_row})")
         if first_row > self.rows_held:
+            why = (f"the row of turn {self.turns}'s last token, position {self.rows_held}, comes only from this "
+                   "turn's prefill" if self.turns else "the first turn's rows start at the sequence's start")
             raise FieldError(f"{what}: rows start at position {first_row}: expected rows from position "
-                             f"{self.rows_held} on (the row of turn {self.turns}'s last token, position "
-                             f"{self.rows_held}, comes only from this turn's prefill)")
+                             f"{self.rows_held} on ({why})")
         new = _checked_rows(a[self.rows_held - first_row:], self._cfg, what, first=self.rows_held)
         self.num_tokens, self.turns = end + 1, self.turns + 1
         return new

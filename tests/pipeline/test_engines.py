@@ -119,6 +119,9 @@ def test_turn_rows_take_a_request_whose_rows_start_at_the_pending_row():
                         "(the row of turn 1's last token, position 6, comes only from this turn's prefill)"),
     (WHOLE[:9], 0, 9, "vLLM routed_experts of turn 2 has shape [9, 3, 2]: expected [10, num_layers, top_k] "
                       "(positions [0, 10): P + C - 1 rows of 11 tokens from first_row=0)"),
+    (np.concatenate([WHOLE[:10], np.zeros((1, L, K), np.int32)]), 0, 9,  # a dense [P + C] layout: a zero last row
+     "vLLM routed_experts of turn 2 has shape [11, 3, 2]: expected [10, num_layers, top_k] (positions [0, 10): "
+     "P + C - 1 rows of 11 tokens from first_row=0)"),
     (WHOLE[:5], 0, 5, "vLLM routed_experts of turn 2: prompt of 5 tokens: expected at least the 7 tokens of the "
                       "trace so far (a prompt that extends it)"),
     (np.where(np.arange(10)[:, None, None] == 8, 16, WHOLE[:10]), 0, 9,
@@ -132,6 +135,13 @@ def test_turn_rows_refuse_a_turn_that_leaves_a_row_unknown_or_bad(rows, first_ro
         turns.turn(rows, num_prompt_tokens=prompt, num_completion_tokens=11 - prompt, first_row=first_row)
     assert str(info.value) == message
     assert (turns.num_tokens, turns.turns) == (7, 1)  # a refused turn changes nothing
+
+
+def test_turn_rows_of_the_first_turn_start_at_position_0():
+    with pytest.raises(FieldError) as info:
+        TurnRows(CFG).turn(WHOLE[2:6], num_prompt_tokens=4, num_completion_tokens=3, first_row=2)
+    assert str(info.value) == ("vLLM routed_experts of turn 1: rows start at position 2: expected rows from position 0 "
+                               "on (the first turn's rows start at the sequence's start)")
 
 
 def test_turn_rows_after_close_and_an_empty_trace():
