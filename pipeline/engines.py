@@ -217,10 +217,12 @@ def r3_routing_rows(data: str | bytes, *, rows_held: int, num_tokens: int, cfg: 
 
     Env-server process, once per turn. Wire format (the public reader: eval-protocol/python-sdk,
     eval_protocol/adapters/r3_deserializer.py and tests/adapters/test_r3_deserializer.py,
-    https://github.com/eval-protocol/python-sdk/pull/450): base64 of one zstd frame of ``R3_HEADER``, then
+    https://github.com/eval-protocol/python-sdk/pull/450): base64 of zstd (one frame, or the concatenated frames of
+    a payload compressed in chunks) of ``R3_HEADER``, then
     ``selector_byte_length`` selector bytes, then ``matrix_byte_length`` bytes of ``replayed_token_count``
     routing matrices, one per selected position in position order, each ``[num_layers, top_k]`` of the routing
-    dtype. Selectors: ALL selects positions ``[0, total_token_count)``; SUFFIX ``[replay_start_token,
+    dtype (the reader splits the matrices by size only; the layer-major order of SGLang's and vLLM's rows is
+    assumed). Selectors: ALL selects positions ``[0, total_token_count)``; SUFFIX ``[replay_start_token,
     replay_start_token + replayed_token_count)``; BITMAP position i when bit ``i & 7`` of selector byte ``i >> 3``
     is set. ALL returns its rows from ``rows_held`` on; SUFFIX and BITMAP must select exactly the run of positions
     from ``rows_held`` (what the branch lacks), so no position is left without a row.
@@ -261,7 +263,7 @@ def r3_routing_rows(data: str | bytes, *, rows_held: int, num_tokens: int, cfg: 
 
 
 def _r3_raw(data: str | bytes, what: str) -> bytes:
-    """The decompressed blob: base64, then one zstd frame."""
+    """The decompressed blob: base64, then zstd (concatenated frames are decoded in order)."""
     try:
         compressed = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError) as e:

@@ -205,6 +205,13 @@ def test_r3_suffix_all_and_bitmap_give_the_rows_the_branch_lacks():
     assert r3_routing_rows(whole, rows_held=0, num_tokens=11, cfg=CFG).tolist() == WHOLE[:11].tolist()
 
 
+def test_r3_blob_compressed_in_chunks_is_read_whole():
+    raw = Zstd().decode(base64.b64decode(_r3_blob(1, 11, 4, 6, b"", WHOLE[6:10].astype(np.uint8).tobytes())))
+    chunked = Zstd().encode(bytes(raw[:20])) + Zstd().encode(bytes(raw[20:]))  # two frames, cut inside the header
+    rows = r3_routing_rows(base64.b64encode(chunked), rows_held=6, num_tokens=11, cfg=CFG)
+    assert rows.tolist() == WHOLE[6:10].tolist()
+
+
 def test_r3_uint16_rows_narrow_to_the_runs_routing_dtype():
     cfg = CFG.model_copy(update={"num_experts": 512})
     ids = np.array([[[300, 511], [0, 1], [2, 257]]], dtype="<u2")
