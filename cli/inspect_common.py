@@ -162,12 +162,12 @@ def progress(description: str) -> Progress:
 
 
 def parallel_map(store: Store, fn: Callable[[T], R], items: Sequence[T], description: str) -> list[R]:
-    """``[fn(x) for x in items]`` on ``store.config.max_concurrent_fetches`` threads, with a progress bar."""
+    """``[fn(x) for x in items]`` on ``store.config.max_concurrent_scan_ops`` threads, with a progress bar."""
     if not items:
         return []
     with progress(description) as bar:
         task = bar.add_task(description, total=len(items))
-        return bounded_map(fn, items, store.config.max_concurrent_fetches, on_result=lambda _: bar.advance(task))
+        return bounded_map(fn, items, store.config.max_concurrent_scan_ops, on_result=lambda _: bar.advance(task))
 
 
 @dataclass(frozen=True)

@@ -35,11 +35,11 @@ import torch
 import torch.distributed as dist
 
 from refpipe.job.config import RunConfig
-from refpipe.job.loss import policy_loss
-from refpipe.job.model import MoELM
 from refpipe.job.report import peak_rss_bytes
 from refpipe.job.roles import exit_with_launcher, exit_without_teardown, open_run
 from refpipe.job.weights import check_same_weights, load_weights, publish_weights
+from refpipe.job.workload.loss import policy_loss
+from refpipe.job.workload.model import MoELM
 from refpipe.storage.errors import ConfigError, KeyNotFoundError, RefpipeError, ReplayMismatchError
 from refpipe.storage.layout import FINISH_METRICS_KEY, metrics_key, step_key
 from refpipe.storage.store import Store
