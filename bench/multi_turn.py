@@ -3,8 +3,8 @@
 One env-server worker (this process, a local directory) keeps ``--branches`` branches in groups of
 ``--group-size`` sharing a ``--prompt-tokens`` prompt (``Keeper.keep_prefix``, once per group) and appends
 ``--turns`` turns of ``--turn-tokens`` new routing rows ``[tokens, layers, top_k]`` uint8 to each
-(``OpenBranch.append``), every branch live at once, turn by turn. The first group's branches are cut at the middle
-turn (``suspend``), the worker's ledger is closed as at a restart, and a new worker resumes and finishes them.
+(``OpenBranch.append``), every branch live at once, turn by turn. At the middle turn a step boundary cuts every
+branch (``suspend``), the worker restarts (its ledger is closed, a new one opened) and resumes and finishes them.
 Then every branch is closed and its rows are kept again whole (``Keeper.keep``, the baseline), each ref is fetched
 into a buffer of its size (``fetch_into`` on ``max_concurrent_fetches`` threads, as a trainer rank reads its
 micro batches), alternating segmented and whole refs, and everything is released (segments, shared prompts
@@ -112,23 +112,18 @@ def main() -> None:
                 for g in range(groups)]
     branches = {i: keeper.open_branch(p, branch_id=i, prefix=prefixes[b // a.group_size]) for b, i in enumerate(ids)}
     turn_seconds = []
-    suspended = ids[: min(a.group_size, a.branches)]
     with PeakRss() as rss:
         for t in range(a.turns):
             started = time.perf_counter()
-            for b, i in enumerate(ids):
-                if t == cut and i in suspended:  # a step boundary cuts the first group's rollouts
+            if t == cut:  # a step boundary cuts every rollout; the env server restarts and continues them
+                for i in ids:
                     branches[i].suspend()
-                    continue
-                start = p + t * turn
-                branches[i].append(start, start + turn, {"routed_experts": turn_rows(b, t)})
-            if t == cut:  # the env server restarts: a new worker continues the cut rollouts
                 keeper.ledger.close()
                 keeper = Keeper(store, Ledger(store, "env_worker_0"), fields, config)
-                for i in suspended:
-                    branches[i] = keeper.resume_branch(i)
-                    b = ids.index(i)
-                    branches[i].append(p + t * turn, p + (t + 1) * turn, {"routed_experts": turn_rows(b, t)})
+                branches = {i: keeper.resume_branch(i) for i in ids}
+            for b, i in enumerate(ids):
+                start = p + t * turn
+                branches[i].append(start, start + turn, {"routed_experts": turn_rows(b, t)})
             turn_seconds.append(time.perf_counter() - started)
     refs = {i: branches[i].close() for i in ids}
     written = payload_bytes(Path(config.root) / config.run_id)
@@ -156,7 +151,7 @@ def main() -> None:
             seconds[kind].append(time.perf_counter() - started)
             if r == 0 and kind == "segmented":
                 other = np.empty_like(buffers[ids[0]])
-                for i in suspended:
+                for i in ids:
                     fetch_into(store, wholes[i], None, {"routed_experts": other})
                     continued += int(np.array_equal(buffers[i], other))
             del buffers

@@ -23,6 +23,7 @@ from refpipe.cli.inspect_common import (
     clean_errors,
     load_step,
     open_step,
+    out_console,
     refuse_inside_run,
 )
 from refpipe.cli.inspect_ls import ls_run
@@ -145,4 +146,4 @@ def inspect_step(
     if as_json:
         typer.echo(json.dumps(summary, indent=1))
     else:
-        render(summary, Console())
+        render(summary, out_console())

@@ -40,6 +40,18 @@ EXIT_ERROR = 2
 S3_ENDPOINT_HELP = "S3 endpoint URL (MinIO, Ceph RGW, moto); default: AWS_ENDPOINT_URL or AWS."
 
 err_console = Console(stderr=True)
+PIPED_WIDTH = 400
+"""Columns a command's tables may take when stdout is not a terminal and ``COLUMNS`` is unset (rich assumes 80)."""
+
+
+def out_console() -> Console:
+    """The console a command prints its report on: stdout. Piped into a file, ``less`` or a job log (not a
+    terminal, no ``COLUMNS``), tables take the width their cells need, up to ``PIPED_WIDTH`` columns, instead of
+    rich's 80, so no URI or env name is cut."""
+    console = Console()
+    if console.is_terminal or "COLUMNS" in os.environ:
+        return console
+    return Console(width=PIPED_WIDTH)
 
 
 def _click_exceptions(name: str) -> tuple[type[Exception], ...]:
@@ -150,12 +162,12 @@ def progress(description: str) -> Progress:
 
 
 def parallel_map(store: Store, fn: Callable[[T], R], items: Sequence[T], description: str) -> list[R]:
-    """``[fn(x) for x in items]`` on ``store.config.max_concurrent_fetches`` threads, with a progress bar."""
+    """``[fn(x) for x in items]`` on ``store.config.max_concurrent_scan_ops`` threads, with a progress bar."""
     if not items:
         return []
     with progress(description) as bar:
         task = bar.add_task(description, total=len(items))
-        return bounded_map(fn, items, store.config.max_concurrent_fetches, on_result=lambda _: bar.advance(task))
+        return bounded_map(fn, items, store.config.max_concurrent_scan_ops, on_result=lambda _: bar.advance(task))
 
 
 @dataclass(frozen=True)

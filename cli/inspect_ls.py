@@ -21,7 +21,15 @@ from rich.console import Console
 from rich.filesize import decimal
 from rich.table import Table
 
-from refpipe.cli.inspect_common import S3_ENDPOINT_HELP, clean_errors, fail, open_run, parallel_map, progress
+from refpipe.cli.inspect_common import (
+    S3_ENDPOINT_HELP,
+    clean_errors,
+    fail,
+    open_run,
+    out_console,
+    parallel_map,
+    progress,
+)
 from refpipe.job.text import markup_safe
 from refpipe.pipeline.step_zip import TAIL_NBYTES, damage_from_tail
 from refpipe.storage.chunk_codec import read_writer
@@ -180,4 +188,4 @@ def ls_run(
     if as_json:
         typer.echo(json.dumps(summary, indent=1))
     else:
-        render(summary, Console())
+        render(summary, out_console())

@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from refpipe.cli.inspect_common import EXIT_PROBLEMS, S3_ENDPOINT_HELP, clean_errors, open_run, progress
+from refpipe.cli.inspect_common import EXIT_PROBLEMS, S3_ENDPOINT_HELP, clean_errors, open_run, out_console, progress
 from refpipe.job.text import markup_safe
 from refpipe.pipeline.audit import AuditReport, audit
 from refpipe.pipeline.sweep import SweepResult, sweep
@@ -40,7 +40,8 @@ def _print_chunks(console: Console, title: str, uris: list[str]) -> None:
 
 def render_audit(report: AuditReport, console: Console) -> None:
     """Counts, outstanding chunks by holder, the problem lists, and the verdict."""
-    table = Table(title=f"audit of {markup_safe(report.run_uri)}", show_header=False)
+    console.print(f"audit of {markup_safe(report.run_uri)}", highlight=False, soft_wrap=True)
+    table = Table(show_header=False)
     for name in ("kept", "shipped", "borrowed", "deleted", "retained", "present", "outstanding", "leaked",
                  "double_deletes", "unknown_deletes"):
         table.add_row(name, str(getattr(report, name)))
@@ -87,7 +88,7 @@ def audit_run(
     if as_json:
         typer.echo(report.model_dump_json())
     else:
-        render_audit(report, Console())
+        render_audit(report, out_console())
     raise typer.Exit(EXIT_PROBLEMS if report.violations else 0)
 
 
@@ -139,5 +140,5 @@ def sweep_run(
     if as_json:
         typer.echo(result.model_dump_json())
     else:
-        render_sweep(result, Console())
+        render_sweep(result, out_console())
     raise typer.Exit(EXIT_PROBLEMS if result.failed else 0)

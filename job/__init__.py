@@ -1,4 +1,5 @@
-"""The main job's model side: the MoE policy, sampling with side channels, the task, the loss."""
+"""The main job's roles (launcher, fleet, env workers, trainer ranks, ...) and, in ``job.workload``, the toy
+workload they run: the MoE policy, sampling with side channels, the task, the loss."""
 
 # This folder installs as refpipe.job only: a copy under a bare name would hold types that are not refpipe's.
 if __name__ != "refpipe.job":

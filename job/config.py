@@ -16,9 +16,9 @@ from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from refpipe.job.model import ModelConfig
-from refpipe.job.rollout import SamplingConfig
-from refpipe.job.task import TaskConfig
+from refpipe.job.workload.model import ModelConfig
+from refpipe.job.workload.rollout import SamplingConfig
+from refpipe.job.workload.task import TaskConfig
 from refpipe.pipeline.field_decl import FieldDecl
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.orchestrator import OrchestratorConfig
@@ -43,13 +43,13 @@ class JobConfig(BaseModel):
     eval_every_steps: int = Field(default=4, ge=0)
     """Send one eval group every this many steps (0 = never); eval episodes are never trained."""
     warm_start_steps: int = Field(default=60, ge=0)
-    """Supervised warm-start steps on the task format before RL (``job.task.warm_start``)."""
+    """Supervised warm-start steps on the task format before RL (``job.workload.task.warm_start``)."""
     learning_rate: float = Field(default=3e-3, gt=0)
     """Adam learning rate of the RL steps."""
     clip_eps: float = Field(default=0.2, gt=0, lt=1)
     """PPO-style ratio clip of the policy-gradient loss."""
     kl_coef: float = Field(default=0.05, ge=0)
-    """Weight of the KL term to the fetched top-k head (``job.loss.policy_loss``)."""
+    """Weight of the KL term to the fetched top-k head (``job.workload.loss.policy_loss``)."""
     alignment_tolerance: float = Field(default=1e-4, gt=0)
     """Max |recomputed - inference| logprob allowed on on-policy completion tokens (float32)."""
     alignment_shift_rows: int = Field(default=0, ge=0)

@@ -28,13 +28,13 @@ from multiprocessing.connection import Connection, Listener
 import torch
 
 from refpipe.job.config import RunConfig
-from refpipe.job.model import EOS_ID, MoELM
 from refpipe.job.report import peak_rss_bytes
 from refpipe.job.resume import refuse_finished
 from refpipe.job.roles import authkey, exit_with_launcher, open_run
-from refpipe.job.rollout import SampledBranch, sample_branches
-from refpipe.job.task import Problem, make_problems, reward
 from refpipe.job.weights import latest_version, load_weights
+from refpipe.job.workload.model import EOS_ID, MoELM
+from refpipe.job.workload.rollout import SampledBranch, sample_branches
+from refpipe.job.workload.task import Problem, make_problems, reward
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.pipeline.samples import BranchResult, Episode
 from refpipe.storage.chunk_ref import PayloadRef

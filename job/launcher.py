@@ -32,16 +32,16 @@ from rich.console import Console
 from refpipe.job.config import RunConfig
 from refpipe.job.dispatch import Dispatcher
 from refpipe.job.fleet import Fleet, connect_fleet, stop_fleet
-from refpipe.job.model import MoELM
 from refpipe.job.progress import ProgressView, StepRow
 from refpipe.job.report import RunTally
 from refpipe.job.resume import LifeStart
 from refpipe.job.roles import start_local_roles, write_run_config
 from refpipe.job.run_end import RunEnd, finish_run
-from refpipe.job.task import warm_start
 from refpipe.job.text import markup_safe
 from refpipe.job.trainer_progress import TrainerProgress
 from refpipe.job.weights import point_latest, publish_weights
+from refpipe.job.workload.model import MoELM
+from refpipe.job.workload.task import warm_start
 from refpipe.pipeline.orchestrator import Orchestrator
 from refpipe.pipeline.step_file import StepFile
 from refpipe.pipeline.sweep import sweep

@@ -19,6 +19,7 @@ servers and trainer ranks as subprocesses running the same entry points.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import shlex
@@ -29,6 +30,7 @@ import threading
 import time
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection
+from typing import NoReturn
 
 from pydantic import ValidationError
 
@@ -183,6 +185,22 @@ def exit_with_launcher() -> bool:
 
     threading.Thread(target=watch, daemon=True, name="launcher-watch").start()
     return True
+
+
+def exit_without_teardown(code: int) -> NoReturn:
+    """End this process with exit code ``code`` once its work is done, without the interpreter's teardown.
+
+    A trainer rank's process that used torch.distributed (gloo) can abort in that teardown, after
+    ``destroy_process_group`` and after every file it wrote was closed: a C++ thread of torch's still
+    joinable when its owner is destroyed calls ``std::terminate`` ("terminate called without an active
+    exception", SIGABRT), seen on this machine kind in 2 of 7 two-node runs of
+    ``tests/job/test_multi_node.py`` with only the main Python thread left. So ``python -m
+    refpipe.job.train_rank`` flushes its logs and standard streams and leaves with ``os._exit``.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def start_local_roles(cfg: RunConfig, run_uri: str, master_port: int, *,

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import sys
+import traceback
 from dataclasses import asdict, dataclass
 from typing import NoReturn
 
@@ -34,11 +35,11 @@ import torch
 import torch.distributed as dist
 
 from refpipe.job.config import RunConfig
-from refpipe.job.loss import policy_loss
-from refpipe.job.model import MoELM
 from refpipe.job.report import peak_rss_bytes
-from refpipe.job.roles import exit_with_launcher, open_run
+from refpipe.job.roles import exit_with_launcher, exit_without_teardown, open_run
 from refpipe.job.weights import check_same_weights, load_weights, publish_weights
+from refpipe.job.workload.loss import policy_loss
+from refpipe.job.workload.model import MoELM
 from refpipe.storage.errors import ConfigError, KeyNotFoundError, RefpipeError, ReplayMismatchError
 from refpipe.storage.layout import FINISH_METRICS_KEY, metrics_key, step_key
 from refpipe.storage.store import Store
@@ -364,5 +365,19 @@ def cli(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run_process() -> NoReturn:
+    """``python -m refpipe.job.train_rank``: ``cli()``, then exit with its code (or a ``SystemExit``'s) without
+    the interpreter's teardown (``job.roles.exit_without_teardown``); an unexpected error prints its traceback
+    and exits 1, as Python would."""
+    try:
+        code = cli()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except BaseException:  # noqa: BLE001 -- printed as Python would, then the same exit without teardown
+        traceback.print_exc()
+        code = 1
+    exit_without_teardown(code)
+
+
 if __name__ == "__main__":
-    sys.exit(cli())
+    run_process()

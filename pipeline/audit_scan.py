@@ -116,9 +116,9 @@ def committed(keys: Sequence[str]) -> bool:
 def _parallel(store: Store, fn: Callable[[T], R], items: Sequence[T], progress: Progress | None,
               description: str) -> list[R]:
     if progress is None:
-        return bounded_map(fn, items, store.config.max_concurrent_fetches)
+        return bounded_map(fn, items, store.config.max_concurrent_scan_ops)
     task = progress.add_task(description, total=len(items))
-    return bounded_map(fn, items, store.config.max_concurrent_fetches, on_result=lambda _: progress.advance(task))
+    return bounded_map(fn, items, store.config.max_concurrent_scan_ops, on_result=lambda _: progress.advance(task))
 
 
 def _list(store: Store, prefix: str, progress: Progress | None) -> list[str]:

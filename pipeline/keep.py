@@ -61,7 +61,9 @@ class Keeper:
         Raises:
             FieldError: an array breaks its field's rules (nothing is written).
             KeyExistsError: ``branch.branch_id`` was already kept in this run.
+            LedgerClosedError: the keeper's ledger was closed (nothing is written).
         """
+        self.ledger.check_open("keep")
         branch_id = branch.branch_id or f"{self.ledger.actor}-{uuid.uuid4().hex}"
         what = f"branch {branch_id} (env worker {self.ledger.actor})"
         arrays, specs = validate_branch(branch.fields, self.fields, num_prompt_tokens=branch.num_prompt_tokens,

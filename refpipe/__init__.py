@@ -42,7 +42,7 @@ _ERRORS = ("RefpipeError", "ConfigError", "OutsideRunError", "StorageError", "Tr
            "DoubleDeleteError", "UnknownRefError", "FieldError", "EpisodeError", "StepFileError", "PackingError",
            "FetchError", "AlignmentError", "DeleteKeysError", "CheckpointError", "ReplayMismatchError",
            "RunStillRunningError", "RunError", "DeleteRecordError", "LedgerRecordError", "TruncatedChunkError",
-           "StepOrderError", "RefError", "OpenBranchError")
+           "StepOrderError", "RefError", "LedgerClosedError", "OpenBranchError")
 _WHERE = {
     "Branch": "refpipe.pipeline.keep", "Keeper": "refpipe.pipeline.keep",
     "OpenBranch": "refpipe.pipeline.open_branch", "SuspendedBranch": "refpipe.storage.ledger_open",
@@ -75,9 +75,9 @@ __all__ = [
     "AlignmentError", "Branch", "BranchResult", "CheckpointError", "ChunkCorruptError", "ChunkNotFoundError",
     "ConfigError", "DeleteKeysError", "DeleteRecordError", "DeleteResult", "DoubleDeleteError", "Episode",
     "EpisodeError", "FetchError", "FieldDecl", "FieldError", "FieldsConfig", "GroupRollouts", "Keeper",
-    "KeyExistsError", "KeyNotFoundError", "Ledger", "LedgerRecordError", "OpenBranch", "OpenBranchError",
-    "Orchestrator", "OrchestratorConfig", "OutsideRunError", "PackedSequence", "PackingError", "PayloadRef",
-    "PayloadSlice", "Ragged", "RefError",
+    "KeyExistsError", "KeyNotFoundError", "Ledger", "LedgerClosedError", "LedgerRecordError", "OpenBranch",
+    "OpenBranchError", "Orchestrator", "OrchestratorConfig", "OutsideRunError", "PackedSequence", "PackingError",
+    "PayloadRef", "PayloadSlice", "Ragged", "RefError",
     "RefpipeError", "ReplayMismatchError", "ResumePlan", "RunError", "RunNotFoundError", "RunPathNotADirectoryError",
     "RunStillRunningError", "SliceError", "SliceId", "StepDataset", "StepFile", "StepFileError", "StepHeader",
     "StepMetrics", "StepMicroBatch", "StepOrderError", "StorageConfig", "StorageError", "Store", "SuspendedBranch",
@@ -121,6 +121,7 @@ if TYPE_CHECKING:
         FieldError,
         KeyExistsError,
         KeyNotFoundError,
+        LedgerClosedError,
         LedgerRecordError,
         OpenBranchError,
         OutsideRunError,

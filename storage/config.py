@@ -46,7 +46,15 @@ class StorageConfig(BaseModel):
     """An S3 object above this many bytes (a checkpoint share) is put as a multipart upload of parts this size
     (AWS limits: parts of 5 MiB to 5 GiB; a single PUT stops at 5 GiB)."""
     max_concurrent_fetches: int = Field(default=8, ge=1, le=256)
-    """Threads one process uses to fetch chunks (and to send an S3 multipart upload's parts)."""
+    """Chunks one process (a trainer rank's prefetch) fetches at once, each on its own thread."""
+    max_concurrent_upload_parts: int = Field(default=8, ge=1, le=256)
+    """Parts of one S3 multipart upload (``s3_part_size_bytes`` each) sent at once; each is held in memory
+    while it is sent."""
+    max_concurrent_deletes: int = Field(default=8, ge=1, le=256)
+    """Chunks a trainer rank's release (``trainer.background.BackgroundRelease``) claims and deletes at once."""
+    max_concurrent_scan_ops: int = Field(default=8, ge=1, le=256)
+    """Reads and listings one process runs at once when it walks the run rather than trains from it: the audit's
+    and sweep's scans, the CLI's ``inspect`` commands, and an S3 listing's one LIST per shard directory."""
     heartbeat_interval_s: float = Field(default=5.0, gt=0, le=600)
     """Seconds between rewrites of a ledger session's heartbeat (``storage.liveness``)."""
     heartbeat_timeout_s: float = Field(default=15.0, gt=0, le=3600)

@@ -176,6 +176,11 @@ class RunError(RefpipeError, RuntimeError):
     left, a group failed on every attempt, or no step progressed within ``job.step_deadline_s``."""
 
 
+class LedgerClosedError(RefpipeError, RuntimeError):
+    """An event recorded (a keep, ship or delete) through a ledger session after its ``close``: the session's log
+    ended with its ``close`` event, so nothing may follow it; open a new ``Ledger`` for the actor."""
+
+
 class StepOrderError(RefpipeError, RuntimeError):
     """A trainer rank's pull loop was driven out of order: a step released twice, or the next step asked for
     before the previous one was released (``TrainerRank.steps``)."""

@@ -139,8 +139,10 @@ class Ledger(LedgerSession):
         says closed.
 
         What is still unfinished is left to ``refpipe sweep`` (the delete records exist, or the
-        chunks are leaked and claimed there).
+        chunks are leaked and claimed there). A second call does nothing.
         """
+        if self.closed:
+            return
         if self.unfinished:
             try:
                 self.finish_unfinished()
@@ -174,6 +176,7 @@ class Ledger(LedgerSession):
             DoubleDeleteError: some chunks were already deleted; every other chunk was
                 deleted. ``.result`` holds the full ``DeleteResult``.
             UnknownRefError: some refs were never kept (and none double-deleted); ``.result`` as above.
+            LedgerClosedError: this session was closed (nothing deleted).
         """
         return self.release_chunks([(c, ref.branch_id) for ref in refs for c in ref.chunks], reason=reason,
                                    max_concurrency=max_concurrency)
@@ -182,6 +185,7 @@ class Ledger(LedgerSession):
                        max_concurrency: int = 8) -> DeleteResult:
         """``delete`` of chunks, each with the branch releasing it: a shared prefix (``PayloadRef.holders``) records
         that branch's release, deleted after its last holder's (``storage.ledger_holds``). Raises as ``delete``."""
+        self.check_open(f"delete ({reason})")
         targets = [_target(self.store, c) for c, _ in chunks if not c.holders or c.key]  # keys before any I/O
         doomed, held = release_holds(self.store, [(c, b) for c, b in chunks if c.holders], actor=self.actor,
                                      reason=reason)
@@ -235,6 +239,7 @@ class Ledger(LedgerSession):
 
     def _delete_targets(self, targets: list[_Target], reason: str, max_concurrency: int,
                         held: Sequence[tuple[_Target, StorageError]] = ()) -> DeleteResult:
+        self.check_open(f"delete ({reason})")
         result = DeleteResult()
         for target, refused in held:  # a shared prefix's release refused (storage.ledger_holds)
             self._note(target, refused, reason, result)

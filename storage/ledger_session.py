@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from refpipe.storage.chunk_ref import PayloadRef
-from refpipe.storage.errors import ConfigError, KeyExistsError, StorageError
+from refpipe.storage.errors import ConfigError, KeyExistsError, LedgerClosedError, StorageError
 from refpipe.storage.layout import (
     HEARTBEATS_PREFIX,
     check_id,
@@ -73,6 +73,7 @@ class LedgerSession:
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()
         self._flush_failed = False
+        self.closed = False
         self._refuse_a_live_session()
         self.session = self._open()
 
@@ -112,12 +113,29 @@ class LedgerSession:
                            f"without delete-exactly-once")
 
     def record(self, event: str, **fields: object) -> None:
-        """Append an event (JSON-serialisable fields) to this session's log; no I/O unless a segment is due."""
+        """Append an event (JSON-serialisable fields) to this session's log; no I/O unless a segment is due.
+
+        Raises:
+            LedgerClosedError: the session was closed (its log ends with ``close``); nothing is recorded.
+        """
         with self._lock:
+            self.check_open(event)
             self._events.append({"event": event, "actor": self.actor, "t": round(time.time(), 3), **fields})
+            self.closed = event == "close"  # atomically with the event: nothing can follow it in the log
             due = len(self._events) >= SEGMENT_MAX_EVENTS or time.monotonic() - self._flushed_at > SEGMENT_MAX_AGE_S
         if due:
             self.flush()
+
+    def check_open(self, what: str) -> None:
+        """Raise before ``what`` (an event, or an act that records one: a keep, a delete) once the session is closed.
+
+        Raises:
+            LedgerClosedError: naming the session, the actor, the run and ``what``.
+        """
+        if self.closed:
+            raise LedgerClosedError(f"ledger session {self.session} of actor {self.actor!r} of run "
+                                    f"{self.store.prefix.uri} is closed: {what!r} refused, nothing done (open a "
+                                    f"new Ledger for the actor)")
 
     def flush(self) -> None:
         """Write buffered events as one new segment object (one exclusive put); no-op when none are buffered.
@@ -177,7 +195,10 @@ class LedgerSession:
             self.ledger_seconds += seconds
 
     def close(self) -> None:
-        """Record a clean end of this session and flush; the last heartbeat says closed."""
+        """Record a clean end of this session and flush; the last heartbeat says closed. A second call does
+        nothing."""
+        if self.closed:
+            return
         self.record("close")
         self.flush()
         self._heartbeat.close()

@@ -155,7 +155,7 @@ class S3Store(Store):
     def _put_multipart(self, bucket: str, object_key: str, uri: str, views: list[memoryview], exclusive: dict[str, str],
                        metadata: dict[str, dict[str, str]]) -> None:
         """One multipart upload of ``views`` (the body in order): parts of ``s3_part_size_bytes`` sent in parallel
-        (``max_concurrent_fetches``; each copied when sent, so at most that many parts are held besides the body),
+        (``max_concurrent_upload_parts``; each copied when sent, so at most that many parts are held besides the body),
         each retried by itself; the object appears whole at the completion, which
         carries the ``If-None-Match`` of an exclusive put. On any failure the upload is aborted (best effort: a
         bucket lifecycle rule ``AbortIncompleteMultipartUpload`` reclaims what an abort could not), and the error
@@ -175,7 +175,7 @@ class S3Store(Store):
 
         try:
             parts = enumerate(_parts(views, self.config.s3_part_size_bytes), start=1)
-            done = bounded_map(send, parts, self.config.max_concurrent_fetches)
+            done = bounded_map(send, parts, self.config.max_concurrent_upload_parts)
             self._once(what, uri, lambda: self.fs.call_s3("complete_multipart_upload", MultipartUpload={"Parts": done},
                                                           **ids, **exclusive))
         except BaseException:
@@ -278,7 +278,7 @@ class S3Store(Store):
             return self._listing(key_prefix, lambda: self.fs.find(directory, detail=True))
 
         # one listing per sub-directory (a shard of payloads/), in parallel: a LIST page holds 1,000 keys
-        for found in bounded_map(find, directories, max(1, self.config.max_concurrent_fetches)):
+        for found in bounded_map(find, directories, self.config.max_concurrent_scan_ops):
             sizes.update((name, info["size"]) for name, info in found.items())
         root = self.prefix.path + "/"
         return dict(sorted((name[len(root):], size) for name, size in sizes.items()

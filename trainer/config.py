@@ -1,7 +1,7 @@
 """Trainer config: rank topology, waits, collective timeouts, and what release does with a trained step.
 
-Fetch concurrency is ``StorageConfig.max_concurrent_fetches`` (threads per rank) and
-fetch retries are ``StorageConfig.max_retries``; they are not repeated here.
+Fetch and release concurrency are ``StorageConfig.max_concurrent_fetches`` and ``max_concurrent_deletes``
+(threads per rank) and fetch retries are ``StorageConfig.max_retries``; they are not repeated here.
 """
 
 from __future__ import annotations

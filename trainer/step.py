@@ -92,7 +92,7 @@ class TrainerRank:
     Args:
         store: the run's store, created in this process.
         fields: the run's field shapes.
-        storage: fetch concurrency (``max_concurrent_fetches``) and retries.
+        storage: fetch and delete concurrency (``max_concurrent_fetches``, ``max_concurrent_deletes``) and retries.
         config: topology and timeouts.
         data_group: the process group of the data path's collectives: a gloo group over the whole
             world; default: a new one (``trainer.dist.new_data_group``).
@@ -105,7 +105,7 @@ class TrainerRank:
         self.data_group = data_group or new_data_group(config)
         dp_rank = self.topology.dp_rank
         self.ledger = Ledger(store, trainer_actor(dp_rank)) if self.topology.mp_rank == 0 else None
-        self.release = (BackgroundRelease(self.ledger, dp_rank, storage.max_concurrent_fetches)
+        self.release = (BackgroundRelease(self.ledger, dp_rank, storage.max_concurrent_deletes)
                         if self.ledger is not None else None)
         self.policy = ReleasePolicy(self.release, config) if self.release is not None else None
         self.buffers = BufferPool()

@@ -194,6 +194,15 @@ def test_inspect_table_shows_counts_and_missing_chunks(run):
     assert snapshot(run.store) == before
 
 
+
+def test_a_piped_inspect_table_keeps_every_cell_whole(local_run, monkeypatch):
+    """Not a terminal and no ``COLUMNS`` (a file, ``less``, a job log): the table takes the width its cells need
+    (``cli.inspect_common.out_console``); rich alone would cut the fields column at 80 columns."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    result = CliRunner().invoke(app, ["inspect", local_run.step_uris[0]], catch_exceptions=False)
+    rows = [re.sub(r"\s+", " ", line.strip("│┃ ")) for line in result.stdout.splitlines() if line.startswith("│")]
+    assert rows[0].split(" │ ")[5:7] == ["math x2, code", "routed_experts, sampling_mask, topk_ids, topk_logprobs"]
+
 def test_inspect_plot_writes_a_png(run, tmp_path):
     run.store.delete_keys(list(chunk_keys(run.refs["c"].key)))
     before = snapshot(run.store)

@@ -259,3 +259,10 @@ def test_sweep_finishes_the_unfinished_deletes_a_dead_trainer_recorded(local_con
     assert json.loads(store.get(tombstone_key(claimed.branch_id)))["holder"] == "trainer_dp0"
     clean = invoke("audit", store.prefix.uri, "--json", "--finished")
     assert clean.exit_code == 0 and (json.loads(clean.stdout)["kept"], json.loads(clean.stdout)["deleted"]) == (2, 2)
+
+
+
+def test_the_audit_names_its_run_on_one_line(crashed):
+    """The run URI heads the report whole, whatever the table's width (a table title wraps to the table)."""
+    store, run_uri, options, orphans, shipped = crashed
+    assert invoke("audit", run_uri, *options).stdout.splitlines()[0] == f"audit of {run_uri}"

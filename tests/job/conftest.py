@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from refpipe.job.model import ModelConfig, MoELM
-from refpipe.job.rollout import SampledBranch
+from refpipe.job.workload.model import ModelConfig, MoELM
+from refpipe.job.workload.rollout import SampledBranch
 
 
 class Packed(NamedTuple):

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from refpipe.job.config import RunConfig
-from refpipe.job.model import MoELM
 from refpipe.job.train_rank import PolicyTrainer
+from refpipe.job.workload.model import MoELM
 from refpipe.pipeline.fields import spread_expert_rows
 from refpipe.pipeline.step_header import MicroBatchRecord, SequenceRecord
 from refpipe.trainer.assemble import AssembledMicroBatch, FieldBatch, assemble_dropped_micro_batch

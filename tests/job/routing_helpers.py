@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from refpipe.job.model import MoELM, MoEMLP
+from refpipe.job.workload.model import MoELM, MoEMLP
 
 # Packed and alone forwards run different matmul shapes, so router logits differ by ~1e-6 between them
 # (AVX2 vs AVX-512 blockings). Expert ids compare exactly only where no top-k choice is that close.

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from refpipe.job.loss import policy_loss
-from refpipe.job.rollout import SamplingConfig, sample_branches
-from refpipe.job.task import TaskConfig, make_problems, reward, warm_start
+from refpipe.job.workload.loss import policy_loss
+from refpipe.job.workload.rollout import SamplingConfig, sample_branches
+from refpipe.job.workload.task import TaskConfig, make_problems, reward, warm_start
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0], [1.0, 3.0, 0.0, 0.0]])
 TOKENS = torch.tensor([0, 3, 1])

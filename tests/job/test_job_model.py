@@ -6,7 +6,7 @@ import pydantic
 import pytest
 import torch
 
-from refpipe.job.model import BOS_ID, VOCAB_SIZE, ModelConfig, MoELM, token_logprobs
+from refpipe.job.workload.model import BOS_ID, VOCAB_SIZE, ModelConfig, MoELM, token_logprobs
 from refpipe.storage.errors import FieldError
 from tests.job.routing_helpers import ROUTER_MARGIN, router_margin
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from refpipe.job.model import EOS_ID, token_logprobs
-from refpipe.job.rollout import SamplingConfig, sample_branches
-from refpipe.job.task import TaskConfig, make_problems
+from refpipe.job.workload.model import EOS_ID, token_logprobs
+from refpipe.job.workload.rollout import SamplingConfig, sample_branches
+from refpipe.job.workload.task import TaskConfig, make_problems
 from refpipe.pipeline.fields import FieldsConfig, validate_branch
 from refpipe.storage.errors import ConfigError
 from tests.job.routing_helpers import ROUTER_MARGIN, router_margin

@@ -6,9 +6,9 @@ import numpy as np
 import pydantic
 import pytest
 
-from refpipe.job.model import BOS_ID, EOS_ID, MoELM
-from refpipe.job.rollout import SamplingConfig, sample_branches
-from refpipe.job.task import TaskConfig, make_problems, reward, warm_start
+from refpipe.job.workload.model import BOS_ID, EOS_ID, MoELM
+from refpipe.job.workload.rollout import SamplingConfig, sample_branches
+from refpipe.job.workload.task import TaskConfig, make_problems, reward, warm_start
 
 
 def _ids(text: str, eos: bool = False) -> np.ndarray:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from refpipe.job.config import RunConfig
-from refpipe.job.model import MoELM
+from refpipe.job.workload.model import MoELM
 from tests.helpers.children import module_argv, module_env
 
 WORKER = "tests.job.policy_worker"

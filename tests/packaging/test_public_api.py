@@ -9,9 +9,9 @@ PUBLIC = [
     "AlignmentError", "Branch", "BranchResult", "CheckpointError", "ChunkCorruptError", "ChunkNotFoundError",
     "ConfigError", "DeleteKeysError", "DeleteRecordError", "DeleteResult", "DoubleDeleteError", "Episode",
     "EpisodeError", "FetchError", "FieldDecl", "FieldError", "FieldsConfig", "GroupRollouts", "Keeper",
-    "KeyExistsError", "KeyNotFoundError", "Ledger", "LedgerRecordError", "OpenBranch", "OpenBranchError",
-    "Orchestrator", "OrchestratorConfig", "OutsideRunError", "PackedSequence", "PackingError", "PayloadRef",
-    "PayloadSlice", "Ragged", "RefError",
+    "KeyExistsError", "KeyNotFoundError", "Ledger", "LedgerClosedError", "LedgerRecordError", "OpenBranch",
+    "OpenBranchError", "Orchestrator", "OrchestratorConfig", "OutsideRunError", "PackedSequence", "PackingError",
+    "PayloadRef", "PayloadSlice", "Ragged", "RefError",
     "RefpipeError", "ReplayMismatchError", "ResumePlan", "RunError", "RunNotFoundError", "RunPathNotADirectoryError",
     "RunStillRunningError", "SliceError", "SliceId", "StepDataset", "StepFile", "StepFileError", "StepHeader",
     "StepMetrics", "StepMicroBatch", "StepOrderError", "StorageConfig", "StorageError", "Store", "SuspendedBranch",
@@ -48,7 +48,7 @@ def test_every_error_type_is_public():
     from refpipe.storage import errors
 
     types = {n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, errors.RefpipeError)}
-    assert len(types) == 31 and types <= set(refpipe.__all__)
+    assert len(types) == 32 and types <= set(refpipe.__all__)
 
 
 def test_type_checkers_see_every_public_name_where_it_loads_from():

@@ -336,7 +336,7 @@ def test_a_failed_keep_ends_the_group_not_the_worker_and_a_resend_gets_fresh_bra
     discarded, nothing of it stays, and the re-sent group (next attempt) keeps under new branch ids."""
     from refpipe.job.config import RunConfig
     from refpipe.job.env_worker import GroupRequest, run_group
-    from refpipe.job.model import MoELM
+    from refpipe.job.workload.model import MoELM
 
     direct, store, proxy = run
     cfg = RunConfig(storage=store.config)

@@ -17,6 +17,7 @@ from refpipe.storage.errors import (
     ChunkNotFoundError,
     ConfigError,
     DoubleDeleteError,
+    LedgerClosedError,
     OutsideRunError,
     StorageError,
     UnknownRefError,
@@ -299,3 +300,31 @@ def test_segment_keys_parse_whole_and_the_flat_layout_of_earlier_runs_is_read():
     assert parse_segment_key("ledger/events/a/12-34/0001/1234.jsonl") is None  # not as segment_key writes it
     assert parse_segment_key("ledger/events/a/12-34/0001/001234.jsonl\n") is None
     assert parse_segment_key("ledger/events/a/12-34-001234.jsonl") == ("a", "12-34", 1234)  # before the buckets
+
+
+def test_a_closed_ledger_refuses_every_act_and_does_nothing(store):
+    """After ``close`` the session's log ends with its ``close`` event: a record, a delete, or a keep through it is a
+    ``LedgerClosedError`` and nothing happens (the chunk stays, no event or record is written); closing again is
+    a no-op."""
+    from refpipe.pipeline.fields import FieldsConfig
+    from refpipe.pipeline.keep import Branch, Keeper
+    from refpipe.storage.config import StorageConfig
+
+    ref = kept(store, "b0")
+    ledger = Ledger(store, "env_worker_0")
+    ledger.close()
+    ledger.close()
+    before = sorted(store.list_prefix(""))
+    with pytest.raises(LedgerClosedError) as deleted:
+        ledger.delete([ref], reason="discarded")
+    with pytest.raises(LedgerClosedError):
+        ledger.record("ship", branch_id="b0")
+    keeper = Keeper(store, ledger, FieldsConfig(), StorageConfig(root="unused"))
+    with pytest.raises(LedgerClosedError) as keep:
+        keeper.keep(Branch(num_prompt_tokens=1, num_completion_tokens=1, fields={}, branch_id="b1"))
+    assert sorted(store.list_prefix("")) == before
+    assert [e["event"] for segment in events_of(store, "env_worker_0") for e in segment] == ["open", "close"]
+    assert str(deleted.value) == (f"ledger session {ledger.session} of actor 'env_worker_0' of run "
+                                  f"{store.prefix.uri} is closed: 'delete (discarded)' refused, nothing done (open a "
+                                  f"new Ledger for the actor)")
+    assert "is closed: 'keep' refused" in str(keep.value)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, Field
 
-from refpipe.job.model import EOS_ID, MoELM
+from refpipe.job.workload.model import EOS_ID, MoELM
 from refpipe.storage.config import CONFIG
 from refpipe.storage.errors import ConfigError
 
@@ -53,7 +53,7 @@ class SampledBranch:
     """[C] int32 sampled tokens; ends with ``EOS_ID`` unless cut at ``max_completion_tokens``."""
     logprobs: np.ndarray
     """[C] float32 ``log_softmax(logits / temperature)`` at each sampled token, before top-p
-    truncation (``job.model.token_logprobs``)."""
+    truncation (``job.workload.model.token_logprobs``)."""
     routed_experts: np.ndarray
     """[P + C, num_layers, top_k] uint8 experts each token was routed to as an input."""
     topk_ids: np.ndarray

@@ -4,7 +4,7 @@ Per completion token ``r`` (logits ``z_r`` [V] at the position that predicts it,
 token ``y_r``, advantage ``A_r``, inference logprob ``l_r``, inference head ``topk_ids_r``
 / ``topk_logprobs_r`` [k], temperature ``tau``):
 
-    logp_r  = log_softmax(z_r / tau)[y_r]                      (job.model.token_logprobs)
+    logp_r  = log_softmax(z_r / tau)[y_r]                      (job.workload.model.token_logprobs)
     rho_r   = exp(logp_r - l_r)                                importance ratio to inference
     pg_r    = -min(rho_r * A_r, clip(rho_r, 1 - eps, 1 + eps) * A_r)
     q_r     = softmax(topk_logprobs_r)                         inference head renormalised over its k ids

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, Field, model_validator
 
-from refpipe.job.model import BOS_ID, EOS_ID, MoELM
+from refpipe.job.workload.model import BOS_ID, EOS_ID, MoELM
 from refpipe.storage.config import CONFIG
 from refpipe.storage.errors import ConfigError
 
