@@ -24,8 +24,8 @@ from refpipe.storage.concurrency import bounded_map
 from refpipe.storage.errors import KeyNotFoundError, OutsideRunError, RunPathNotADirectoryError, StorageError
 from refpipe.storage.local_confined import ConfinedPrefix
 from refpipe.storage.local_errors import classify
-from refpipe.storage.local_io import TOKEN_XATTR, fill, read_all, readv_all
-from refpipe.storage.store import Bytes, Store, byte_view
+from refpipe.storage.local_io import TOKEN_XATTR, fill, read_all, readv_all, readv_pieces
+from refpipe.storage.store import Bytes, ReadPiece, Store, byte_view
 
 T = TypeVar("T")
 
@@ -42,7 +42,8 @@ class LocalStore(Store):
     ``O_TMPFILE``: a named temp file, ``link(2)``, ``unlink(2)``). A ``durable`` put ``fsync``s the file
     before it gets its name (the directory entry itself is not synced). ``get`` is
     ``open``, ``pread``, ``close`` (plus an ``fstat`` for whole reads); ``get_into`` is ``open``,
-    ``fstat``, ``preadv`` (one call for all buffers, repeated only after a short read), ``close``. ``delete_keys``
+    ``fstat``, ``preadv`` (one call for all buffers, repeated only after a short read; with ``each``, one per
+    256 KiB piece, each piece handed to ``each`` while in cache), ``close``. ``delete_keys``
     unlinks in order per directory and removes branch directories it empties,
     directories in parallel.
     """
@@ -72,16 +73,16 @@ class LocalStore(Store):
         finally:
             os.close(fd)
 
-    def get_into(self, key: str, buffers: Sequence[Bytes]) -> int:
-        return self._attempt("cannot read", key, lambda: self._read_into(key, buffers))
+    def get_into(self, key: str, buffers: Sequence[Bytes], each: ReadPiece | None = None) -> int:
+        return self._attempt("cannot read", key, lambda: self._read_into(key, buffers, each))
 
-    def _read_into(self, key: str, buffers: Sequence[Bytes]) -> int:
+    def _read_into(self, key: str, buffers: Sequence[Bytes], each: ReadPiece | None) -> int:
         fd = self._confined().open_read(key)
         try:
             size = os.fstat(fd).st_size
-            views = [v for v in (byte_view(b) for b in buffers) if v.nbytes]
+            views = [byte_view(b) for b in buffers]
             wanted = min(size, sum(v.nbytes for v in views))
-            got = readv_all(fd, views, wanted)
+            got = readv_pieces(fd, views, wanted, each) if each else readv_all(fd, [v for v in views if v], wanted)
             return size if got == wanted else got  # a short read: the file shrank since fstat
         finally:
             os.close(fd)
