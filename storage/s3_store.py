@@ -140,8 +140,8 @@ class S3Store(Store):
                 each(i, view)
         return len(data)
 
-    def _put(self, key: str, buffers: list[Bytes] | tuple[Bytes, ...], token: str | None,
-             durable: bool) -> None:  # a PUT's 200 means stored durably: ``durable`` asks nothing more
+    def _put(self, key: str, buffers: list[Bytes] | tuple[Bytes, ...], token: str | None, durable: bool,
+             in_place: bool) -> None:  # a PUT's 200 means stored durably, and a PUT is whole: nothing more to do
         bucket, object_key = self._split(key)
         uri = self.uri(key)
         exclusive: dict[str, str] = {} if token is None else {"IfNoneMatch": "*"}
