@@ -4,8 +4,8 @@
 from the repository root and records the commit, the machine (``lscpu`` model, cores, memory), the load
 average before and after, the versions of Python and the libraries the data path uses, the command, the
 bench's output and its last line (the JSON summary). ``<machine>`` is the lscpu model and core count as a
-slug (``amd-epyc-2c``); ``--as`` names the result another way than the bench (``keep_fetch_s3`` for a run
-against S3).
+slug (``amd-epyc-2c``); a later run of the same day gets ``_2``, ``_3``, ...; ``--as`` names the result another
+way than the bench (``keep_fetch_s3`` for a run against S3).
 """
 
 from __future__ import annotations
@@ -61,6 +61,10 @@ def main() -> None:
     m = machine()
     versions = {"python": platform.python_version(), **{dist: metadata.version(dist) for dist in VERSIONS}}
     path = ROOT / "bench" / "results" / f"{name}_{slug(m)}_{started:%Y%m%d}.md"
+    for run in range(2, 100):  # another run of the same day: a file of its own, never overwritten
+        if not path.exists():
+            break
+        path = path.with_name(f"{name}_{slug(m)}_{started:%Y%m%d}_{run}.md")
     path.parent.mkdir(exist_ok=True)
     path.write_text(
         f"# {name}, {started:%Y-%m-%d %H:%M} UTC\n\n"

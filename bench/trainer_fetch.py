@@ -16,7 +16,8 @@ Three worlds of 2 ranks, one after the other (each its own processes, so peak RS
            ``BufferPool``: from the second round on, the previous round's memory) +
            ``TrainerRank.stand_in_dropped``. ``fetch_assemble_vs_limit`` = median over rounds
            of limit seconds / refpipe seconds, scaled to the same bytes, min over ranks. Between
-           the two, the limit's reads again with a crc32c of each buffer on the same thread:
+           the two, the limit's reads again in 256 KiB pieces, each checksummed (crc32c) right after its read on the
+           same thread, as refpipe's fetch does:
            ``read_crc32c_vs_limit``, the most a fetch that verifies every byte read could reach.
 ``no_prefetch`` / ``prefetch``  ``--steps`` full ``TrainerRank.run_step`` calls each
            (``TrainerConfig.prefetch_next_step`` off / on) whose ``train`` sleeps
@@ -70,6 +71,8 @@ PROMPT, COMPLETION, LAYERS, TOP_K, EXPERTS, HEAD, SUPPORT = 1024, 3072, 48, 8, 1
 SEQ_LEN = 2 * (PROMPT + COMPLETION) + 512
 FIELDS = FieldsConfig(num_layers=LAYERS, top_k=TOP_K, num_experts=EXPERTS, logprobs_k=HEAD, support_width=SUPPORT)
 WORLD_SIZE = 2
+PIECE_BYTES = 256 << 10
+"""Bytes per read of the checksummed limit (``storage.local_io``'s piece of a fetch)."""
 BRANCH_NBYTES = (PROMPT + COMPLETION) * LAYERS * TOP_K + COMPLETION * (2 * HEAD + SUPPORT) * 4
 
 
@@ -116,17 +119,22 @@ def make_steps(storage: StorageConfig, num_branches: int, num_steps: int) -> Non
 
 def read_limit(paths: list[str], buffers: list[np.ndarray], threads: int, *, checksum: bool = False) -> int:
     """``preadv`` each file into its buffer (allocated once by the caller) on ``threads`` threads; bytes read.
-    ``checksum``: then crc32c each buffer on the same thread (what verifying every byte read adds, alone)."""
+    ``checksum``: read in pieces of ``PIECE_BYTES`` instead, each checksummed (crc32c) on the same thread right
+    after its read, while in cache, as refpipe's fetch does (what verifying every byte read adds, alone)."""
     def one(item: tuple[str, np.ndarray]) -> int:
         path, buf = item
         fd = os.open(path, os.O_RDONLY)
         try:
-            n = os.preadv(fd, [buf], 0)
+            if not checksum:
+                return os.preadv(fd, [buf], 0)
+            n, crc = 0, 0
+            for start in range(0, buf.nbytes, PIECE_BYTES):
+                piece = buf[start : start + PIECE_BYTES]
+                n += os.preadv(fd, [piece], start)
+                crc = crc32c.crc32c(piece, crc)
+            return n
         finally:
             os.close(fd)
-        if checksum:
-            crc32c.crc32c(buf)
-        return n
 
     with ThreadPoolExecutor(max_workers=threads) as pool:
         return sum(pool.map(one, zip(paths, buffers)))

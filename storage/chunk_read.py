@@ -214,7 +214,8 @@ def _fetch(store: Store, data_key: str, ref: PayloadRef, n: int, out: dict[str, 
 
 
 def _read_whole_into(store: Store, data_key: str, ref: PayloadRef, out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Read a whole uncompressed chunk into ``out`` (fresh arrays for the rest); check length and crc32c."""
+    """Read a whole uncompressed chunk into ``out`` (fresh arrays for the rest); check length and crc32c (computed
+    piece by piece as the store fills the buffers, ``Store.get_into``'s ``each``)."""
     layouts = ref.layout()
     gaps, end = [], 0
     for lay in layouts:
@@ -234,11 +235,14 @@ def _read_whole_into(store: Store, data_key: str, ref: PayloadRef, out: dict[str
         arrays[lay.name] = dest
         buffers.append(dest.reshape(-1).view(np.uint8))
     buffers += [scratch[used : used + tail], scratch[used + tail :]]
-    check_length(ref, store.get_into(data_key, buffers), ref.uri)
-    crc = 0
-    for b in buffers[:-1]:
-        if b.nbytes:
-            crc = crc32c.crc32c(b, crc)  # type: ignore[arg-type]  # numpy stubs: an ndarray is a Buffer only from Python 3.12
+    crc, stored_at = 0, len(buffers) - 1
+
+    def checksum(i: int, piece: memoryview) -> None:  # each piece right after its read, while in cache
+        nonlocal crc
+        if i != stored_at:
+            crc = crc32c.crc32c(piece, crc)
+
+    check_length(ref, store.get_into(data_key, buffers, checksum), ref.uri)
     check_checksum(ref, crc, int(buffers[-1].view("<u4")[0]), ref.uri)
     for name, a in arrays.items():
         if name not in out:

@@ -17,7 +17,10 @@ from refpipe.storage.store import Bytes, Store
 def put_chunk(store: Store, branch_id: str, chunk: EncodedChunk) -> str:
     """Write a chunk, then its ``zarr.json`` (the commit marker); return the node URI.
 
-    Both puts are exclusive, so a branch id is never written twice. When the commit marker's put
+    Both puts are exclusive, so a branch id is never written twice. The chunk is written in place
+    (``Store.put``'s ``in_place``: on a filesystem one create, no temp file and link): until its commit
+    marker exists no reader trusts it, and the audit counts a chunk without one as an incomplete keep,
+    held by its live writer. When the commit marker's put
     fails (after the store's retries), the chunk is removed again (best effort; the sweep removes an
     incomplete keep left behind).
 
@@ -28,7 +31,7 @@ def put_chunk(store: Store, branch_id: str, chunk: EncodedChunk) -> str:
     key = node_key(branch_id)
     data_key, meta_key = chunk_keys(key)
     try:
-        store.put(data_key, cast("list[Bytes]", chunk.parts), exclusive=True)  # list is invariant; put only reads it
+        store.put(data_key, cast("list[Bytes]", chunk.parts), exclusive=True, in_place=True)  # list is invariant
     except KeyExistsError as e:
         raise KeyExistsError(f"branch {branch_id!r} was already kept in run {store.prefix.uri} ({e}): branch ids "
                              f"are unique per run; keep a new branch under a new id") from e

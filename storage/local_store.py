@@ -12,6 +12,7 @@ directory) and retried through ``Store.retrying`` when transient (a Lustre or NF
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import os
@@ -24,8 +25,8 @@ from refpipe.storage.concurrency import bounded_map
 from refpipe.storage.errors import KeyNotFoundError, OutsideRunError, RunPathNotADirectoryError, StorageError
 from refpipe.storage.local_confined import ConfinedPrefix
 from refpipe.storage.local_errors import classify
-from refpipe.storage.local_io import TOKEN_XATTR, fill, read_all, readv_all
-from refpipe.storage.store import Bytes, Store, byte_view
+from refpipe.storage.local_io import TOKEN_XATTR, fill, read_all, readv_all, readv_pieces
+from refpipe.storage.store import Bytes, ReadPiece, Store, byte_view
 
 T = TypeVar("T")
 
@@ -39,10 +40,13 @@ class LocalStore(Store):
     xattrs: then an applied put whose answer was lost stays ``KeyExistsError``) and ``linkat(2)``
     it to the key, which fails atomically with ``EEXIST`` when the key exists: one new
     directory entry per object and no temp name (where the filesystem lacks
-    ``O_TMPFILE``: a named temp file, ``link(2)``, ``unlink(2)``). A ``durable`` put ``fsync``s the file
+    ``O_TMPFILE``: a named temp file, ``link(2)``, ``unlink(2)``). An ``in_place`` one (a branch's chunk)
+    creates the file under its name (``O_CREAT | O_EXCL``), claims it by setting its token
+    (``XATTR_CREATE``) and writes it there: one new entry, one metadata operation. A ``durable`` put ``fsync``s the file
     before it gets its name (the directory entry itself is not synced). ``get`` is
     ``open``, ``pread``, ``close`` (plus an ``fstat`` for whole reads); ``get_into`` is ``open``,
-    ``fstat``, ``preadv`` (one call for all buffers, repeated only after a short read), ``close``. ``delete_keys``
+    ``fstat``, ``preadv`` (one call for all buffers, repeated only after a short read; with ``each``, one per
+    256 KiB piece, each piece handed to ``each`` while in cache), ``close``. ``delete_keys``
     unlinks in order per directory and removes branch directories it empties,
     directories in parallel.
     """
@@ -72,16 +76,16 @@ class LocalStore(Store):
         finally:
             os.close(fd)
 
-    def get_into(self, key: str, buffers: Sequence[Bytes]) -> int:
-        return self._attempt("cannot read", key, lambda: self._read_into(key, buffers))
+    def get_into(self, key: str, buffers: Sequence[Bytes], each: ReadPiece | None = None) -> int:
+        return self._attempt("cannot read", key, lambda: self._read_into(key, buffers, each))
 
-    def _read_into(self, key: str, buffers: Sequence[Bytes]) -> int:
+    def _read_into(self, key: str, buffers: Sequence[Bytes], each: ReadPiece | None) -> int:
         fd = self._confined().open_read(key)
         try:
             size = os.fstat(fd).st_size
-            views = [v for v in (byte_view(b) for b in buffers) if v.nbytes]
+            views = [byte_view(b) for b in buffers]
             wanted = min(size, sum(v.nbytes for v in views))
-            got = readv_all(fd, views, wanted)
+            got = readv_pieces(fd, views, wanted, each) if each else readv_all(fd, [v for v in views if v], wanted)
             return size if got == wanted else got  # a short read: the file shrank since fstat
         finally:
             os.close(fd)
@@ -98,9 +102,12 @@ class LocalStore(Store):
         state.pop("_confined_prefix", None)
         return state
 
-    def _put(self, key: str, buffers: list[Bytes] | tuple[Bytes, ...], token: str | None, durable: bool) -> None:
+    def _put(self, key: str, buffers: list[Bytes] | tuple[Bytes, ...], token: str | None, durable: bool,
+             in_place: bool) -> None:
         def op(dir_fd: int, name: str) -> None:
-            if token is not None and _HAVE_TMPFILE:
+            if token is not None and in_place:
+                self._put_in_place(dir_fd, name, buffers, token, durable)
+            elif token is not None and _HAVE_TMPFILE:
                 self._put_unnamed(dir_fd, name, buffers, token, durable)
             else:
                 self._put_named(dir_fd, name, buffers, token, durable)
@@ -109,6 +116,38 @@ class LocalStore(Store):
             self._confined().at(key, op, create=True)
         except OSError as e:
             raise classify("cannot write", self.uri(key), e) from e
+
+    def _put_in_place(self, dir_fd: int, name: str, buffers: Sequence[Bytes], token: str, durable: bool) -> None:
+        """Create ``name`` (``O_EXCL``), claim it by setting the write token with ``XATTR_CREATE`` (atomic: one
+        claimant wins), then write the bytes. An existing empty file is claimed the same way when it has no token
+        yet (an earlier attempt's create whose answer was lost, or a create a concurrent put has not claimed yet:
+        whichever claims first writes, the other gets ``EEXIST``), and a file of this call's token is written again
+        from its start (an earlier attempt cut short); anything else is ``EEXIST``, unchanged. A failed write
+        unlinks the file (best effort) before the error propagates."""
+        created = True
+        try:
+            fd = os.open(name, _WRITE_FLAGS | os.O_CREAT | os.O_EXCL, 0o666, dir_fd=dir_fd)
+        except FileExistsError:
+            try:  # O_NONBLOCK: a FIFO there never blocks
+                fd = os.open(name, _WRITE_FLAGS | os.O_NONBLOCK, dir_fd=dir_fd)
+            except OSError:
+                raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), name) from None
+            created = False
+        try:
+            if not _claim(fd, token, created):
+                raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), name)
+            if not created:
+                os.ftruncate(fd, 0)
+                self.found_own_attempt()
+            fill(fd, buffers, None, durable)
+        except FileExistsError:
+            raise
+        except BaseException:
+            with contextlib.suppress(OSError):  # this call's file: nobody else writes it
+                os.unlink(name, dir_fd=dir_fd)
+            raise
+        finally:
+            os.close(fd)
 
     def _put_unnamed(self, dir_fd: int, name: str, buffers: Sequence[Bytes], token: str, durable: bool) -> None:
         try:
@@ -146,11 +185,7 @@ class LocalStore(Store):
         def read() -> str | None:
             fd = self._confined().open_read(key)
             try:
-                return os.getxattr(fd, TOKEN_XATTR).decode()
-            except OSError as e:
-                if e.errno not in (errno.ENODATA, errno.ENOTSUP):
-                    raise
-                return None
+                return _token_of(fd)
             finally:
                 os.close(fd)
 
@@ -293,6 +328,33 @@ class LocalStore(Store):
             os.close(top)
 
 
+def _claim(fd: int, token: str, created: bool) -> bool:
+    """Whether this put owns the open file: its write token is ``token``, set earlier, or set now (``XATTR_CREATE``:
+    only where none is set) on a file this attempt ``created`` or an empty one. Without user xattrs: only a file
+    this attempt created."""
+    try:
+        if not created and os.fstat(fd).st_size:
+            return _token_of(fd) == token
+        os.setxattr(fd, TOKEN_XATTR, token.encode(), os.XATTR_CREATE)
+        return True
+    except OSError as e:
+        if e.errno == errno.EEXIST:
+            return _token_of(fd) == token
+        if e.errno == errno.ENOTSUP:
+            return created
+        raise
+
+
+def _token_of(fd: int) -> str | None:
+    """The write token of an open file (``TOKEN_XATTR``), or None (none set, or no user xattrs here)."""
+    try:
+        return os.getxattr(fd, TOKEN_XATTR).decode()
+    except OSError as e:
+        if e.errno not in (errno.ENODATA, errno.ENOTSUP):
+            raise
+        return None
+
+
 def _raise_unless_gone(e: OSError) -> None:
     if not isinstance(e, FileNotFoundError):
         raise e
@@ -304,3 +366,4 @@ _NFS_PLACEHOLDER = re.compile(r"\.nfs[0-9A-Fa-f]+")
 itself): no object of the run, never listed, so no audit counts it and no sweep unlinks it."""
 _HAVE_TMPFILE = hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")
 _DELETE_THREADS = 8
+_WRITE_FLAGS = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC

@@ -20,7 +20,7 @@ from refpipe.storage.concurrency import bounded_map
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import KeyNotFoundError, StorageError, TransientStorageError
 from refpipe.storage.s3_errors import classify, error_code, is_transient_code
-from refpipe.storage.store import WRITE_TOKEN, Bytes, Store, byte_view
+from refpipe.storage.store import WRITE_TOKEN, Bytes, ReadPiece, Store, byte_view
 from refpipe.storage.uri import RunPrefix
 
 T = TypeVar("T")
@@ -128,18 +128,20 @@ class S3Store(Store):
 
         return self.retrying(what, op)
 
-    def get_into(self, key: str, buffers: Sequence[Bytes]) -> int:
+    def get_into(self, key: str, buffers: Sequence[Bytes], each: ReadPiece | None = None) -> int:
         data = memoryview(self.get(key))  # one GET, then copied: S3 reads are network-bound, not copy-bound
         done = 0
-        for buffer in buffers:
+        for i, buffer in enumerate(buffers):
             view = byte_view(buffer)
             n = min(view.nbytes, len(data) - done)
             view[:n] = data[done : done + n]
             done += n
+            if each is not None and n == view.nbytes and n:
+                each(i, view)
         return len(data)
 
-    def _put(self, key: str, buffers: list[Bytes] | tuple[Bytes, ...], token: str | None,
-             durable: bool) -> None:  # a PUT's 200 means stored durably: ``durable`` asks nothing more
+    def _put(self, key: str, buffers: list[Bytes] | tuple[Bytes, ...], token: str | None, durable: bool,
+             in_place: bool) -> None:  # a PUT's 200 means stored durably, and a PUT is whole: nothing more to do
         bucket, object_key = self._split(key)
         uri = self.uri(key)
         exclusive: dict[str, str] = {} if token is None else {"IfNoneMatch": "*"}

@@ -36,6 +36,8 @@ Bytes = Buffer | np.ndarray
 its ``__buffer__`` only from Python 3.12; on 3.11 an ndarray is a buffer all the same."""
 Data = Bytes | list[Bytes] | tuple[Bytes, ...]
 """What ``put`` writes: one bytes-like object (bytes, memoryview, a C-contiguous ndarray), or a list/tuple of them."""
+ReadPiece = Callable[[int, memoryview], None]
+"""``get_into``'s ``each``: called with a buffer's index and a piece of that buffer just filled."""
 T = TypeVar("T")
 _RETRIES_LOCK = threading.Lock()
 WRITE_TOKEN = "refpipe-write"
@@ -131,8 +133,12 @@ class Store(abc.ABC):
         """
 
     @abc.abstractmethod
-    def get_into(self, key: str, buffers: Sequence[Bytes]) -> int:
+    def get_into(self, key: str, buffers: Sequence[Bytes], each: ReadPiece | None = None) -> int:
         """Read ``key`` from its first byte into ``buffers`` (writable, C-contiguous; filled in order).
+
+        ``each(i, piece)``: called for consecutive pieces of ``buffers[i]`` (together: every byte filled, in
+        order, each piece once) as they are filled, so a checksum reads them while they are in cache; a piece of
+        a buffer the object ends in without filling gets no call.
 
         Returns:
             The object's size in bytes. Larger than the buffers' total: the buffers hold its
@@ -144,11 +150,17 @@ class Store(abc.ABC):
             StorageError: any other failure (``TransientStorageError`` once retries are spent).
         """
 
-    def put(self, key: str, data: Data, *, exclusive: bool = False, durable: bool = False) -> None:
+    def put(self, key: str, data: Data, *, exclusive: bool = False, durable: bool = False,
+            in_place: bool = False) -> None:
         """Write ``data`` (one buffer, or a list/tuple of buffers written in order) at ``key``.
 
-        Readers never see a partial object. ``durable``: on return the bytes survive a crash of the host, not
-        only of the process (a filesystem ``fsync``s the file before it appears; an S3 PUT always is): checkpoints.
+        Readers never see a partial object, unless ``in_place`` (only with ``exclusive``; for an object a commit
+        marker written after it vouches for, such as a branch's chunk): a filesystem then creates the file under
+        its name and writes it there, one metadata operation instead of a create and a link, its write token
+        claimed before the first byte (S3: a PUT is always whole; nothing changes).
+
+        ``durable``: on return the bytes survive a crash of the host, not only of the process (a filesystem
+        ``fsync``s the file before it appears; an S3 PUT always is): checkpoints.
         With ``exclusive=True`` exactly one of any number of concurrent
         puts of ``key`` succeeds; the others raise ``KeyExistsError``. An exclusive put stores a write token
         (``WRITE_TOKEN``: this writer and this call) with the object, atomically; when it finds the key
@@ -159,26 +171,35 @@ class Store(abc.ABC):
 
         Raises:
             KeyExistsError: ``exclusive`` and ``key`` holds an object this call did not write (it is unchanged).
+            ValueError: ``in_place`` without ``exclusive``.
             StorageError: any other failure (``TransientStorageError`` once retries are spent).
         """
         buffers = buffers_of(data)
         what = f"PUT {self.uri(key)}"
         if not exclusive:
-            self.retrying(what, lambda: self._put(key, buffers, None, durable))
+            if in_place:
+                raise ValueError(f"put({self.uri(key)}, in_place=True): expected exclusive=True as well")
+            self.retrying(what, lambda: self._put(key, buffers, None, durable, False))
             return
         token = f"{self.writer}.{uuid.uuid4().hex[:16]}"  # this call's: kept across its retries only
         try:
-            self.retrying(what, lambda: self._put(key, buffers, token, durable))
+            self.retrying(what, lambda: self._put(key, buffers, token, durable, in_place))
         except KeyExistsError:
             if self._token(key) != token:
                 raise
-            with _RETRIES_LOCK:
-                self.idempotent_puts += 1
+            self.found_own_attempt()
+
+    def found_own_attempt(self) -> None:
+        """Count an exclusive put that found its own earlier, applied attempt (``idempotent_puts``)."""
+        with _RETRIES_LOCK:
+            self.idempotent_puts += 1
 
     @abc.abstractmethod
-    def _put(self, key: str, buffers: list[Bytes] | tuple[Bytes, ...], token: str | None, durable: bool) -> None:
+    def _put(self, key: str, buffers: list[Bytes] | tuple[Bytes, ...], token: str | None, durable: bool,
+             in_place: bool) -> None:
         """One attempt of ``put`` (errors classified, not retried); ``token``: exclusive, store it as the object's
-        write token in the same atomic step; ``durable``: as in ``put``."""
+        write token in the same atomic step (``in_place``: before the first byte); ``durable``, ``in_place``: as in
+        ``put``."""
 
     @abc.abstractmethod
     def _token(self, key: str) -> str | None:

@@ -72,13 +72,13 @@ def _assert_audit_clean(store, *ledgers, deleted: int) -> None:
 
 
 @pytest.mark.parametrize("code,after", WRITE_FAULTS, ids=WRITE_IDS)
-@pytest.mark.parametrize("target", ["c.0", "zarr.json"])
-def test_keep(run, code, after, target):
+@pytest.mark.parametrize("function,target", [("open", "c.0"), ("link", "zarr.json")])  # the chunk is made in place
+def test_keep(run, code, after, function, target):
     store, faults = run
     keeper = make_keeper(store, store.config)
-    _fault(faults, "link", target, code, after)
+    _fault(faults, function, target, code, after)
     ref = keep(keeper, seed=1)
-    _assert_write_recovered(store, faults, "link", target, code, after)
+    _assert_write_recovered(store, faults, function, target, code, after)
     assert store.list_prefix("payloads") == sorted(chunk_keys(ref.key))
     assert fetch_arrays(store, ref)["topk_ids"].shape == (NUM_COMPLETION, 2)
     assert keeper.discard([ref]).deleted == [ref.uri]

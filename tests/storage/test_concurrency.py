@@ -88,8 +88,8 @@ class InFlightStore(LocalStore):
     def get(self, key, start=None, end=None):
         return self._held(lambda: super(InFlightStore, self).get(key, start, end))
 
-    def get_into(self, key, buffers):
-        return self._held(lambda: super(InFlightStore, self).get_into(key, buffers))
+    def get_into(self, key, buffers, each=None):
+        return self._held(lambda: super(InFlightStore, self).get_into(key, buffers, each))
 
     def _held(self, read):
         with self.lock:

@@ -7,6 +7,7 @@ that bypasses it. S3 runs against the real moto server from ``tests/conftest.py`
 
 from __future__ import annotations
 
+import errno
 import multiprocessing
 import os
 import pickle
@@ -87,6 +88,19 @@ class StoreConformance:
         assert bytes(buffers[0]) + buffers[1].tobytes() == DATA[:30]
         assert backend.store.get_into("g", []) == len(DATA)
 
+    def test_get_into_hands_each_filled_piece_to_each_in_order(self, backend: Backend):
+        backend.store.put("g", DATA)
+        buffers = [bytearray(5), bytearray(0), np.zeros(64, "<u4"), np.zeros(507, np.uint8)]
+        pieces: list[tuple[int, bytes]] = []
+        assert backend.store.get_into("g", buffers, lambda i, piece: pieces.append((i, bytes(piece)))) == len(DATA)
+        assert [i for i, _ in pieces] == [0, 2, 3]  # an empty buffer gets no call
+        assert b"".join(piece for _, piece in pieces) == DATA
+        backend.store.put("short", DATA[:100])
+        pieces.clear()
+        buffers = [np.zeros(64, np.uint8), np.zeros(64, np.uint8)]
+        assert backend.store.get_into("short", buffers, lambda i, piece: pieces.append((i, bytes(piece)))) == 100
+        assert pieces == [(0, DATA[:64])]  # the buffer the object ends in is not filled: no call for it
+
     def test_get_into_large_object(self, backend: Backend):
         data = np.random.default_rng(1).integers(0, 256, 2_900_017, dtype=np.uint8)
         backend.store.put("big", data)
@@ -129,6 +143,37 @@ class StoreConformance:
         assert isinstance(info.value, FileExistsError)
         assert backend.store.get("k") == b"first"
         assert backend.raw.keys() == ["k"]
+
+    def test_in_place_put_is_exclusive_and_whole(self, backend: Backend):
+        backend.store.put("n/c.0", [b"fir", b"st"], exclusive=True, in_place=True)
+        with pytest.raises(KeyExistsError, match="already exists"):
+            backend.store.put("n/c.0", b"second", exclusive=True, in_place=True)
+        with pytest.raises(KeyExistsError, match="already exists"):
+            backend.store.put("n/c.0", b"second", exclusive=True)
+        assert backend.store.get("n/c.0") == b"first" and backend.raw.keys() == ["n/c.0"]
+        assert (backend.store.retries, backend.store.idempotent_puts) == (0, 0)
+        with pytest.raises(ValueError, match=r"in_place=True\): expected exclusive=True as well"):
+            backend.store.put("n/other", b"x", in_place=True)
+        assert backend.raw.keys() == ["n/c.0"]
+
+    def test_in_place_put_16_threads_one_winner(self, backend: Backend):
+        n, barrier, outcome = 16, threading.Barrier(16), [""] * 16
+
+        def attempt(i: int) -> None:
+            barrier.wait(timeout=30)
+            try:
+                backend.store.put("race/c.0", race_payload(i), exclusive=True, in_place=True)
+                outcome[i] = "won"
+            except KeyExistsError:
+                outcome[i] = "lost"
+
+        threads = [threading.Thread(target=attempt, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(outcome) == ["lost"] * (n - 1) + ["won"]
+        assert backend.store.get("race/c.0") == race_payload(outcome.index("won"))
 
     def test_exclusive_put_16_threads_one_winner(self, backend: Backend):
         n = 16
@@ -269,6 +314,46 @@ class TestLocalStore(StoreConformance):
         assert ops.ops == [("open", "."), ("os.link", "second")]  # directory d's handle is cached since "first"
         assert backend.store.get("d/second") == b"22"
 
+    def test_in_place_put_is_one_create_and_claims_with_its_token(self, backend: Backend):
+        backend.store.put("d/first", b"1")
+        with FsOps(backend.store.prefix.path) as ops:
+            backend.store.put("d/second", [b"2", b"2"], exclusive=True, in_place=True)
+        assert ops.ops == [("open", "second")]  # no temp file, no link
+        assert backend.store.get("d/second") == b"22"
+        path = backend.store.path("d/second")
+        assert os.getxattr(path, local_io.TOKEN_XATTR).decode().startswith(f"{backend.store.writer}.")
+
+    def test_in_place_put_claims_an_empty_file_without_token_and_never_another(self, backend: Backend):
+        """An empty file without a write token: a create whose answer was lost (or one not claimed yet), claimed by
+        ``XATTR_CREATE`` and written; a file with bytes or with another put's token stays, ``KeyExistsError``."""
+        store, raw = backend.store, backend.raw
+        raw.put("d/lost", b"")
+        store.put("d/lost", b"mine", exclusive=True, in_place=True)
+        assert store.get("d/lost") == b"mine" and store.idempotent_puts == 1
+        raw.put("d/bytes", b"theirs")
+        store.put("d/claimed", b"")
+        os.setxattr(store.path("d/claimed"), local_io.TOKEN_XATTR, b"other.writer")
+        for key, held in (("d/bytes", b"theirs"), ("d/claimed", b""), ("d/lost", b"mine")):
+            with pytest.raises(KeyExistsError, match="already exists"):
+                store.put(key, b"new", exclusive=True, in_place=True)
+            assert store.get(key) == held
+        os.mkfifo(store.path("d/fifo"))
+        with pytest.raises(KeyExistsError):  # never blocks on a FIFO, never writes through it
+            store.put("d/fifo", b"new", exclusive=True, in_place=True)
+        assert store.idempotent_puts == 1
+
+    def test_in_place_put_that_fails_writing_leaves_no_file(self, backend: Backend, monkeypatch):
+        def full(fd, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(local_io.os, "write", full)
+        with pytest.raises(StorageError, match="ENOSPC"):
+            backend.store.put("d/c.0", b"x" * 10, exclusive=True, in_place=True)
+        monkeypatch.undo()
+        assert backend.raw.keys() == []
+        backend.store.put("d/c.0", b"x" * 10, exclusive=True, in_place=True)
+        assert backend.store.get("d/c.0") == b"x" * 10
+
     def test_get_is_open_and_nothing_else(self, backend: Backend):
         backend.store.put("d/x", DATA)
         with FsOps(backend.store.prefix.path) as ops:
@@ -289,6 +374,21 @@ class TestLocalStore(StoreConformance):
         parts = [np.empty(3000, np.uint8), np.empty(7100, np.uint8)]
         assert backend.store.get_into("d/x", parts) == 10_000
         assert parts[0].tobytes() + parts[1][:7000].tobytes() == data.tobytes()
+
+    def test_get_into_reads_piece_by_piece_and_checksums_each_right_after_its_read(self, backend: Backend,
+                                                                                   monkeypatch):
+        data = np.random.default_rng(4).integers(0, 256, 600_000, dtype=np.uint8)
+        backend.store.put("d/x", data)
+        events: list[tuple[str, int]] = []
+        real = os.preadv
+        monkeypatch.setattr(os, "preadv", lambda fd, views, offset: events.append(("read", offset))
+                            or real(fd, views, offset))
+        parts = [np.empty(100_000, np.uint8), np.empty(500_000, np.uint8)]
+        assert backend.store.get_into("d/x", parts, lambda i, piece: events.append((f"each {i}", piece.nbytes))) \
+            == data.nbytes
+        assert events == [("read", 0), ("each 0", 100_000), ("each 1", 162_144),
+                          ("read", 262_144), ("each 1", 262_144), ("read", 524_288), ("each 1", 75_712)]
+        assert parts[0].tobytes() + parts[1].tobytes() == data.tobytes()
 
     def test_get_into_a_directory_is_a_storage_error(self, backend: Backend):
         backend.store.put("d/x", b"1")
