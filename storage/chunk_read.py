@@ -91,7 +91,8 @@ def fetch_arrays(store: Store, ref: PayloadRef, num_tokens: int | None = None) -
     return fetch_into(store, ref, num_tokens, {}).arrays
 
 
-def fetch_into(store: Store, ref: PayloadRef, num_tokens: int | None, out: Mapping[str, np.ndarray]) -> Fetched:
+def fetch_into(store: Store, ref: PayloadRef, num_tokens: int | None, out: Mapping[str, np.ndarray],
+               step: int | None = None) -> Fetched:
     """``fetch_arrays`` into the caller's arrays: on success every destination in ``out`` holds its rows.
 
     A whole uncompressed chunk is read straight into the destinations (one ``Store.get_into``, the
@@ -105,6 +106,7 @@ def fetch_into(store: Store, ref: PayloadRef, num_tokens: int | None, out: Mappi
         out: stored array name -> destination: a writable C-contiguous ndarray of that array's
             dtype and its cut shape (as ``fetch_arrays`` returns it). After an error a
             destination may hold part of the chunk: the caller discards it.
+        step: the step file naming the ref: a chunk not found is also looked up in its release records.
 
     Raises:
         As ``fetch_arrays``; ValueError also for a destination of another dtype or shape,
@@ -122,7 +124,7 @@ def fetch_into(store: Store, ref: PayloadRef, num_tokens: int | None, out: Mappi
         try:
             return _fetch(store, data_key, ref, n, dict(out))
         except KeyNotFoundError:
-            deleted = _deleted(store, ref)
+            deleted = _deleted(store, ref, step)
             if deleted is None:
                 raise
             return deleted
@@ -137,10 +139,10 @@ def fetch_into(store: Store, ref: PayloadRef, num_tokens: int | None, out: Mappi
     return fetched
 
 
-def _deleted(store: Store, ref: PayloadRef) -> str | None:
+def _deleted(store: Store, ref: PayloadRef, step: int | None) -> str | None:
     """``chunk <uri> was deleted by <holder> at <time> UTC (<reason>)`` from the chunk's delete record
     (``storage.ledger_records.delete_record_of``), or None without one; read only after the chunk was not found."""
-    record = delete_record_of(store, ref.branch_id)
+    record = delete_record_of(store, ref.branch_id, step)
     if record is None:
         return None
     if isinstance(record, DeleteRecordError):
