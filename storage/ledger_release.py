@@ -18,8 +18,10 @@ Exactly once, case by case:
 - a chunk claimed twice by different records (a ref published in two steps; released and also deleted by the
   orchestrator or the sweep): neither claim sees the other at delete time -- that is the per-chunk round trip a
   release saves -- so the audit reads every release record (one ``get`` per DP rank and step, not per chunk) and
-  reports a chunk that two records claim as a double delete (``pipeline.audit_scan``). A fetch of the chunk after
-  its first delete is ``ChunkNotFoundError`` naming the first deleter;
+  reports a chunk that two records claim as a double delete (``pipeline.audit_scan``). ``Ledger.delete`` of a
+  chunk a release already deleted finds neither its commit marker nor a delete record of its own: refused as a
+  delete of an unknown ref (``UnknownRefError``, recorded, nothing deleted). A fetch of the chunk after its
+  first delete, given its step, is ``ChunkNotFoundError`` naming the first deleter;
 - a claimed chunk whose objects could not all be deleted (a store error, or the releaser died) is an unfinished
   delete: retried with the same claim by the next release of the step, ``finish_unfinished`` and ``close``; after a
   crash the audit lists it (a record claims it, objects remain) and ``refpipe sweep`` removes the leftovers once.

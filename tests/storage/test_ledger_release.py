@@ -11,7 +11,7 @@ from refpipe.pipeline.audit import audit
 from refpipe.pipeline.sweep import sweep
 from refpipe.storage.backends import open_store
 from refpipe.storage.chunk_read import fetch_into
-from refpipe.storage.errors import ChunkNotFoundError, DoubleDeleteError, LedgerRecordError
+from refpipe.storage.errors import ChunkNotFoundError, DoubleDeleteError, LedgerRecordError, UnknownRefError
 from refpipe.storage.layout import chunk_keys, parse_release_key, release_key, release_prefix, tombstone_key
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.ledger_records import delete_record_of, read_release_record
@@ -170,3 +170,18 @@ def test_an_unreadable_release_record_is_a_bad_record_and_the_sweep_deletes_noth
     with pytest.raises(LedgerRecordError):
         sweep(store, stopped=True)
     assert present(store, leaked)
+
+
+def test_a_delete_after_a_release_of_its_chunk_is_refused_and_reported(s3_store):
+    store = s3_store
+    ref = kept(store, "b0")
+    trainer = Ledger(store, ACTOR)
+    trainer.release(4, [ref], reason="trained step 4")
+    orchestrator = Ledger(store, "orchestrator")
+    with pytest.raises(UnknownRefError) as e:  # no delete record of its own: the release record is the step's
+        orchestrator.delete([ref], reason="discarded")
+    assert list(e.value.result.unknown) == [store.uri(ref.key)] and e.value.result.deleted == []
+    trainer.close()
+    orchestrator.close()
+    report = audit(store)
+    assert (report.unknown_deletes, report.double_deletes, report.deleted) == (1, 0, 1)
