@@ -119,14 +119,14 @@ class Releases:
         """URIs of the chunks of this ledger's unfinished releases."""
         with self.ledger._lock:
             pending = list(self._pending.values())
-        return [self._uri(p.refs[b]) for p in pending for b in sorted(p.left)]
+        return [self._uri(ref) for p in pending for b, ref in p.refs.items() if b in p.left]
 
     def finish(self, result: DeleteResult) -> None:
         """Retry every unfinished release with its own claim, adding the outcomes to ``result``."""
         with self.ledger._lock:
             pending = list(self._pending.values())
         for p in pending:
-            part = self.release(p.step, [p.refs[b] for b in sorted(p.left)], p.reason)
+            part = self.release(p.step, [ref for b, ref in p.refs.items() if b in p.left], p.reason)
             result.deleted += part.deleted
             result.failed.update(part.failed)
 
@@ -218,15 +218,16 @@ class Releases:
                 self._pending[key] = release
             return release, listed
         if first.session != self.ledger.session:  # the key names this actor: its earlier life
-            for b in listed:
-                self.ledger.record("already_released", branch_id=b, uri=self._uri(batch[b]), reason=reason,
+            refs = {b: ref for b, ref in batch.items() if b in listed}  # in the call's order
+            for b, ref in refs.items():
+                self.ledger.record("already_released", branch_id=b, uri=self._uri(ref), reason=reason,
                                    first_session=first.session)
-            earlier = _Release(first.step, first.reason, b"", first.claim, {b: batch[b] for b in listed}, set(listed),
-                               claimed=True)
+            earlier = _Release(first.step, first.reason, b"", first.claim, refs, set(listed), claimed=True)
             self._remove(earlier, listed, result, already=True)
             return None, listed
-        for b in sorted(listed):
-            self._double(batch[b], first.holder, reason, first.reason, result)
+        for b, ref in batch.items():
+            if b in listed:
+                self._double(ref, first.holder, reason, first.reason, result)
         return None, listed
 
     def _remove(self, release: _Release, covered: set[str], result: DeleteResult, already: bool = False) -> None:

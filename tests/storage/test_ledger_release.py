@@ -71,7 +71,7 @@ def test_a_second_release_of_the_same_batch_is_a_double_delete_and_deletes_nothi
 
 def test_a_restarted_actor_finds_its_earlier_lifes_release_already_released(s3_store):
     store = s3_store
-    refs = [kept(store, f"b{i}") for i in range(2)]
+    refs = [kept(store, f"b{i}") for i in reversed(range(8))]  # outcomes keep the call's order
     first = Ledger(store, ACTOR)
     first.release(3, refs, reason="trained step 3")
     first.close()
