@@ -8,7 +8,8 @@ buffered ``keep`` event; ships and borrows by the step file; deletes by the chun
 The delete record is the atomic claim: it is written with an exclusive put (``link(2)`` on a filesystem,
 ``If-None-Match: *`` on S3), so of any number of deleters of one chunk exactly one succeeds; the others
 read the winner's record, record a ``double_delete`` event and raise ``DoubleDeleteError`` naming both
-holders, deleting nothing else.
+holders, deleting nothing else. On S3 a trainer's release (``Ledger.release``) claims a DP rank's chunks of one
+step with one release record instead (``storage.ledger_release``).
 """
 
 from __future__ import annotations
@@ -141,6 +142,12 @@ class Ledger(LedgerSession):
         """``delete`` of a DP rank's owned chunks of step ``step`` (the trainer's release; called once per step by
         the rank's actor): on a store whose claims are round trips (``Store.claims_per_release``: S3) one release
         record claims them all and they are deleted in batches (``storage.ledger_release``); elsewhere ``delete``.
+
+        Args:
+            step: the step whose chunks these are (names the release record: one per actor and step).
+            refs: the chunks (a step file's refs this DP rank owns).
+            reason: why (stored in the record).
+            max_concurrency: threads claiming at once (per-chunk claims only).
 
         Raises:
             As ``delete``.
