@@ -6,7 +6,9 @@ with ``--s3-endpoint URL`` / ``--s3-moto``, the same S3 bucket:
 
 - refpipe: ``Keeper.keep`` (validate, pack into one Zarr v3 chunk, 2 exclusive puts,
   a ledger event), ``fetch_arrays`` on 8 threads (whole chunks, checksum checked), and
-  ``Ledger.delete`` (commit-marker check, exclusive tombstone claim, batched delete).
+  ``Ledger.release`` of each round's branches as one trainer step would release them (a filesystem: per chunk
+  a commit-marker check and an exclusive delete record, then the removals; S3: one release record per round,
+  then batched ``DeleteObjects``).
 - raw: one file per field, written with ``open(path, "wb").write(array)``, read with
   ``open(path, "rb").read()`` + ``np.frombuffer`` on 8 threads, removed with ``os.remove``.
   On S3: one object per field through the same client (``S3Store.put``/``get``, one
@@ -270,13 +272,15 @@ def _cut(data: bytes, specs: dict) -> dict[str, np.ndarray]:
 
 
 class Refpipe:
-    """The refpipe side: ``Keeper.keep``, ``fetch_arrays`` (whole chunks, ``bounded_map``), ``Ledger.delete``."""
+    """The refpipe side: ``Keeper.keep``, ``fetch_arrays`` (whole chunks, ``bounded_map``), ``Ledger.release`` (each
+    delete call one step)."""
 
     def __init__(self, store: Store, config: StorageConfig, threads: int):
         self.store, self.threads = store, threads
         self.ledger = Ledger(store, "bench_env_worker")
         self.keeper = Keeper(store, self.ledger, FIELDS, config)
         self.refs: dict[int, object] = {}
+        self.releases = 0
 
     def keep(self, i: int, fields: dict[str, np.ndarray]) -> None:
         self.refs[i] = self.keeper.keep(Branch(PROMPT_TOKENS, COMPLETION_TOKENS, fields, f"b{i:06d}"))
@@ -285,7 +289,8 @@ class Refpipe:
         return bounded_map(lambda i: fetch_arrays(self.store, self.refs[i]), batch, self.threads)
 
     def delete(self, batch: list[int], names) -> None:
-        self.ledger.delete([self.refs[i] for i in batch], reason="bench")
+        self.ledger.release(self.releases, [self.refs[i] for i in batch], reason="bench")
+        self.releases += 1
 
 
 def run(args, sides: dict, counter) -> dict:

@@ -138,7 +138,7 @@ def inspect_step(
         raise ConfigError(f"--plot {str(plot)!r}: expected a file name ending in .png")
     plot_path = refuse_inside_run(target.store, str(plot), "--plot") if plot else None
     header = load_step(target).header
-    summary = summarize(header, target.uri, chunk_states(target.store, header.refs))
+    summary = summarize(header, target.uri, chunk_states(target.store, header.refs, header.step))
     if plot_path:  # first: a reader that closes the pipe early (`| head`) ends the command at the print
         from refpipe.cli.inspect_plot import plot_micro_batches
 

@@ -182,10 +182,11 @@ class ChunkState:
     ``incomplete: <c.0 or zarr.json> missing (no delete record)``."""
 
 
-def chunk_state(store: Store, ref: PayloadRef) -> ChunkState:
+def chunk_state(store: Store, ref: PayloadRef, step: int | None = None) -> ChunkState:
     """Check that the ref's data object (``c.0``) and commit marker (``zarr.json``) both exist and, when
-    either is gone, its delete record. A segmented branch (``PayloadRef.segments``): the state of its first
-    segment that is not present (named by the segment's URI), else present.
+    either is gone, its delete record (``deleted_by``; ``step``: the step file naming the ref). A segmented branch
+    (``PayloadRef.segments``): the state of its first segment that is not present (named by the segment's URI),
+    else present.
 
     Raises:
         OutsideRunError: the ref lies outside the run (``StepFile`` already refuses such step files).
@@ -197,17 +198,18 @@ def chunk_state(store: Store, ref: PayloadRef) -> ChunkState:
     if not gone:
         return ChunkState(store.uri(ref.key), True)
     why = "missing" if len(gone) == 2 else f"incomplete: {gone[0]} missing"
-    return ChunkState(store.uri(ref.key), False, deleted_by(store, ref) or f"{why} (no delete record)")
+    return ChunkState(store.uri(ref.key), False, deleted_by(store, ref, step) or f"{why} (no delete record)")
 
 
-def deleted_by(store: Store, ref: PayloadRef) -> str | None:
-    """``deleted by <holder> (<reason>)`` from the chunk's delete record (``storage.ledger_records.delete_record_of``),
-    ``deleted (delete record <uri> is unreadable: ...)``, or None without one; a segmented branch: ``segment
-    <id> deleted by ...`` of its first segment with a delete record."""
+def deleted_by(store: Store, ref: PayloadRef, step: int | None = None) -> str | None:
+    """``deleted by <holder> (<reason>)`` from the chunk's delete record (``storage.ledger_records.delete_record_of``;
+    ``step``: the step file naming the ref, whose release records are read too), ``deleted (delete record <uri> is
+    unreadable: ...)``, or None without one; a segmented branch: ``segment <id> deleted by ...`` of its first
+    segment with a delete record."""
     for segment in ref.segments:
-        if (why := deleted_by(store, segment)) is not None:
+        if (why := deleted_by(store, segment, step)) is not None:
             return f"segment {segment.branch_id} {why}"
-    record = delete_record_of(store, ref.branch_id)
+    record = delete_record_of(store, ref.branch_id, step)
     if record is None:
         return None
     if isinstance(record, DeleteRecordError):
@@ -215,9 +217,9 @@ def deleted_by(store: Store, ref: PayloadRef) -> str | None:
     return f"deleted by {record.holder} ({record.reason})"
 
 
-def chunk_states(store: Store, refs: Iterable[PayloadRef]) -> list[ChunkState]:
-    """``chunk_state`` of every ref, in order, checked in parallel."""
-    return parallel_map(store, lambda ref: chunk_state(store, ref), list(refs), "checking chunks")
+def chunk_states(store: Store, refs: Iterable[PayloadRef], step: int | None = None) -> list[ChunkState]:
+    """``chunk_state`` of every ref (of step file ``step``), in order, checked in parallel."""
+    return parallel_map(store, lambda ref: chunk_state(store, ref, step), list(refs), "checking chunks")
 
 
 def refuse_inside_run(store: Store, local_path: str, what: str) -> str:

@@ -72,7 +72,7 @@ def _fetch(store: Store, header: StepHeader, mb: MicroBatchRecord) -> tuple[dict
         try:
             return fetch_arrays(store, header.refs[i], keep[i])
         except ChunkNotFoundError:
-            return deleted_by(store, header.refs[i]) or "no delete record"
+            return deleted_by(store, header.refs[i], header.step) or "no delete record"
 
     fetched = dict(zip(keep, parallel_map(store, one, list(keep), "fetching chunks")))
     return ({i: got for i, got in fetched.items() if not isinstance(got, str)},

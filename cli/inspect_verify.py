@@ -71,16 +71,16 @@ def _metadata_problems(store: Store, ref: PayloadRef, meta_key: str) -> list[str
     return problems
 
 
-def verify_chunk(store: Store, ref: PayloadRef) -> list[str]:
-    """Problems of one referenced chunk, one line each (empty: the chunk is intact), naming it by its
-    URI in the run as opened."""
+def verify_chunk(store: Store, ref: PayloadRef, step: int | None = None) -> list[str]:
+    """Problems of one referenced chunk (of step file ``step``), one line each (empty: the chunk is intact), naming it
+    by its URI in the run as opened."""
     uri = store.uri(ref.key)
     try:
         _, meta_key = chunk_keys(ref.key)
         arrays = fetch_arrays(store, ref, None)
         problems = _metadata_problems(store, ref, meta_key)
     except KeyNotFoundError:
-        return [f"missing {uri}: {deleted_by(store, ref) or 'no delete record'}"]
+        return [f"missing {uri}: {deleted_by(store, ref, step) or 'no delete record'}"]
     except (ChunkCorruptError, ValueError, KeyError) as e:
         return [f"corrupt {uri}: {e}"]
     for name, spec in ref.arrays.items():
@@ -108,7 +108,7 @@ def verify_step(
     check_step(step.header, target.step, target.uri)
     refs = [chunk for ref in step.header.refs for chunk in ref.chunks]  # a segmented branch: each segment
     problems = _step_problems(step)
-    for chunk_problems in parallel_map(target.store, lambda ref: verify_chunk(target.store, ref), refs,
+    for chunk_problems in parallel_map(target.store, lambda ref: verify_chunk(target.store, ref, target.step), refs,
                                        "verifying chunks"):
         problems += chunk_problems
     for line in problems:

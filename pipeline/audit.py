@@ -4,7 +4,8 @@ The audit merges four sources under the run prefix, read-only (``pipeline.audit_
 
 - the listing of ``payloads/``: present chunks; a chunk node with ``zarr.json`` is
   committed, one without is an incomplete keep (its writer died mid-keep, or is mid-keep);
-- the listing of ``ledger/deletes/``: delete records (tombstones);
+- the listing of ``ledger/deletes/``: delete records (tombstones), and release records (each read: every
+  chunk it lists is deleted; a chunk two records claim is a double delete);
 - the step files (``steps/``): what was shipped, to which DP rank owner, borrowed or not;
 - the event segments (``ledger/events/``): sessions (``open``/``close``), ``keep`` and
   ``receive`` events, trainer ``trained``/``release``/``retain`` events, double and unknown deletes.
@@ -278,7 +279,8 @@ def judge(scan: RunScan, store: Store, *, stopped: bool = False, finished: bool 
     retained = holders.pop(RETAINED, 0)
     expected = set(scan.keeps) | set(protected)
     missing = sorted(n for n in expected if n not in scan.nodes and n not in scan.tombstoned)
-    doubles = [p for p in scan.problems if p.get("event") == "double_delete"]
+    problems = scan.problems + scan.double_claims
+    doubles = [p for p in problems if p.get("event") == "double_delete"]
     uri = store.uri
     settled = scan.settled
     report: dict[str, Any] = dict(
@@ -291,7 +293,7 @@ def judge(scan: RunScan, store: Store, *, stopped: bool = False, finished: bool 
         leaked=len(leaked), leaked_chunks=[uri(n) for n in leaked],
         incomplete_keeps=[uri(n) for n, k in sorted(scan.nodes.items()) if not committed(k)],
         unfinished_deletes=[uri(n) for n in unfinished], double_deletes=len(doubles),
-        unknown_deletes=len(scan.problems) - len(doubles), delete_problems=[_problem_line(p) for p in scan.problems],
+        unknown_deletes=len(problems) - len(doubles), delete_problems=[_problem_line(p) for p in problems],
         missing=[uri(n) for n in missing], unreadable_step_files=sorted(scan.unreadable_steps),
         bad_records=scan.bad_records, stray_keys=sorted(scan.stray_keys),
         live_sessions=sorted(f"{actor}/{session}" for actor, session in live),
@@ -327,7 +329,8 @@ def audit(store: Store, *, stopped: bool = False, finished: bool = False, increm
     """Audit a run: kept, shipped, deleted, outstanding by holder, leaks and ledger violations.
 
     Read-only. Cost: one listing each of ``steps/``, ``ledger/events/``, ``ledger/deletes/``,
-    ``payloads/``; one GET per step file (whole) and per ledger segment; one GET of
+    ``payloads/``; one GET per step file (whole), per ledger segment and per release record (S3: one per DP
+    rank and step; ``storage.ledger_release``); one GET of
     ``zarr.json`` per unshipped chunk whose writer neither a keep event nor its branch id
     names; one HEAD per chunk deleted while the audit was listing.
 
@@ -335,7 +338,8 @@ def audit(store: Store, *, stopped: bool = False, finished: bool = False, increm
         stopped: no process of the run is running (every session is dead).
         finished: the run is over (implies ``stopped``; outstanding chunks are violations).
         incremental: start from the run's audit summary (``pipeline.audit_summary``: only step files and
-            segments not covered are read, delete records are checked per unsettled chunk instead of listed)
+            segments not covered are read, delete records are checked per unsettled chunk instead of listed, and
+            the release records of unsettled steps are read)
             and write the new summary: the one write of an audit. A stale or unreadable summary is ignored.
         confirm_stopped: with ``stopped`` or ``finished``, check that declaration by the sessions' heartbeats first
             (``refpipe audit --stopped``: a live run audited as stopped counted its live holders' chunks as leaked).

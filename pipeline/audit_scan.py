@@ -14,7 +14,12 @@ Each is written whole by one exclusive put (temp file + link, or one PUT), so a 
 that dies mid-write leaves a temp file (a stray key), never a truncated record; and the
 record's existence is the claim, its body only says who claimed it. The deleter that loses
 a claim reads the winner's record and reports an unreadable one (``Ledger.delete``).
-Keys under ``ledger/deletes/`` that are not some branch's ``tombstone_key`` are stray keys.
+Release records (``ledger/deletes/releases/step_<N:08d>/<actor>.json``, ``Ledger.release`` on S3: one claim for a
+DP rank's chunks of one step) are read, one GET each (DP ranks x steps, not chunks; an incremental audit reads
+those of unsettled steps): every chunk one lists has a delete record. A chunk that two records claim (two
+release records, or a release record and a chunk's delete record) is a double delete (``double_claims``): the
+claims of a release and of another deleter do not see each other at delete time (``storage.ledger_release``).
+Keys under ``ledger/deletes/`` that are neither some branch's ``tombstone_key`` nor a ``release_key`` are stray keys.
 """
 
 from __future__ import annotations
@@ -30,18 +35,27 @@ from refpipe.pipeline.step_file import StepFile, check_step
 from refpipe.pipeline.step_header import StepHeader
 from refpipe.storage.chunk_codec import read_writer
 from refpipe.storage.concurrency import bounded_map
-from refpipe.storage.errors import ConfigError, KeyNotFoundError, OpenBranchError, RunNotFoundError, StepFileError
+from refpipe.storage.errors import (
+    ConfigError,
+    DeleteRecordError,
+    KeyNotFoundError,
+    OpenBranchError,
+    RunNotFoundError,
+    StepFileError,
+)
 from refpipe.storage.layout import (
     DELETES_PREFIX,
     EVENTS_PREFIX,
     META_NAME,
     PAYLOADS_PREFIX,
+    RELEASES_PREFIX,
     STEPS_PREFIX,
     branch_id_of,
     drawn_writer,
     meta_key,
     node_key,
     parse_payload_key,
+    parse_release_key,
     parse_segment_key,
     parse_step_key,
     parse_tombstone_key,
@@ -50,7 +64,7 @@ from refpipe.storage.layout import (
 )
 from refpipe.storage.ledger_holds import HOLDS_PREFIX, parse_hold_key
 from refpipe.storage.ledger_open import read_suspended
-from refpipe.storage.ledger_records import read_segment
+from refpipe.storage.ledger_records import ReleaseRecord, read_release_record, read_segment
 from refpipe.storage.store import Store
 
 T = TypeVar("T")
@@ -102,6 +116,14 @@ class RunScan:
     """Steps an audit summary settled: not read (``pipeline.audit_summary``)."""
     settled: Counter = field(default_factory=Counter)
     """Settled chunks counted by an audit summary: ``kept``, ``deleted``, ``shipped``, ``borrowed``."""
+    releases_read: set[str] = field(default_factory=set)
+    """Release record keys read (``claims``)."""
+    claims: dict[str, list[tuple[str, str]]] = field(default_factory=lambda: defaultdict(list))
+    """Node key -> ``(holder, reason)`` of every release record that claims it."""
+    folded: set[str] = field(default_factory=set)
+    """Nodes whose release claims are in ``tombstoned`` and ``double_claims``."""
+    double_claims: list[dict] = field(default_factory=list)
+    """``double_delete`` problems (as ledger events) of chunks two records claim; recomputed by every audit."""
 
 
 class StaleSummaryError(Exception):
@@ -155,6 +177,8 @@ def scan_run(store: Store, progress: Progress | None = None, seed: RunScan | Non
         _list_deletes(store, scan, progress)
     else:
         _check_deletes(store, scan, _named(scan), progress)
+        _read_releases(store, scan, _list(store, RELEASES_PREFIX, progress), progress)
+        _fold_releases(store, scan, _named(scan))
     for key in _list(store, PAYLOADS_PREFIX, progress):
         if parsed := parse_payload_key(key):
             scan.nodes[parsed[0]].append(key)
@@ -162,6 +186,7 @@ def scan_run(store: Store, progress: Progress | None = None, seed: RunScan | Non
             scan.stray_keys.append(key)
     if seed is not None:
         _check_deletes(store, scan, set(scan.nodes) - _named(scan), progress)
+        _fold_releases(store, scan, set(scan.nodes))
     _recheck_deletes(store, scan, progress)
     _scan_writers(store, scan, progress)
     if not (scan.nodes or scan.tombstoned or scan.steps or scan.unreadable_steps or scan.sessions or scan.stray_keys
@@ -184,11 +209,51 @@ def _scan_suspended(store: Store, scan: RunScan) -> None:
 
 
 def _list_deletes(store: Store, scan: RunScan, progress: Progress | None) -> None:
+    releases = []
     for key in _list(store, DELETES_PREFIX, progress):
         if node := parse_tombstone_key(key):
             scan.tombstoned.add(node)
+        elif parse_release_key(key):
+            releases.append(key)
         else:
             scan.stray_keys.append(key)
+    _read_releases(store, scan, releases, progress)
+    _fold_releases(store, scan, set(scan.claims))
+
+
+def _read_releases(store: Store, scan: RunScan, keys: list[str], progress: Progress | None) -> None:
+    """Read the release records ``keys`` not read yet (and not of a settled step) into ``claims``; an unreadable
+    record is a bad record (it may claim chunks)."""
+    new = [k for k in keys if k not in scan.releases_read
+           and (parsed := parse_release_key(k)) is not None and parsed[0] not in scan.settled_steps]
+
+    def read(key: str) -> ReleaseRecord | DeleteRecordError | KeyNotFoundError:
+        try:
+            return read_release_record(store.get(key), store.uri(key))
+        except (DeleteRecordError, KeyNotFoundError) as e:
+            return e
+
+    for key, record in zip(new, _parallel(store, read, new, progress, "reading release records")):
+        scan.releases_read.add(key)
+        if not isinstance(record, ReleaseRecord):
+            scan.bad_records.append(f"{store.uri(key)}: {type(record).__name__}: {record}")
+            continue
+        for branch_id in record.branch_ids:
+            scan.claims[node_key(branch_id)].append((record.holder, record.reason))
+
+
+def _fold_releases(store: Store, scan: RunScan, nodes: set[str]) -> None:
+    """Count the release claims of ``nodes`` as delete records (as ``_check_deletes`` checks a node's own): a node
+    that a delete record or another release record claims too is a double delete, once per extra claim. An
+    incremental audit folds only the nodes it checks (named or present), never settled ones."""
+    for node in sorted(n for n in nodes if n in scan.claims and n not in scan.folded):
+        claims = scan.claims[node]
+        first = "a delete record" if node in scan.tombstoned else "{} ({})".format(*claims[0])
+        for holder, reason in claims[0 if node in scan.tombstoned else 1:]:
+            scan.double_claims.append({"event": "double_delete", "branch_id": branch_id_of(node),
+                                       "uri": store.uri(node), "actor": holder, "reason": reason, "first": first})
+        scan.tombstoned.add(node)
+        scan.folded.add(node)
 
 
 def _named(scan: RunScan) -> set[str]:
@@ -208,6 +273,10 @@ def _check_deletes(store: Store, scan: RunScan, nodes: set[str], progress: Progr
 def _recheck_deletes(store: Store, scan: RunScan, progress: Progress | None) -> None:
     named = set(scan.keeps) | {n for h in scan.steps.values() for ref in h.refs for n in ref.nodes}
     gone = sorted(n for n in named if n not in scan.nodes and n not in scan.tombstoned)
+    if gone:  # released meanwhile (after the release records were read)?
+        _read_releases(store, scan, _list(store, RELEASES_PREFIX, progress), progress)
+        _fold_releases(store, scan, set(gone))
+        gone = [n for n in gone if n not in scan.tombstoned]
     found = _parallel(store, lambda n: store.exists(tombstone_key(branch_id_of(n))), gone, progress,
                       "checking delete records")
     scan.tombstoned.update(n for n, deleted in zip(gone, found) if deleted)

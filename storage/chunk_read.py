@@ -91,7 +91,8 @@ def fetch_arrays(store: Store, ref: PayloadRef, num_tokens: int | None = None) -
     return fetch_into(store, ref, num_tokens, {}).arrays
 
 
-def fetch_into(store: Store, ref: PayloadRef, num_tokens: int | None, out: Mapping[str, np.ndarray]) -> Fetched:
+def fetch_into(store: Store, ref: PayloadRef, num_tokens: int | None, out: Mapping[str, np.ndarray],
+               step: int | None = None) -> Fetched:
     """``fetch_arrays`` into the caller's arrays: on success every destination in ``out`` holds its rows.
 
     A whole uncompressed chunk is read straight into the destinations (one ``Store.get_into``, the
@@ -105,6 +106,7 @@ def fetch_into(store: Store, ref: PayloadRef, num_tokens: int | None, out: Mappi
         out: stored array name -> destination: a writable C-contiguous ndarray of that array's
             dtype and its cut shape (as ``fetch_arrays`` returns it). After an error a
             destination may hold part of the chunk: the caller discards it.
+        step: the step file naming the ref: a chunk not found is also looked up in its release records.
 
     Raises:
         As ``fetch_arrays``; ValueError also for a destination of another dtype or shape,
@@ -119,12 +121,12 @@ def fetch_into(store: Store, ref: PayloadRef, num_tokens: int | None, out: Mappi
     if problem:
         raise RefError(f"chunk {ref.uri}: {problem}: not read")
     if ref.segments:
-        return _fetch_segments(store, ref, n, out)
+        return _fetch_segments(store, ref, n, out, step)
     def attempt() -> Fetched | str:
         try:
             return _fetch(store, data_key, ref, n, dict(out))
         except KeyNotFoundError:
-            deleted = _deleted(store, ref)
+            deleted = _deleted(store, ref, step)
             if deleted is None:
                 raise
             return deleted
@@ -139,7 +141,7 @@ def fetch_into(store: Store, ref: PayloadRef, num_tokens: int | None, out: Mappi
     return fetched
 
 
-def _fetch_segments(store: Store, ref: PayloadRef, n: int, out: Mapping[str, np.ndarray]) -> Fetched:
+def _fetch_segments(store: Store, ref: PayloadRef, n: int, out: Mapping[str, np.ndarray], step: int | None) -> Fetched:
     """A segmented branch's first ``n`` tokens: each segment they reach (a cut one too) read by ``fetch_into`` straight
     into its rows of the destinations; arrays without a destination (and ragged values) are joined from the pieces.
     Every segment's errors are its own (a missing segment: ``ChunkNotFoundError`` naming it)."""
@@ -156,7 +158,7 @@ def _fetch_segments(store: Store, ref: PayloadRef, n: int, out: Mapping[str, np.
                                                                          seg.num_prompt_tokens, k)]
                  for name, dest in out.items()
                  if name in seg.arrays and not ref.arrays[name].domain.startswith("values:")}
-        fetched = fetch_into(store, seg, k, dests)
+        fetched = fetch_into(store, seg, k, dests, step)
         in_place &= fetched.in_place
         for name, a in fetched.arrays.items():
             if name not in dests:
@@ -185,10 +187,10 @@ def _cut_rows(ref: PayloadRef, name: str, n: int, out: Mapping[str, np.ndarray])
     return len(out[name]) if domain.startswith("values:") else domain_rows(domain, ref.num_prompt_tokens, n)
 
 
-def _deleted(store: Store, ref: PayloadRef) -> str | None:
+def _deleted(store: Store, ref: PayloadRef, step: int | None) -> str | None:
     """``chunk <uri> was deleted by <holder> at <time> UTC (<reason>)`` from the chunk's delete record
     (``storage.ledger_records.delete_record_of``), or None without one; read only after the chunk was not found."""
-    record = delete_record_of(store, ref.branch_id)
+    record = delete_record_of(store, ref.branch_id, step)
     if record is None:
         return None
     if isinstance(record, DeleteRecordError):

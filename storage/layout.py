@@ -8,6 +8,9 @@ Keys are relative to the run prefix (``storage.uri.RunPrefix``)::
                                                    ledger segment ``seq`` of a session ``<pid>-<ms>``, 1,000
                                                    per bucket directory (``segment_key``)
     ledger/deletes/<shard>/<sub>/<branch_id>.json  a chunk's delete record (tombstone), two levels of 256
+    ledger/deletes/releases/step_<N:08d>/<actor>.json
+                                                   a release record: one DP rank's delete of its chunks of step N
+                                                   (S3; ``release_key``)
     ledger/heartbeats/<actor>/<session>.json       a session's heartbeat (``storage.liveness``)
     ledger/audit/summary.json                      the incremental audit's checkpoint (``pipeline.audit_summary``)
     steps/step_<N:08d>.npz                         step file of trainer step N
@@ -40,6 +43,7 @@ PAYLOADS_PREFIX = "payloads"
 STEPS_PREFIX = "steps"
 EVENTS_PREFIX = "ledger/events"
 DELETES_PREFIX = "ledger/deletes"
+RELEASES_PREFIX = f"{DELETES_PREFIX}/releases"
 HEARTBEATS_PREFIX = "ledger/heartbeats"
 AUDIT_SUMMARY_KEY = "ledger/audit/summary.json"
 AUTHKEY_KEY = "envs/authkey"
@@ -60,6 +64,7 @@ _ID_RE = re.compile(_ID)
 _SHARD = r"[0-9a-f]{2}"
 _NODE = re.compile(rf"(?P<node>{PAYLOADS_PREFIX}/[^/]+/(?P<branch_id>[^/]+))/(?P<name>[^/]+)")
 _TOMBSTONE = re.compile(rf"{DELETES_PREFIX}/{_SHARD}/{_SHARD}/(?P<branch_id>{_ID})\.json")
+_RELEASE = re.compile(rf"{RELEASES_PREFIX}/step_(?P<step>\d{{8,}})/(?P<actor>{_ID})\.json")
 _SEGMENT = re.compile(rf"{EVENTS_PREFIX}/(?P<actor>{_ID})/(?P<session>\d+-\d+)/\d{{4,}}/(?P<seq>\d+)\.jsonl")
 _FLAT_SEGMENT = re.compile(rf"{EVENTS_PREFIX}/(?P<actor>{_ID})/(?P<session>\d+-\d+)-(?P<seq>\d+)\.jsonl")
 SEGMENTS_PER_DIRECTORY = 1000
@@ -161,6 +166,26 @@ def parse_tombstone_key(key: str) -> str | None:
     """The node key whose delete record ``key`` is (``tombstone_key`` inverted); None for any other key."""
     m = _TOMBSTONE.fullmatch(key)
     return node_key(m["branch_id"]) if m and tombstone_key(m["branch_id"]) == key else None
+
+
+def release_prefix(step: int) -> str:
+    """Key prefix of step ``step``'s release records: ``ledger/deletes/releases/step_<N:08d>``."""
+    return f"{RELEASES_PREFIX}/step_{step:08d}"
+
+
+def release_key(step: int, actor: str) -> str:
+    """Key of ``actor``'s release record of step ``step``: ``ledger/deletes/releases/step_<N:08d>/<actor>.json``.
+
+    Raises:
+        ConfigError: not a valid actor name.
+    """
+    return f"{release_prefix(step)}/{check_id(actor, 'actor')}.json"
+
+
+def parse_release_key(key: str) -> tuple[int, str] | None:
+    """``(step, actor)`` of a release record's key (``release_key`` inverted); None for any other key."""
+    m = _RELEASE.fullmatch(key)
+    return (int(m["step"]), m["actor"]) if m and release_key(int(m["step"]), m["actor"]) == key else None
 
 
 def session_id(pid: int, opened_ms: int) -> str:

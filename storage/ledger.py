@@ -8,7 +8,8 @@ buffered ``keep`` event; ships and borrows by the step file; deletes by the chun
 The delete record is the atomic claim: it is written with an exclusive put (``link(2)`` on a filesystem,
 ``If-None-Match: *`` on S3), so of any number of deleters of one chunk exactly one succeeds; the others
 read the winner's record, record a ``double_delete`` event and raise ``DoubleDeleteError`` naming both
-holders, deleting nothing else.
+holders, deleting nothing else. On S3 a trainer's release (``Ledger.release``) claims a DP rank's chunks of one
+step with one release record instead (``storage.ledger_release``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from refpipe.storage.chunk_ref import PayloadRef
@@ -34,49 +35,11 @@ from refpipe.storage.errors import (
 from refpipe.storage.layout import branch_id_of, chunk_keys, meta_key, tombstone_key
 from refpipe.storage.ledger_holds import release_holds
 from refpipe.storage.ledger_records import DeleteRecord, read_delete_record
+from refpipe.storage.ledger_release import DeleteResult, Releases
 from refpipe.storage.ledger_session import LedgerSession
 from refpipe.storage.store import Store
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class DeleteResult:
-    """Outcome of one ``Ledger.delete`` call: each ref in exactly one outcome (``outcome``)."""
-
-    deleted: list[str] = field(default_factory=list)
-    """URIs this call deleted (claimed, by this call or by this holder's earlier unfinished call, and removed)."""
-    double_deletes: dict[str, DoubleDeleteError] = field(default_factory=dict)
-    """URI -> the error: chunks another holder (or this one, in an earlier finished delete, or earlier in this
-    call) had already deleted."""
-    unknown: dict[str, UnknownRefError] = field(default_factory=dict)
-    """URI -> the error: refs that were never kept (no commit marker and no delete record)."""
-    already_released: list[str] = field(default_factory=list)
-    """URIs this actor claimed in an earlier session (an earlier life of the same actor): already released,
-    not a double delete; any objects the earlier life left are removed."""
-    failed: dict[str, StorageError] = field(default_factory=dict)
-    """URI -> the store error (after the store's retries) that stopped its claim or the removal of its objects:
-    an unfinished delete this ledger keeps and retries with the same claim (``finish_unfinished``)."""
-
-    def outcome(self, uri: str) -> str:
-        """``"failed"``, ``"deleted"``, ``"already_released"``, ``"double_delete"`` or ``"unknown"`` (the first that
-        holds, in this order) for the URI of a ref of this call (the chunk's URI in the run as opened:
-        ``Store.uri(ref.key)``); the URIs every field is keyed by.
-
-        Raises:
-            KeyError: ``uri`` is not the URI of a ref of this call.
-        """
-        if uri in self.failed:
-            return "failed"
-        if uri in self.deleted:
-            return "deleted"
-        if uri in self.already_released:
-            return "already_released"
-        if uri in self.double_deletes:
-            return "double_delete"
-        if uri in self.unknown:
-            return "unknown"
-        raise KeyError(f"{uri}: not the URI of a ref of this delete call")
 
 
 class _EarlierLife(NamedTuple):
@@ -132,6 +95,7 @@ class Ledger(LedgerSession):
 
     def __init__(self, store: Store, actor: str):
         self._unfinished: dict[str, _Unfinished] = {}
+        self._releases = Releases(self)
         super().__init__(store, actor)
 
     def close(self) -> None:
@@ -192,6 +156,27 @@ class Ledger(LedgerSession):
         return self._delete_targets([t for (c, _), t in zip(chunks, targets) if not c.holders]
                                     + [_target(self.store, c) for c in doomed], reason, max_concurrency,
                                     [(_target(self.store, c), e) for c, e in held])
+
+    def release(self, step: int, refs: Sequence[PayloadRef], *, reason: str, max_concurrency: int = 8) -> DeleteResult:
+        """``delete`` of a DP rank's owned chunks of step ``step`` (the trainer's release; called once per step by
+        the rank's actor): on a store whose claims are round trips (``Store.claims_per_release``: S3) one release
+        record claims them all and they are deleted in batches (``storage.ledger_release``); elsewhere ``delete``.
+
+        Args:
+            step: the step whose chunks these are (names the release record: one per actor and step).
+            refs: the chunks (a step file's refs this DP rank owns).
+            reason: why (stored in the record).
+            max_concurrency: threads claiming at once (per-chunk claims only).
+
+        Raises:
+            As ``delete``.
+        """
+        self.check_open(f"release of step {step} ({reason})")
+        if not self.store.claims_per_release:
+            return self.delete(refs, reason=reason, max_concurrency=max_concurrency)
+        result = self._releases.release(step, list(refs), reason)
+        self._report(result)
+        return result
 
     def delete_nodes(self, nodes: Mapping[str, Sequence[str]], *, reason: str,
                      max_concurrency: int = 8) -> DeleteResult:
@@ -263,11 +248,15 @@ class Ledger(LedgerSession):
             if target.uri in result.failed:
                 self.record("unfinished_delete", branch_id=target.branch_id, uri=target.uri, reason=reason,
                             error=str(result.failed[target.uri]))
+        self._report(result)
+        return result
+
+    def _report(self, result: DeleteResult) -> None:
+        """Flush a delete's problems and failures at once; raise its double and unknown deletes."""
         if result.double_deletes or result.unknown or result.failed:
             self._flush_now()
         if result.double_deletes or result.unknown:
             self._raise_problems(result)
-        return result
 
     def _flush_now(self) -> None:
         """Put a delete's problems on record before anything else can fail; when the store refuses the segment too,
@@ -316,7 +305,8 @@ class Ledger(LedgerSession):
     def unfinished(self) -> list[str]:
         """URIs of this holder's unfinished deletes (claim or object removal failed), oldest first."""
         with self._lock:
-            return [u.target.uri for u in self._unfinished.values()]
+            chunks = [u.target.uri for u in self._unfinished.values()]
+        return chunks + self._releases.unfinished()
 
     def finish_unfinished(self) -> DeleteResult:
         """Retry this holder's unfinished deletes with their own claims (never a double delete of its own).
@@ -329,6 +319,7 @@ class Ledger(LedgerSession):
         with self._lock:
             pending = list(self._unfinished.values())
         result = DeleteResult()
+        self._releases.finish(result)
         for reason in dict.fromkeys(u.reason for u in pending):
             part = self._delete_targets([u.target for u in pending if u.reason == reason], reason, 8)
             result.deleted += part.deleted

@@ -4,7 +4,10 @@ A segment (``ledger/events/<actor>/<session>/<bucket>/<seq>.jsonl``) holds one J
 ending in its ``crc``: crc32c of the rest of the line as compact JSON with sorted keys (``encode_record``;
 read back by ``read_segment``). A delete record (``ledger/deletes/<aa>/<bb>/<branch_id>.json``) is one
 ``DeleteRecord`` document, the exactly-once claim of its chunk (written by ``storage.ledger.Ledger``; read
-by ``read_delete_record`` and ``delete_record_of``). Keys are built by ``storage.layout``.
+by ``read_delete_record`` and ``delete_record_of``). A release record
+(``ledger/deletes/releases/step_<N:08d>/<actor>.json``) is one ``ReleaseRecord``: one DP rank's claim of its
+chunks of one step, written once for the whole batch (``Ledger.release`` on S3; read by ``read_release_record``,
+the audit, ``delete_record_of`` given the step). Keys are built by ``storage.layout``.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import crc32c
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from refpipe.storage.errors import DeleteRecordError, KeyNotFoundError, validation_problems
-from refpipe.storage.layout import tombstone_key
+from refpipe.storage.layout import node_key, release_prefix, tombstone_key
 from refpipe.storage.store import Store
 
 CRC_FIELD = "crc"
@@ -114,18 +117,68 @@ def read_delete_record(data: bytes, uri: str) -> DeleteRecord:
         raise DeleteRecordError(f"delete record {uri} is unreadable: {validation_problems(e)}") from None
 
 
-def delete_record_of(store: Store, branch_id: str) -> DeleteRecord | DeleteRecordError | None:
+class ReleaseRecord(BaseModel):
+    """One DP rank's release of its chunks of one step (``ledger/deletes/releases/step_<N:08d>/<actor>.json``):
+    the exactly-once claim of every chunk it lists, written once by ``Ledger.release`` (exclusive put) before
+    any of them is deleted, and read only through ``read_release_record``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    step: int
+    holder: str
+    """The actor that released the chunks (``trainer_dp<r>``)."""
+    reason: str
+    t: float
+    """Unix time of the claim, seconds."""
+    session: str
+    claim: str
+    """Random per claim: a releaser whose put's answer was lost recognises its own record."""
+    branch_ids: list[str]
+    """The chunks it claims, sorted."""
+
+    def delete_record(self, store: Store, branch_id: str) -> DeleteRecord:
+        """The ``DeleteRecord`` this release is for one of its chunks (the chunk's URI in the run as opened)."""
+        return DeleteRecord(branch_id=branch_id, uri=store.uri(node_key(branch_id)), holder=self.holder,
+                            reason=self.reason, t=self.t, session=self.session, claim=self.claim)
+
+
+def read_release_record(data: bytes, uri: str) -> ReleaseRecord:
+    """The one reader of release records: ``Ledger.release``, the audit, ``delete_record_of``.
+
+    Raises:
+        DeleteRecordError: ``data`` is not a ``ReleaseRecord`` (names ``uri`` and each field that is wrong).
+    """
+    try:
+        return ReleaseRecord.model_validate_json(data)
+    except ValidationError as e:
+        raise DeleteRecordError(f"release record {uri} is unreadable: {validation_problems(e)}") from None
+
+
+def delete_record_of(store: Store, branch_id: str,
+                     step: int | None = None) -> DeleteRecord | DeleteRecordError | None:
     """The delete record of ``branch_id``'s chunk, the error that makes it unreadable, or None when there is none:
     how a missing chunk is explained (``storage.chunk_read`` after a not-found; the CLI's ``show``, ``verify``,
-    ``inspect``). One ``Store.get``."""
+    ``inspect``). One ``Store.get``; given ``step`` (a step file naming the chunk), also the release records of
+    that step (one listing, one ``get`` each: at most one per DP rank).
+    """
     key = tombstone_key(branch_id)
     try:
         return read_delete_record(store.get(key), store.uri(key))
     except KeyNotFoundError:
-        return None
+        pass
     except DeleteRecordError as e:
         return e
+    for release in ([] if step is None else store.list_prefix(release_prefix(step))):
+        try:
+            record = read_release_record(store.get(release), store.uri(release))
+        except KeyNotFoundError:
+            continue
+        except DeleteRecordError as e:
+            return e
+        if branch_id in record.branch_ids:
+            return record.delete_record(store, branch_id)
+    return None
 
 
-__all__ = ["CRC_FIELD", "DeleteRecord", "canonical_record", "delete_record_of", "encode_record",
-           "read_delete_record", "read_segment"]
+__all__ = ["CRC_FIELD", "DeleteRecord", "ReleaseRecord", "canonical_record", "delete_record_of", "encode_record",
+           "read_delete_record", "read_release_record", "read_segment"]

@@ -58,6 +58,8 @@ class S3Store(Store):
     refused.
     """
 
+    claims_per_release = True
+
     def __init__(self, prefix: RunPrefix, config: StorageConfig):
         super().__init__(prefix, config)
         self._fs: Any = None

@@ -70,6 +70,10 @@ class Store(abc.ABC):
             lost) and succeeded.
     """
 
+    claims_per_release = False
+    """Whether ``Ledger.release`` claims a DP rank's chunks of a step with one release record (a store whose
+    exclusive put and existence check are network round trips: S3) instead of one delete record per chunk."""
+
     def __init__(self, prefix: RunPrefix, config: StorageConfig):
         self.prefix = prefix
         self.config = config

@@ -196,7 +196,8 @@ class BackgroundRelease:
 
     def _release(self, step: int, refs: list[PayloadRef], counts: ReleaseCounts) -> None:
         try:
-            result = self.ledger.delete(refs, reason=f"trained step {step}", max_concurrency=self.max_concurrency)
+            result = self.ledger.release(step, refs, reason=f"trained step {step}",
+                                         max_concurrency=self.max_concurrency)
         except (DoubleDeleteError, UnknownRefError) as e:
             log.error("step %d dp_rank=%d release: %s", step, self.dp_rank, e)
             assert e.result is not None  # Ledger.delete raises these with the call's result

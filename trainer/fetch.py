@@ -194,7 +194,7 @@ class _OwnFetch:
         """Fetch one ref; assemble each micro batch whose last chunk this was."""
         plan, s, destinations = self.read_targets(ref)
         try:
-            fetched = fetch_into(self.store, self.header.refs[ref], self.need[ref], destinations)
+            fetched = fetch_into(self.store, self.header.refs[ref], self.need[ref], destinations, self.header.step)
         except RefpipeError as e:
             fetched = None
             self._fail(self.mb_indices_of_ref[ref], f"ref {ref} ({self.header.refs[ref].uri}): {type(e).__name__}: {e}")

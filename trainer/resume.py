@@ -10,10 +10,10 @@ A run has lives; each trainer rank's ledger session is one life of its DP rank's
 - per DP rank, the highest step it released in an earlier life (its ``release`` events).
 
 From these: steps ``<= k`` are covered by the checkpoint; a DP rank that had not released one
-of them releases it now (its own earlier delete records count as already released).
+of them releases it now (its own earlier delete and release records count as already released).
 Steps ``k + 1 .. published - 1`` are trained again from their step files (a replay), except a
-step some of whose chunks already have a delete record (``release = "after_step"`` deleted them
-before the crash): it is skipped, never trained on stand-ins, and its remaining chunks released.
+step some of whose chunks already have a delete record, or with a release record (``release = "after_step"``
+deleted them before the crash): it is skipped, never trained on stand-ins, and its remaining chunks released.
 
 A step one DP rank released and another did not is handled per DP rank by the same rules. A release
 comes after the caller's gradient all-reduce and optimizer step (``TrainingStep.release``), so once
@@ -40,7 +40,14 @@ import torch.distributed as dist
 from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.checkpoints import newest_checkpoint
 from refpipe.storage.errors import ConfigError
-from refpipe.storage.layout import EVENTS_PREFIX, STEPS_PREFIX, parse_step_key, tombstone_key, trainer_actor
+from refpipe.storage.layout import (
+    EVENTS_PREFIX,
+    STEPS_PREFIX,
+    parse_step_key,
+    release_prefix,
+    tombstone_key,
+    trainer_actor,
+)
 from refpipe.storage.ledger_records import read_segment
 from refpipe.storage.store import Store
 
@@ -125,8 +132,8 @@ def plan_resume(store: Store, dp_world_size: int, group: dist.ProcessGroup, publ
 def read_plan(store: Store, dp_world_size: int, published: int | None = None,
               checkpoint_step: int | None = None) -> ResumePlan:
     """The plan of the run's next life, read-only: one listing each of ``checkpoints/``, ``steps/`` (unless
-    ``published`` is given) and each ``ledger/events/trainer_dp<r>/``; every segment of those actors; one HEAD per
-    chunk of the steps after the checkpoint.
+    ``published`` is given) and each ``ledger/events/trainer_dp<r>/``; every segment of those actors; per step after
+    the checkpoint, one listing of its release records and (none found) one HEAD per chunk.
 
     Args:
         published: steps ``0 .. published - 1`` are the earlier lives' (what the launcher found before this life
@@ -169,4 +176,8 @@ def _highest_release(store: Store, dp_rank: int) -> int:
 
 
 def _some_chunk_deleted(store: Store, step: int) -> bool:
+    """Whether a release record of the step (``Ledger.release`` on S3) or a delete record of one of its chunks
+    exists."""
+    if store.list_prefix(release_prefix(step)):
+        return True
     return any(store.exists(tombstone_key(ref.branch_id)) for ref in StepFile.read(store, step).header.refs)

@@ -83,7 +83,7 @@ def release_step(store: Store, ledger: Ledger, step: int, dp_rank: int) -> None:
     """What trainer rank ``dp_rank`` does after training a step: delete its owned refs, record the release."""
     refs = StepFile.read(store, step).header.owned_refs(dp_rank)
     if refs:
-        ledger.delete(refs, reason=f"trainer dp_rank={dp_rank} step {step}")
+        ledger.release(step, refs, reason=f"trainer dp_rank={dp_rank} step {step}")
     ledger.record("release", step=step, dp_rank=dp_rank)
     ledger.flush()
 

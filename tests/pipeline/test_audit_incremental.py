@@ -59,7 +59,8 @@ def test_a_second_audit_reads_only_what_is_new_and_reports_what_a_full_audit_rep
     assert second == audit(store, stopped=True) and second.leaked == 4
     assert (second.kept, second.deleted, second.shipped, second.borrowed) == (8, 4, 4, 1)
     assert reads["get"] == [AUDIT_SUMMARY_KEY]  # no step file (settled), no segment (folded)
-    assert reads["list"] == ["steps", "ledger/events", "payloads"]  # ledger/deletes/ is not listed
+    # ledger/deletes/ is not listed, only its release records (one per DP rank and step)
+    assert reads["list"] == ["steps", "ledger/events", "ledger/deletes/releases", "payloads"]
     assert len(reads["exists"]) == 4  # the delete records of the 4 unsettled chunks only
 
     covered = set(store.list_prefix(EVENTS_PREFIX))  # the segments the summary covers

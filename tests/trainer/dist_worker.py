@@ -42,10 +42,10 @@ def _inject_bugs(fetch_raises: dict[str, str]) -> None:
     """Make the trainer's fetch of the named branches raise the named builtin exception."""
     real = trainer_fetch.fetch_into
 
-    def fetch_into(store, ref, num_tokens, out):
+    def fetch_into(store, ref, num_tokens, out, step=None):
         if ref.branch_id in fetch_raises:
             raise getattr(builtins, fetch_raises[ref.branch_id])(f"injected bug fetching {ref.branch_id}")
-        return real(store, ref, num_tokens, out)
+        return real(store, ref, num_tokens, out, step)
 
     trainer_fetch.fetch_into = fetch_into
 

@@ -19,7 +19,8 @@ from refpipe.pipeline.fields import spread_expert_rows
 from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
-from refpipe.storage.layout import chunk_keys, tombstone_key
+from refpipe.storage.layout import chunk_keys, release_key, tombstone_key
+from refpipe.storage.ledger_records import delete_record_of
 from refpipe.trainer.fetch import fetch_own
 from tests.helpers.children import module_argv, module_env
 from tests.helpers.fault_proxy import Fault, FaultProxy
@@ -273,7 +274,9 @@ def test_two_ranks_on_s3_retry_throttled_reads_and_failed_background_deletes(tmp
     # step 0's release (10 deleted, 1 failed), then step 1's (step 0's failed one retried first, then its 11)
     assert (final["deletes"], final["delete_failures"], final["delete_problems"]) == (10 + 1 + 11, 1, 0)
     assert store.list_prefix("payloads") == []
-    assert all(store.exists(tombstone_key(r.branch_id)) for s in range(2) for r in built[s].header.refs)
+    # on S3 each DP rank's release of a step is one release record (``Ledger.release``), the retry kept its claim
+    assert store.list_prefix("ledger/deletes") == [release_key(s, f"trainer_dp{r}") for s in range(2) for r in range(2)]
+    assert all(delete_record_of(store, r.branch_id, s) is not None for s in range(2) for r in built[s].header.refs)
     assert _release_events(store) == [(0, 0, "trainer_dp0"), (0, 1, "trainer_dp1"), (1, 0, "trainer_dp0"),
                                       (1, 1, "trainer_dp1")]
     failed = [json.loads(line) for key in store.list_prefix("ledger/events/trainer_dp0")
