@@ -35,8 +35,9 @@ from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.pipeline.slices import PayloadSlice
 from refpipe.storage.chunk_read import fetch_arrays
 from refpipe.storage.concurrency import bounded_map
+from refpipe.storage.delete_result import DeleteResult
 from refpipe.storage.errors import FieldError
-from refpipe.storage.ledger import DeleteResult, Ledger
+from refpipe.storage.ledger import Ledger
 from refpipe.storage.store import Store
 
 if TYPE_CHECKING:

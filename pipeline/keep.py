@@ -20,7 +20,8 @@ from refpipe.storage.chunk_codec import encode_chunk
 from refpipe.storage.chunk_ref import ArraySpec, PayloadRef
 from refpipe.storage.chunk_write import put_chunk
 from refpipe.storage.config import StorageConfig
-from refpipe.storage.ledger import DeleteResult, Ledger
+from refpipe.storage.delete_result import DeleteResult
+from refpipe.storage.ledger import Ledger
 from refpipe.storage.store import Store
 
 

@@ -25,9 +25,9 @@ import numpy as np
 from refpipe.pipeline.field_decl import padding_rows
 from refpipe.pipeline.fields import FieldsConfig, validate_branch
 from refpipe.storage.chunk_ref import ArraySpec, PayloadRef, domain_rows, segment_tokens, segments_checksum
+from refpipe.storage.delete_result import DeleteResult
 from refpipe.storage.errors import FieldError, OpenBranchError
 from refpipe.storage.layout import check_id, node_key
-from refpipe.storage.ledger import DeleteResult
 from refpipe.storage.ledger_open import SuspendedBranch, open_key, read_suspended
 
 if TYPE_CHECKING:

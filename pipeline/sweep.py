@@ -19,9 +19,10 @@ from rich.progress import Progress
 
 from refpipe.pipeline.audit import judge, live_sessions_of, refuse_if_running, step_nodes
 from refpipe.pipeline.audit_scan import committed, scan_run
+from refpipe.storage.delete_result import DeleteResult
 from refpipe.storage.errors import DoubleDeleteError, LedgerRecordError, StepFileError, UnknownRefError
 from refpipe.storage.layout import SWEEP_ACTOR
-from refpipe.storage.ledger import DeleteResult, Ledger
+from refpipe.storage.ledger import Ledger
 from refpipe.storage.store import Store
 
 SWEEP_REASON = "sweep: no live holder (left behind by a crash)"

@@ -49,7 +49,7 @@ _WHERE = {
     "Ragged": "refpipe.pipeline.fields", "FieldsConfig": "refpipe.pipeline.fields",
     "FieldDecl": "refpipe.pipeline.field_decl", "ValueChecks": "refpipe.pipeline.field_decl",
     "sglang_routed_experts": "refpipe.pipeline.engines", "engine_routed_experts": "refpipe.pipeline.engines",
-    "Ledger": "refpipe.storage.ledger", "DeleteResult": "refpipe.storage.ledger",
+    "Ledger": "refpipe.storage.ledger", "DeleteResult": "refpipe.storage.delete_result",
     "Orchestrator": "refpipe.pipeline.orchestrator", "OrchestratorConfig": "refpipe.pipeline.orchestrator",
     "Episode": "refpipe.pipeline.samples", "BranchResult": "refpipe.pipeline.samples",
     "StepHeader": "refpipe.pipeline.step_header",
@@ -107,6 +107,7 @@ if TYPE_CHECKING:
     from refpipe.storage.chunk_read import fetch_arrays
     from refpipe.storage.chunk_ref import PayloadRef
     from refpipe.storage.config import StorageConfig
+    from refpipe.storage.delete_result import DeleteResult
     from refpipe.storage.errors import (
         AlignmentError,
         CheckpointError,
@@ -141,7 +142,7 @@ if TYPE_CHECKING:
         TruncatedChunkError,
         UnknownRefError,
     )
-    from refpipe.storage.ledger import DeleteResult, Ledger
+    from refpipe.storage.ledger import Ledger
     from refpipe.storage.ledger_open import SuspendedBranch
     from refpipe.storage.store import Store
     from refpipe.trainer.config import TrainerConfig

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pydantic import ValidationError
 
-    from refpipe.storage.ledger import DeleteResult
+    from refpipe.storage.delete_result import DeleteResult
 
 
 class RefpipeError(Exception):

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 from refpipe.storage.chunk_ref import PayloadRef
 from refpipe.storage.concurrency import bounded_map
+from refpipe.storage.delete_result import DeleteResult, double_delete_error, raise_problems
 from refpipe.storage.errors import (
     DeleteKeysError,
     DeleteRecordError,
@@ -35,7 +36,7 @@ from refpipe.storage.errors import (
 from refpipe.storage.layout import branch_id_of, chunk_keys, meta_key, tombstone_key
 from refpipe.storage.ledger_holds import release_holds
 from refpipe.storage.ledger_records import DeleteRecord, read_delete_record
-from refpipe.storage.ledger_release import DeleteResult, Releases
+from refpipe.storage.ledger_release import Releases
 from refpipe.storage.ledger_session import LedgerSession
 from refpipe.storage.store import Store
 
@@ -256,7 +257,7 @@ class Ledger(LedgerSession):
         if result.double_deletes or result.unknown or result.failed:
             self._flush_now()
         if result.double_deletes or result.unknown:
-            self._raise_problems(result)
+            raise_problems(result)
 
     def _flush_now(self) -> None:
         """Put a delete's problems on record before anything else can fail; when the store refuses the segment too,
@@ -383,30 +384,16 @@ class Ledger(LedgerSession):
         except KeyNotFoundError:
             if claim is None:
                 return None
-            return self._double_delete(target, reason, "?", "delete record vanished")
+            first_holder, first_reason = "?", "delete record vanished"
         except DeleteRecordError as e:
-            return self._double_delete(target, reason, "?", str(e))
-        if claim is not None and first.claim == claim:
-            return None
-        if first.holder == self.actor and first.session != self.session:
-            return _EarlierLife(first.session)
-        return self._double_delete(target, reason, first.holder, first.reason)
+            first_holder, first_reason = "?", str(e)
+        else:
+            if claim is not None and first.claim == claim:
+                return None
+            if first.holder == self.actor and first.session != self.session:
+                return _EarlierLife(first.session)
+            first_holder, first_reason = first.holder, first.reason
+        return double_delete_error(target.uri, first_holder=first_holder, first_reason=first_reason,
+                                   second_holder=self.actor, reason=reason)
 
-    def _double_delete(self, target: _Target, reason: str, first_holder: str, first_reason: str) -> DoubleDeleteError:
-        return DoubleDeleteError(
-            f"chunk {target.uri} was already deleted by {first_holder} ({first_reason}); "
-            f"second delete from {self.actor} ({reason})", first_holder=first_holder, second_holder=self.actor)
-
-    @staticmethod
-    def _raise_problems(result: DeleteResult) -> None:
-        def message(first: StorageError) -> str:
-            return (f"{len(result.double_deletes)} double deletes, {len(result.unknown)} deletes of unknown refs "
-                    f"({len(result.deleted)} other chunks deleted); first: {first}")
-
-        double = next(iter(result.double_deletes.values()), None)
-        if double is not None:
-            raise DoubleDeleteError(message(double), result=result, first_holder=double.first_holder,
-                                    second_holder=double.second_holder)
-        raise UnknownRefError(message(next(iter(result.unknown.values()))), result=result)
-
-__all__ = ["DeleteResult", "Ledger"]
+__all__ = ["Ledger"]

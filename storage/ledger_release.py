@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from refpipe.storage.chunk_ref import PayloadRef
+from refpipe.storage.delete_result import DeleteResult, double_delete_error
 from refpipe.storage.errors import (
     DeleteKeysError,
     DeleteRecordError,
@@ -52,45 +53,6 @@ from refpipe.storage.ledger_records import ReleaseRecord, read_release_record
 
 if TYPE_CHECKING:
     from refpipe.storage.ledger import Ledger
-
-
-@dataclass
-class DeleteResult:
-    """Outcome of one ``Ledger.delete`` or ``Ledger.release`` call: each ref in exactly one outcome (``outcome``)."""
-
-    deleted: list[str] = field(default_factory=list)
-    """URIs this call deleted (claimed, by this call or by this holder's earlier unfinished call, and removed)."""
-    double_deletes: dict[str, DoubleDeleteError] = field(default_factory=dict)
-    """URI -> the error: chunks another holder (or this one, in an earlier finished delete, or earlier in this
-    call) had already deleted."""
-    unknown: dict[str, UnknownRefError] = field(default_factory=dict)
-    """URI -> the error: refs that were never kept (no commit marker and no delete record)."""
-    already_released: list[str] = field(default_factory=list)
-    """URIs this actor claimed in an earlier session (an earlier life of the same actor): already released,
-    not a double delete; any objects the earlier life left are removed."""
-    failed: dict[str, StorageError] = field(default_factory=dict)
-    """URI -> the store error (after the store's retries) that stopped its claim or the removal of its objects:
-    an unfinished delete this ledger keeps and retries with the same claim (``finish_unfinished``)."""
-
-    def outcome(self, uri: str) -> str:
-        """``"failed"``, ``"deleted"``, ``"already_released"``, ``"double_delete"`` or ``"unknown"`` (the first that
-        holds, in this order) for the URI of a ref of this call (the chunk's URI in the run as opened:
-        ``Store.uri(ref.key)``); the URIs every field is keyed by.
-
-        Raises:
-            KeyError: ``uri`` is not the URI of a ref of this call.
-        """
-        if uri in self.failed:
-            return "failed"
-        if uri in self.deleted:
-            return "deleted"
-        if uri in self.already_released:
-            return "already_released"
-        if uri in self.double_deletes:
-            return "double_delete"
-        if uri in self.unknown:
-            return "unknown"
-        raise KeyError(f"{uri}: not the URI of a ref of this delete call")
 
 
 @dataclass
@@ -270,18 +232,11 @@ class Releases:
         except (DoubleDeleteError, UnknownRefError) as e:
             assert e.result is not None  # Ledger.delete raises these with the call's result
             part = e.result
-        result.deleted += part.deleted
-        result.already_released += part.already_released
-        result.double_deletes.update(part.double_deletes)
-        result.unknown.update(part.unknown)
-        result.failed.update(part.failed)
+        result.merge(part)
 
     def _double(self, ref: PayloadRef, first_holder: str, reason: str, first_reason: str,
                 result: DeleteResult) -> None:
         uri = self._uri(ref)
-        error = DoubleDeleteError(
-            f"chunk {uri} was already deleted by {first_holder} ({first_reason}); "
-            f"second delete from {self.ledger.actor} ({reason})", first_holder=first_holder,
-            second_holder=self.ledger.actor)
-        result.double_deletes[uri] = error
+        result.double_deletes[uri] = double_delete_error(uri, first_holder=first_holder, first_reason=first_reason,
+                                                         second_holder=self.ledger.actor, reason=reason)
         self.ledger.record("double_delete", branch_id=ref.branch_id, uri=uri, reason=reason, first=first_holder)
