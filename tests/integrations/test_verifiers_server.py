@@ -25,7 +25,16 @@ from refpipe.storage.backends import open_store  # noqa: E402
 from refpipe.storage.errors import EpisodeError  # noqa: E402
 from refpipe.storage.ledger import Ledger  # noqa: E402
 from refpipe.trainer.fetch import fetch_own  # noqa: E402
-from tests.integrations.vf_serving import TEMPERATURE, byte_leaves, payload_nodes, run, same_bytes, serving, tombstones  # noqa: E402
+from tests.integrations.vf_serving import (  # noqa: E402
+    TEMPERATURE,
+    byte_leaves,
+    chunk_ids,
+    payload_nodes,
+    run,
+    same_bytes,
+    serving,
+    tombstones,
+)
 
 FIELDS = FieldsConfig(num_layers=3, top_k=2, num_experts=16, sampling_mask=True)
 
@@ -53,7 +62,9 @@ def test_trainer_rows_equal_inline_rows_through_the_orchestrator(storage_config)
         return inline, served
 
     inline_eps, served = asyncio.run(go())
-    assert byte_leaves(deltas) == [] and sizes["refpipe"] < sizes["inline"]
+    # no array bytes on the wire (at this 3 x top-2 routing, the refs of segmented branches weigh about what the
+    # arrays did: test_verifiers_stream.test_stream_size_before_and_after measures a realistic shape)
+    assert byte_leaves(deltas) == [] and sizes["refpipe"] < 1.1 * sizes["inline"]
     episodes = [orchestrator_episode(e, temperature=TEMPERATURE, policy_version=0, group_id="g") for e in served]
     assert [len(e.branches) for e in episodes] == [2, 2] and [e.reward for e in episodes] == [[1.0, 1.0], [0.0, 0.0]]
     orchestrator = Orchestrator(OrchestratorConfig(seq_len=30, group_size=2, groups_per_step=1), store, fields=FIELDS)
@@ -123,7 +134,7 @@ def test_retried_attempts_are_deleted_once(local_config):
     assert sorted(r["reason"] for r in records.values()) == (
         ["discarded attempt: trace s3-a1 left the run (retried)"] * 2
         + ["discarded attempt: trace s4-a1 left the run (retried)"] * 2)
-    assert payload_nodes(store) == {r.branch_id for r in final}
+    assert payload_nodes(store) == chunk_ids(final)
     client = Ledger(store, "orchestrator")
     client.delete(final, reason="test: trained")
     client.close()
