@@ -9,8 +9,9 @@ prefill on that path replaces it (``graph._replace_placeholder_routing_row``, th
 one of its last token, until the path grows or the trace completes.
 
 ``TraceTurns`` follows one trace on the event loop and plans ``Step``s: one open branch
-(``pipeline.open_branch``) per trainable branch, continued by the branch that extends its
-last leaf; each turn appends the rows of the tokens that became final (the held-back last
+(``pipeline.open_branch``, id ``<trace id>.<leaf when opened>.<8 random hex>``; the refs record
+names the final leaf) per trainable branch, continued by the branch that extends its last leaf;
+each turn appends the rows of the tokens that became final (the held-back last
 token of the previous turn, whose row the new prefill repaired, and the new nodes' tokens
 but the last), so a placeholder that a repair would replace is never written; completing
 the trace appends the last token (its row stays the placeholder, as in verifiers' own
@@ -189,7 +190,8 @@ class OpenBranches:
 
     def discard_all(self, reason: str) -> int:
         """Discard every open branch; return how many."""
-        branches, self.open = list(self.open.values()), {}
-        for branch in branches:
-            branch.discard(reason=reason)
-        return len(branches)
+        n = 0
+        while self.open:  # a failed discard leaves the rest open (the audit lists them)
+            self.open.pop(next(iter(self.open))).discard(reason=reason)
+            n += 1
+        return n

@@ -422,3 +422,38 @@ def test_an_open_trace_that_leaves_the_run_leaves_nothing(local_config, monkeypa
     rp.ledger.close()
     report = audit(rp.store, finished=True)
     assert report.clean and (report.present, report.double_deletes) == (0, 0)
+
+
+def test_a_cancelled_run_discards_its_open_branches(local_config, monkeypatch):
+    monkeypatch.setattr(open_branch, "COALESCE_BYTES", 1)
+    rp = Refpipe(local_config)
+    writes = Writes(rp.keeper)
+    stream = rp.stream()
+    appended = asyncio.Event()
+
+    async def go():
+        async with stream.streamer:
+            trace = new_trace("t")
+            stream.traces.append(trace)
+            steps = multi_turn_steps(trace, Engine(1))
+            for _ in range(3):
+                next(steps)
+                await stream.streamer.flush()
+            appended.set()
+            await asyncio.Event().wait()
+
+    async def cancel():
+        task = asyncio.create_task(go())
+        await appended.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel())
+    assert len(writes.refs) == 3 and INFO_KEY not in stream.traces[0].info  # three turns' segments, never closed
+    assert payload_nodes(rp.store) == set()
+    assert {r["reason"] for r in tombstones(rp.store, writes.refs).values()} == {"run abandoned: cancelled"}
+    assert len(tombstones(rp.store, writes.refs)) == 3
+    rp.ledger.close()
+    report = audit(rp.store, finished=True)
+    assert report.clean and (report.kept, report.deleted, report.present, report.double_deletes) == (3, 3, 0, 0)
