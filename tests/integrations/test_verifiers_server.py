@@ -64,9 +64,12 @@ def test_trainer_rows_equal_inline_rows_through_the_orchestrator(storage_config,
         return inline, served
 
     inline_eps, served = asyncio.run(go())
-    # no array bytes on the wire (at this 3 x top-2 routing, the refs of segmented branches weigh about what the
-    # arrays did: test_verifiers_stream.test_stream_size_before_and_after measures a realistic shape)
-    assert byte_leaves(deltas) == [] and sizes["refpipe"] < 1.1 * sizes["inline"]
+    # no array bytes on the wire; without its refs the stream is smaller than the inline one (at this 3 x top-2
+    # routing a segmented branch's ref weighs about what its arrays did: test_verifiers_stream's
+    # test_stream_size_before_and_after measures a realistic shape)
+    refs_bytes = sum(len(pack(d["set"]["info"][INFO_KEY])) for d in deltas
+                     if INFO_KEY in ((d.get("set") or {}).get("info") or {}))
+    assert byte_leaves(deltas) == [] and 0 < sizes["refpipe"] - refs_bytes < sizes["inline"]
     refs = [ref for e in served for ref in episode_refs(e)]
     # closed open branches: how many segments each has depends on how many turns one flush of the stream saw
     assert len(refs) == 4 and all(r.segments for r in refs)
