@@ -128,10 +128,7 @@ class RunKeeps:
             FieldError: a path's nodes carry routing only in part (nothing of the plan ran).
         """
         live = {trace.id for trace in traces}
-        jobs = [_Job(tid, f"discarded attempt: trace {tid} left the run (retried)",
-                     self.turns.pop(tid).drop(f"discarded attempt: trace {tid} left the run (retried)")
-                     if tid in self.turns else [])
-                for tid in [*self.kept, *(t for t in self.turns if t not in self.kept)] if tid not in live]
+        jobs = [self._left(tid) for tid in {**self.kept, **self.turns} if tid not in live]
         for trace in traces:
             done = final or trace.is_completed
             old = self.kept.get(trace.id)
@@ -151,6 +148,12 @@ class RunKeeps:
             jobs.append(_Job(trace.id, f"stale: trace {trace.id} changed after keep", fingerprint=fp,
                              branches=branches))
         return jobs
+
+    def _left(self, trace_id: str) -> _Job:
+        """The job deleting the closed and open branches of a trace that left the run."""
+        reason = f"discarded attempt: trace {trace_id} left the run (retried)"
+        turns = self.turns.pop(trace_id, None)
+        return _Job(trace_id, reason, turns.drop(reason) if turns is not None else [])
 
     def apply(self, jobs: list[_Job]) -> dict[str, list[BranchRef]]:
         """Run ``jobs``: delete previous refs, run the open-branch steps, keep whole branches;
