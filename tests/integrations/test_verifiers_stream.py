@@ -457,3 +457,36 @@ def test_a_cancelled_run_discards_its_open_branches(local_config, monkeypatch):
     rp.ledger.close()
     report = audit(rp.store, finished=True)
     assert report.clean and (report.kept, report.deleted, report.present, report.double_deletes) == (3, 3, 0, 0)
+
+
+def test_a_turn_node_without_routing_fails_the_run_and_discards_its_open_branch(local_config, monkeypatch):
+    """As for a whole branch (issue 14 input 2): a turn's node lacking the routing the path's other nodes carry is
+    refused, never appended without routing; the run fails and its open branch's segments are deleted."""
+    monkeypatch.setattr(open_branch, "COALESCE_BYTES", 1)
+    rp = Refpipe(local_config)
+    writes = Writes(rp.keeper)
+    stream = rp.stream()
+    sizes = []
+
+    async def go():
+        async with stream.streamer:
+            trace = new_trace("t9")
+            stream.traces.append(trace)
+            steps = multi_turn_steps(trace, Engine(9))
+            next(steps)
+            await stream.streamer.flush()
+            next(steps)
+            trace.nodes[2].routed_experts = None  # turn 2's tool-result node
+            sizes.append(len(trace.nodes[2].token_ids))
+            await stream.streamer.flush()
+
+    with pytest.raises(FieldError) as info:
+        asyncio.run(go())
+    assert str(info.value) == (
+        f"trace t9 leaf 3: path nodes (index, tokens, routing rows) [(2, {sizes[0]}, None)] lack routing rows that "
+        "the other nodes carry: expected one routing row per token on every node (keeping the branch without "
+        "routing would drop it for the whole branch)")
+    assert len(writes.refs) == 1 and payload_nodes(rp.store) == set()  # turn 1's segment, deleted
+    assert {r["reason"] for r in tombstones(rp.store, writes.refs).values()} == {"run abandoned: failed: FieldError"}
+    rp.ledger.close()
+    assert audit(rp.store, finished=True).clean
