@@ -6,18 +6,21 @@ bytes, and ``routing_repairs`` when a later turn's prefill replaces the placehol
 last routing row of an earlier node. ``RefpipeEnvServer`` swaps in
 ``RefDeltaStreamer``, which
 
-- keeps the trainable branches of a trace once it completes (``Trace.is_completed``),
-  and again if it still changes afterwards (a repair or a late turn: the stale chunk
-  is deleted, so no stale row is ever shipped); at the end of the run it keeps every
-  trace the episode holds;
+- keeps the trainable branches of each trace turn by turn (``verifiers_turns``): an
+  open branch per trainable branch, appended with the rows each new turn made final
+  (a turn's placeholder last routing row is held back until the next turn's prefill
+  repairs it, so it is never written), closed when the trace completes
+  (``Trace.is_completed``); at the end of the run it closes every trace the episode
+  holds. A trace that still changes after its branches closed is kept again whole
+  (the stale chunks are deleted, so no stale row is ever shipped);
 - writes the refs into ``Trace.info["refpipe"]`` (``verifiers_branches.INFO_KEY``),
   which rides the stream as a scalar field and survives the client's validation;
 - strips the arrays from every node it streams and drops ``routing_repairs``;
-- deletes, through the ledger and exactly once, the kept branches of a trace that
-  leaves the run (a retried agent attempt or episode attempt, announced as
-  ``discard``), and every kept branch of a run that is cancelled or fails.
+- deletes, through the ledger and exactly once, the kept and open branches of a trace
+  that leaves the run (a retried agent attempt or episode attempt, announced as
+  ``discard``), and every kept or open branch of a run that is cancelled or fails.
 
-Keeps and deletes run on a thread pool, one job at a time per run, so the event loop
+Appends, keeps and deletes run on a thread pool, one job at a time per run, so the event loop
 never waits on storage. Once the run's reply is sent, its refs belong to the client.
 """
 
@@ -30,7 +33,7 @@ import os
 import re
 import socket
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 from verifiers.v1.configs.env import EnvConfig
@@ -47,6 +50,7 @@ from refpipe.integrations.verifiers_branches import (
     side_channels,
     trainable_branches,
 )
+from refpipe.integrations.verifiers_turns import OpenBranches, Step, TraceTurns
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.storage.backends import open_store
@@ -92,11 +96,14 @@ class _Kept:
 @dataclass
 class _Job:
     trace_id: str
-    reason: str
-    """Why the trace's previous refs (if any) are deleted."""
+    reason: str | None = None
+    """Why the trace's closed refs (if any) are deleted first; None: they stay."""
+    steps: list[Step] = field(default_factory=list)
+    """Open-branch steps (``verifiers_turns``): this turn's appends, closes, discards."""
     fingerprint: tuple | None = None
+    """Set: the trace's refs are published (its branches close, or are kept whole)."""
     branches: list[tuple[int, Branch]] | None = None
-    """``(leaf, branch)`` to keep; None: only delete (the trace left the run)."""
+    """``(leaf, branch)`` to keep whole (a trace that changed after its branches closed)."""
 
 
 class RunKeeps:
@@ -109,54 +116,75 @@ class RunKeeps:
     def __init__(self, keeper: Keeper):
         self.keeper = keeper
         self.kept: dict[str, _Kept] = {}
+        self.turns: dict[str, TraceTurns] = {}
+        self.branches = OpenBranches(keeper)
 
     def plan(self, traces: list[Trace], *, final: bool) -> list[_Job]:
-        """Jobs bringing the kept set in line with ``traces``: delete the refs of traces
-        that left, (re)keep completed traces whose arrays are new or changed (``final``:
-        every trace)."""
+        """Jobs bringing the kept set in line with ``traces``: discard the branches of traces
+        that left, append each live trace's new rows, close the branches of completed traces
+        (``final``: every trace), keep whole again a closed trace whose arrays changed.
+
+        Raises:
+            FieldError: a path's nodes carry routing only in part (nothing of the plan ran).
+        """
         live = {trace.id for trace in traces}
-        jobs = [_Job(tid, f"discarded attempt: trace {tid} left the run (retried)")
-                for tid in self.kept if tid not in live]
+        jobs = [self._left(tid) for tid in {**self.kept, **self.turns} if tid not in live]
         for trace in traces:
-            if not (final or trace.is_completed):
+            done = final or trace.is_completed
+            old = self.kept.get(trace.id)
+            if old is None:
+                turns = self.turns.setdefault(trace.id, TraceTurns(trace.id))
+                steps = turns.advance(trace, close=done)
+                if done:
+                    del self.turns[trace.id]
+                if steps or done:
+                    jobs.append(_Job(trace.id, steps=steps, fingerprint=fingerprint(trace) if done else None))
                 continue
             fp = fingerprint(trace)
-            old = self.kept.get(trace.id)
-            if old is not None and old.fingerprint == fp:
+            if not done or old.fingerprint == fp:
                 continue
             branches = [(leaf, b) for leaf, tb in trainable_branches(trace)
                         if (b := side_channels(trace.id, leaf, tb)) is not None]
-            jobs.append(_Job(trace.id, f"stale: trace {trace.id} changed after keep", fp, branches))
+            jobs.append(_Job(trace.id, f"stale: trace {trace.id} changed after keep", fingerprint=fp,
+                             branches=branches))
         return jobs
 
+    def _left(self, trace_id: str) -> _Job:
+        """The job deleting the closed and open branches of a trace that left the run."""
+        reason = f"discarded attempt: trace {trace_id} left the run (retried)"
+        turns = self.turns.pop(trace_id, None)
+        return _Job(trace_id, reason, turns.drop(reason) if turns is not None else [])
+
     def apply(self, jobs: list[_Job]) -> dict[str, list[BranchRef]]:
-        """Run ``jobs``: delete previous refs, keep new branches; return trace id -> refs kept.
+        """Run ``jobs``: delete previous refs, run the open-branch steps, keep whole branches;
+        return trace id -> refs published.
 
         Raises:
-            RefpipeError: a keep or delete failed (what was kept so far stays tracked).
+            RefpipeError: a keep, append, close or delete failed (what was kept so far stays tracked).
         """
         out: dict[str, list[BranchRef]] = {}
         for job in jobs:
-            old = self.kept.pop(job.trace_id, None)
+            old = self.kept.pop(job.trace_id, None) if job.reason is not None else None
             if old is not None and old.refs:
-                self.keeper.discard([r.ref for r in old.refs], reason=job.reason)
-            if job.branches is None:
-                continue
+                self.keeper.discard([r.ref for r in old.refs], reason=job.reason or "")
             refs: list[BranchRef] = []
-            assert job.fingerprint is not None  # plan sets it with the branches
-            self.kept[job.trace_id] = _Kept(job.fingerprint, refs)
-            for leaf, branch in job.branches:
+            if job.fingerprint is not None:
+                self.kept[job.trace_id] = _Kept(job.fingerprint, refs)
+                out[job.trace_id] = refs
+            self.branches.run(job.steps, refs)
+            for leaf, branch in job.branches or ():
                 refs.append(BranchRef(leaf, self.keeper.keep(branch)))
-            out[job.trace_id] = refs
         return out
 
     def abandon(self, reason: str) -> int:
-        """Delete every branch this run kept; return how many."""
+        """Delete every branch this run kept or holds open; return how many."""
         refs = [r.ref for kept in self.kept.values() for r in kept.refs]
         self.kept.clear()
+        self.turns.clear()
+        n = self.branches.discard_all(reason)
         if refs:
             self.keeper.discard(refs, reason=reason)
-        return len(refs)
+        return len(refs) + n
 
 
 def _after(previous: concurrent.futures.Future | None, fn: Callable, *args):

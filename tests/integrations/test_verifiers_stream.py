@@ -23,6 +23,8 @@ from refpipe.integrations.verifiers_branches import (  # noqa: E402
     trainable_branches,
 )
 from refpipe.integrations.verifiers_server import RefDeltaStreamer, RunKeeps  # noqa: E402
+from refpipe.integrations.verifiers_turns import path_ids  # noqa: E402
+from refpipe.pipeline import open_branch  # noqa: E402
 from refpipe.pipeline.audit import audit  # noqa: E402
 from refpipe.pipeline.fields import FieldsConfig  # noqa: E402
 from refpipe.pipeline.keep import Keeper  # noqa: E402
@@ -30,7 +32,14 @@ from refpipe.storage.backends import open_store  # noqa: E402
 from refpipe.storage.chunk_read import fetch_arrays  # noqa: E402
 from refpipe.storage.errors import FieldError  # noqa: E402
 from refpipe.storage.ledger import Ledger  # noqa: E402
-from tests.integrations.vf_serving import Stream, byte_leaves, payload_nodes, same_bytes, tombstones  # noqa: E402
+from tests.integrations.vf_serving import (  # noqa: E402
+    Stream,
+    byte_leaves,
+    chunk_ids,
+    payload_nodes,
+    same_bytes,
+    tombstones,
+)
 from tests.integrations.vf_traces import Engine, complete, inline_arrays, multi_turn, multi_turn_steps, new_trace  # noqa: E402
 
 FIELDS = FieldsConfig(num_layers=3, top_k=2, num_experts=16, sampling_mask=True)
@@ -114,7 +123,7 @@ def test_refs_replace_arrays_byte_for_byte(storage_config):
             assert same_bytes(got["sampling_mask.ids"], mask.ids)
             fetched += 1
     assert fetched == 4
-    assert payload_nodes(rp.store) == {r.branch_id for r in rp.all_refs(ref_ep)}
+    assert payload_nodes(rp.store) == chunk_ids(rp.all_refs(ref_ep))
 
 
 def test_stream_size_before_and_after(local_config):
@@ -160,7 +169,7 @@ def test_repair_after_completion_rekeeps_and_deletes_stale_chunk(local_config):
     final = read_refs(stream.episode().traces[0].info, "late")
     assert sorted(final) == [5, 7]
     assert tombstones(rp.store, [stale])[stale.branch_id]["reason"] == "stale: trace late changed after keep"
-    assert payload_nodes(rp.store) == {r.branch_id for r in final.values()}
+    assert payload_nodes(rp.store) == chunk_ids(final.values())
     for leaf, (prompt, routed, mask) in inline_arrays(trace).items():
         got = fetch_arrays(rp.store, final[leaf])
         assert same_bytes(got["routed_experts"], routed)
@@ -198,7 +207,7 @@ def test_discarded_attempt_deleted_once_and_stream_says_so(local_config):
     assert sorted(records) == sorted(r.branch_id for r in discarded)
     assert {r["holder"] for r in records.values()} == {"env_worker_0"}
     assert {r["reason"] for r in records.values()} == {"discarded attempt: trace attempt1 left the run (retried)"}
-    assert payload_nodes(rp.store) == {r.branch_id for r in kept}
+    assert payload_nodes(rp.store) == chunk_ids(kept)
     rp.ledger.delete(kept, reason="test: trained")
     rp.ledger.close()
     report = audit(rp.store, finished=True)
@@ -292,3 +301,192 @@ def test_a_path_node_without_routing_is_refused_not_dropped_for_the_whole_branch
         f"trace t7 leaf {leaf}: path nodes (index, tokens, routing rows) [(1, {len(nodes[1].token_ids)}, None)] lack "
         f"routing rows that the other {len(nodes) - 1} nodes carry: expected one routing row per token on every node "
         "(keeping the branch without routing would drop it for the whole branch)")
+
+
+class Writes:
+    """Every chunk ``keeper.write`` writes, as ``(chunk id, tokens)``, marked per flush."""
+
+    def __init__(self, keeper):
+        self.log: list[tuple[str, int]] = []
+        self.refs = []
+        write = keeper.write
+
+        def recorded(chunk_id, arrays, specs, num_prompt_tokens, num_completion_tokens, holders=()):
+            ref = write(chunk_id, arrays, specs, num_prompt_tokens, num_completion_tokens, holders)
+            self.log.append((chunk_id, num_prompt_tokens + num_completion_tokens))
+            self.refs.append(ref)
+            return ref
+
+        keeper.write = recorded
+
+
+def path_tokens(trace, leaf) -> int:
+    return len(dict(trainable_branches(trace))[leaf].sampled_mask)
+
+
+def test_multi_turn_appends_store_the_whole_keep_rows_turn_by_turn(local_config, monkeypatch):
+    """Each turn writes exactly its final rows (a segment per append, coalescing off), a turn's placeholder
+    last routing row is never written (held back until the next prefill repairs it), and the closed refs
+    fetch the bytes a whole keep of the finished trace stores."""
+    monkeypatch.setattr(open_branch, "COALESCE_BYTES", 1)
+    rp = Refpipe(local_config)
+    writes = Writes(rp.keeper)
+    stream = rp.stream()
+    per_flush: list[list[tuple[str, int]]] = []
+    marks = []  # after each turn, of every trainable branch: (leaf, position and row of its placeholder)
+
+    async def go():
+        async with stream.streamer:
+            trace = new_trace("mt")
+            stream.traces.append(trace)
+            for _ in multi_turn_steps(trace, Engine(5)):
+                marks.extend((leaf, len(b.sampled_mask) - 1, b.routed_experts[-1].copy())
+                             for leaf, b in trainable_branches(trace))
+                before = len(writes.log)
+                await stream.streamer.flush()
+                per_flush.append([(cid.rsplit(".", 2)[0].rsplit(".", 1)[-1], n) for cid, n in writes.log[before:]])
+            complete(trace)
+            before = len(writes.log)
+            await stream.streamer.flush()
+            per_flush.append([(cid.rsplit(".", 2)[0].rsplit(".", 1)[-1], n) for cid, n in writes.log[before:]])
+        return trace
+
+    trace = asyncio.run(go())
+    refs = read_refs(trace.info, "mt")
+    assert sorted(refs) == [5, 7]
+    # turn lengths, as multi_turn_steps builds them (branch 5 grows over turns 1-3; branch 7 forks from node 1)
+    t1, t2 = (sum(len(trace.nodes[n].token_ids) for n in range(k)) for k in (2, 4))
+    t3, t4 = path_tokens(trace, 5), path_tokens(trace, 7)
+    # branch 5 opened at leaf 1 (its id names it), the fork at leaf 7: each flush writes the new final rows only
+    assert per_flush == [[("1", t1 - 1)], [("1", t2 - t1)], [("1", t3 - t2)], [("7", t4 - 1)], [("1", 1), ("7", 1)]]
+    assert [s.num_tokens for s in refs[5].segments] == [t1 - 1, t2 - t1, t3 - t2, 1]
+    assert [s.num_tokens for s in refs[7].segments] == [t4 - 1, 1]
+    assert payload_nodes(rp.store) == chunk_ids(refs.values()) == {cid for cid, _ in writes.log}
+    segment_bytes = sum(r.nbytes for r in writes.refs)
+    assert segment_bytes == sum(r.nbytes for r in refs.values())
+
+    # the same rows, byte for byte, as a whole keep of each finished branch
+    repaired = 0
+    for leaf, branch in trainable_branches(trace):
+        whole = rp.keeper.keep(side_channels(trace.id, leaf, branch))
+        got, want = fetch_arrays(rp.store, refs[leaf]), fetch_arrays(rp.store, whole)
+        assert sorted(got) == sorted(want) == ["routed_experts", "sampling_mask.counts", "sampling_mask.ids"]
+        assert all(same_bytes(got[k], want[k]) for k in want)
+        # a turn's placeholder row on this path was stored as the next prefill repaired it (the last
+        # token's stays the placeholder, as in verifiers' arrays)
+        path = set(path_ids(trace, leaf))
+        for mark_leaf, position, placeholder in marks:
+            if mark_leaf in path and position < len(branch.sampled_mask) - 1:
+                assert not np.array_equal(got["routed_experts"][position], placeholder)
+                repaired += 1
+        assert same_bytes(got["routed_experts"][-1], marks[-1 if leaf == 7 else -2][2])
+        rp.keeper.discard([whole])
+    assert repaired == 3  # branch 5: a1's and a2's placeholders; branch 7: a1's
+    rp.ledger.delete(list(refs.values()), reason="test: trained")
+    rp.ledger.close()
+    report = audit(rp.store, finished=True)
+    assert report.clean and (report.present, report.double_deletes) == (0, 0)
+
+
+def test_an_open_trace_that_leaves_the_run_leaves_nothing(local_config, monkeypatch):
+    monkeypatch.setattr(open_branch, "COALESCE_BYTES", 1)
+    rp = Refpipe(local_config)
+    writes = Writes(rp.keeper)
+    stream = rp.stream()
+
+    async def go():
+        async with stream.streamer:
+            first = new_trace("attempt1")
+            stream.traces.append(first)
+            steps = multi_turn_steps(first, Engine(1))
+            for _ in range(2):  # two turns appended, the trace still open
+                next(steps)
+                await stream.streamer.flush()
+            segments = list(writes.refs)
+            stream.traces.remove(first)  # the agent retries
+            second = new_trace("attempt2")
+            stream.traces.append(second)
+            multi_turn(second, Engine(2))
+            complete(second)
+            await stream.streamer.flush()
+        return first, segments
+
+    first, segments = asyncio.run(go())
+    assert len(segments) == 2 and INFO_KEY not in first.info
+    records = tombstones(rp.store, segments)
+    assert sorted(records) == sorted(s.branch_id for s in segments)
+    assert {r["reason"] for r in records.values()} == {"discarded attempt: trace attempt1 left the run (retried)"}
+    kept = list(read_refs(stream.episode().traces[0].info, "attempt2").values())
+    assert payload_nodes(rp.store) == chunk_ids(kept)
+    rp.ledger.delete(kept, reason="test: trained")
+    rp.ledger.close()
+    report = audit(rp.store, finished=True)
+    assert report.clean and (report.present, report.double_deletes) == (0, 0)
+
+
+def test_a_cancelled_run_discards_its_open_branches(local_config, monkeypatch):
+    monkeypatch.setattr(open_branch, "COALESCE_BYTES", 1)
+    rp = Refpipe(local_config)
+    writes = Writes(rp.keeper)
+    stream = rp.stream()
+    appended = asyncio.Event()
+
+    async def go():
+        async with stream.streamer:
+            trace = new_trace("t")
+            stream.traces.append(trace)
+            steps = multi_turn_steps(trace, Engine(1))
+            for _ in range(3):
+                next(steps)
+                await stream.streamer.flush()
+            appended.set()
+            await asyncio.Event().wait()
+
+    async def cancel():
+        task = asyncio.create_task(go())
+        await appended.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel())
+    assert len(writes.refs) == 3 and INFO_KEY not in stream.traces[0].info  # three turns' segments, never closed
+    assert payload_nodes(rp.store) == set()
+    assert {r["reason"] for r in tombstones(rp.store, writes.refs).values()} == {"run abandoned: cancelled"}
+    assert len(tombstones(rp.store, writes.refs)) == 3
+    rp.ledger.close()
+    report = audit(rp.store, finished=True)
+    assert report.clean and (report.kept, report.deleted, report.present, report.double_deletes) == (3, 3, 0, 0)
+
+
+def test_a_turn_node_without_routing_fails_the_run_and_discards_its_open_branch(local_config, monkeypatch):
+    """As for a whole branch (issue 14 input 2): a turn's node lacking the routing the path's other nodes carry is
+    refused, never appended without routing; the run fails and its open branch's segments are deleted."""
+    monkeypatch.setattr(open_branch, "COALESCE_BYTES", 1)
+    rp = Refpipe(local_config)
+    writes = Writes(rp.keeper)
+    stream = rp.stream()
+    sizes = []
+
+    async def go():
+        async with stream.streamer:
+            trace = new_trace("t9")
+            stream.traces.append(trace)
+            steps = multi_turn_steps(trace, Engine(9))
+            next(steps)
+            await stream.streamer.flush()
+            next(steps)
+            trace.nodes[2].routed_experts = None  # turn 2's tool-result node
+            sizes.append(len(trace.nodes[2].token_ids))
+            await stream.streamer.flush()
+
+    with pytest.raises(FieldError) as info:
+        asyncio.run(go())
+    assert str(info.value) == (
+        f"trace t9 leaf 3: path nodes (index, tokens, routing rows) [(2, {sizes[0]}, None)] lack routing rows that "
+        "the other nodes carry: expected one routing row per token on every node (keeping the branch without "
+        "routing would drop it for the whole branch)")
+    assert len(writes.refs) == 1 and payload_nodes(rp.store) == set()  # turn 1's segment, deleted
+    assert {r["reason"] for r in tombstones(rp.store, writes.refs).values()} == {"run abandoned: failed: FieldError"}
+    rp.ledger.close()
+    assert audit(rp.store, finished=True).clean

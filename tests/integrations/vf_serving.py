@@ -94,17 +94,24 @@ async def run(client: EnvClient, seed: int, script: str = "multi_turn", reward: 
 
 
 def tombstones(store: Store, refs) -> dict[str, dict]:
-    """branch id -> its delete record, for every ref (KeyError-free: missing ones are absent)."""
+    """branch id -> the delete record of its chunks (a segmented branch's: its first segment's), for every ref
+    whose chunks all have one (KeyError-free: the others are absent)."""
     out = {}
     for ref in refs:
-        if store.exists(tombstone_key(ref.branch_id)):
-            out[ref.branch_id] = json.loads(store.get(tombstone_key(ref.branch_id)))
+        keys = [tombstone_key(c.branch_id) for c in ref.chunks]
+        if all(store.exists(k) for k in keys):
+            out[ref.branch_id] = json.loads(store.get(keys[0]))
     return out
 
 
 def payload_nodes(store: Store) -> set[str]:
-    """Branch ids of every chunk object under ``payloads/``."""
+    """Chunk ids (branch or segment ids) of every chunk object under ``payloads/``."""
     return {key.split("/")[2] for key in store.list_prefix("payloads")}
+
+
+def chunk_ids(refs) -> set[str]:
+    """Chunk ids of every chunk the refs name (a segmented branch's segments)."""
+    return {c.branch_id for ref in refs for c in ref.chunks}
 
 
 def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:

@@ -5,7 +5,8 @@ wraps it in episode retries; ``on_trace`` sees every trace at mint; ``on_discard
 retried agent attempt's trace) but builds the traces with ``vf_traces`` instead of
 running agents against a model. ``OfflineData.script`` picks the episode:
 
-- ``multi_turn``: one trace, ``vf_traces.multi_turn`` (two branches), rewarded ``reward``;
+- ``multi_turn``: one trace, ``vf_traces.multi_turn_steps`` (two branches; the loop runs between turns),
+  rewarded ``reward``;
 - ``agent_retry``: a first attempt's trace completes and is kept, then the agent retries
   (``on_discard`` of the first trace); the second attempt's trace is the episode's;
 - ``episode_retry``: the first episode attempt fails with a retryable error after its
@@ -31,7 +32,7 @@ from verifiers.v1.taskset import Taskset
 from verifiers.v1.trace import Error, TraceTask
 
 from refpipe.integrations.verifiers_branches import INFO_KEY
-from tests.integrations.vf_traces import Engine, complete, multi_turn, new_trace
+from tests.integrations.vf_traces import Engine, complete, multi_turn, multi_turn_steps, new_trace
 
 
 class OfflineData(TaskData):
@@ -99,9 +100,9 @@ class OfflineEnv(Env[OfflineEnvConfig]):
     async def _trace(trace_id: str, data: OfflineData, on_trace):
         trace = new_trace(trace_id)
         on_trace(trace)
-        multi_turn(trace, Engine(data.seed))
-        trace.notify()
-        await asyncio.sleep(0)
+        for _ in multi_turn_steps(trace, Engine(data.seed)):  # a turn at a time, as an agent's requests land
+            trace.notify()
+            await asyncio.sleep(0)
         complete(trace, data.reward)
         trace.notify()
         await asyncio.sleep(0)
