@@ -108,8 +108,9 @@ class Keeper:
         fewer of an ``all_but_last`` field, as the first append does).
 
         Raises:
-            OpenBranchError: no suspended branch of that id (never suspended, or already closed or discarded), or
-                its record is unreadable.
+            OpenBranchError: no suspended branch of that id (never suspended, or already closed or discarded), its
+                record is unreadable, or another process resumed it (names its actor and ledger session; nothing
+                written or deleted: of all resumers of one record exactly one continues it).
         """
         return OpenBranch.resume(self, branch_id)
 

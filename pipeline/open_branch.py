@@ -28,7 +28,7 @@ from refpipe.storage.chunk_ref import ArraySpec, PayloadRef, domain_rows, segmen
 from refpipe.storage.errors import FieldError, OpenBranchError
 from refpipe.storage.layout import check_id, node_key
 from refpipe.storage.ledger import DeleteResult
-from refpipe.storage.ledger_open import SuspendedBranch, open_key, read_suspended
+from refpipe.storage.ledger_open import SuspendedBranch, claim_resume, open_key, read_suspended
 
 if TYPE_CHECKING:
     from refpipe.pipeline.keep import Keeper
@@ -66,6 +66,8 @@ class OpenBranch:
         """The next append gives one row fewer of ``all_but_last`` fields (rows are complete up to its start)."""
         self._suspended = False
         """A record of this branch exists (``suspend``; ``resume``)."""
+        self._resumes = 0
+        """Resumes of this branch so far, this one included (``SuspendedBranch.resumes`` of its next record)."""
         self._pending: dict[str, list[np.ndarray]] = {}
         self._specs: dict[str, ArraySpec] = {}
         registry = keeper.fields.registry()
@@ -162,7 +164,8 @@ class OpenBranch:
         if not self._short:
             self._flush(self.num_tokens - 1 if self._lagging & self._specs.keys() else self.num_tokens)
         record = SuspendedBranch(branch_id=self.branch_id, num_prompt_tokens=self.num_prompt_tokens,
-                                 segments=tuple(self.segments), actor=self.keeper.ledger.actor)
+                                 segments=tuple(self.segments), actor=self.keeper.ledger.actor,
+                                 resumes=self._resumes)
         self.keeper.store.put(open_key(self.branch_id), record.model_dump_json().encode())
         self.keeper.ledger.record("suspend", branch_id=self.branch_id, num_tokens=record.num_tokens,
                                   segments=[s.branch_id for s in self.segments])
@@ -172,12 +175,16 @@ class OpenBranch:
 
     @classmethod
     def resume(cls, keeper: "Keeper", branch_id: str) -> "OpenBranch":
-        """``Keeper.resume_branch``: the suspended branch ``branch_id``, open again at its committed tokens."""
+        """``Keeper.resume_branch``: the suspended branch ``branch_id``, claimed by this ledger session
+        (``storage.ledger_open.claim_resume``) and open again at its committed tokens."""
         record = read_suspended(keeper.store, branch_id)
         if record is None:
             raise OpenBranchError(f"branch {branch_id}: no suspended branch of that id in run "
                                   f"{keeper.store.prefix.uri} (never suspended, or already closed or discarded)")
+        keeper.ledger.check_open(f"resume branch {branch_id}")
+        claim_resume(keeper.store, record, keeper.ledger.actor, keeper.ledger.session)
         branch = cls(keeper, branch_id, record.num_prompt_tokens)
+        branch._resumes = record.resumes + 1
         branch.segments = list(record.segments)
         branch.num_tokens = branch._start = record.num_tokens
         branch._suspended = True

@@ -2,19 +2,24 @@
 
 ``OpenBranch.suspend`` writes the committed segments of an open branch as ``ledger/open/<aa>/<bb>/<branch_id>.json``
 (a ``SuspendedBranch``) and a flushed ``suspend`` event naming it; ``Keeper.resume_branch`` (any env-server
-process, after a restart too) reads it back and continues appending. Closing or discarding the branch removes the
-record, so it is continued or discarded once. While the record exists the audit counts its segments as held by
-``open branch <id> (suspended)``; in a finished or abandoned run they are leaked and the sweep deletes them.
+process, after a restart too) reads it back, claims it (``claim_resume``) and continues appending. Closing or
+discarding the branch removes the record. Each resume of a record takes the claim ``<branch_id>.claim.<n>`` next to it
+(``n``: ``SuspendedBranch.resumes``) by an exclusive put, so of any number of processes resuming one record exactly
+one continues it; the others get an ``OpenBranchError`` naming who resumed it, before writing or deleting anything.
+Claims stay (a few bytes each) so a process holding a stale record is refused too. While the record exists the
+audit counts its segments as held by ``open branch <id> (suspended)``; in a finished or abandoned run they are leaked
+and the sweep deletes them.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from refpipe.storage.chunk_ref import PayloadRef
-from refpipe.storage.errors import KeyNotFoundError, OpenBranchError, validation_problems
+from refpipe.storage.errors import KeyExistsError, KeyNotFoundError, OpenBranchError, validation_problems
 from refpipe.storage.layout import check_id
 from refpipe.storage.store import Store
 
@@ -31,6 +36,8 @@ class SuspendedBranch(BaseModel):
     segments: tuple[PayloadRef, ...]
     actor: str
     """The env-server worker that suspended it."""
+    resumes: int = 0
+    """Resumes of the branch before this record (the next resumer takes claim number ``resumes``)."""
 
     @property
     def num_tokens(self) -> int:
@@ -43,6 +50,31 @@ def open_key(branch_id: str) -> str:
     check_id(branch_id, "branch_id")
     digest = hashlib.blake2b(branch_id.encode(), digest_size=2).hexdigest()
     return f"{OPEN_PREFIX}/{digest[:2]}/{digest[2:]}/{branch_id}.json"
+
+
+def claim_key(branch_id: str, resume: int) -> str:
+    """Key of the claim of resume number ``resume`` of a suspended branch: next to its record, not ending ``.json``."""
+    return f"{open_key(branch_id).removesuffix('.json')}.claim.{resume}"
+
+
+def claim_resume(store: Store, record: SuspendedBranch, actor: str, session: str) -> None:
+    """Claim the resume of ``record`` for the ledger session ``session`` of ``actor`` (one exclusive put).
+
+    Raises:
+        OpenBranchError: another process already resumed this record (names the branch and its actor and session).
+    """
+    key = claim_key(record.branch_id, record.resumes)
+    body = json.dumps({"actor": actor, "session": session}).encode()
+    try:
+        store.put(key, body, exclusive=True)
+    except KeyExistsError:
+        try:
+            winner = json.loads(store.get(key))
+            who = f"env worker {winner['actor']} (ledger session {winner['session']})"
+        except (KeyNotFoundError, ValueError, KeyError, TypeError):
+            who = "another process (its claim is unreadable)"
+        raise OpenBranchError(f"branch {record.branch_id}: already resumed by {who} (claim {store.uri(key)}): "
+                              f"a suspended branch is continued or discarded once") from None
 
 
 def read_suspended(store: Store, branch_id: str) -> SuspendedBranch | None:
@@ -67,4 +99,4 @@ def read_suspended(store: Store, branch_id: str) -> SuspendedBranch | None:
     return record
 
 
-__all__ = ["OPEN_PREFIX", "SuspendedBranch", "open_key", "read_suspended"]
+__all__ = ["OPEN_PREFIX", "SuspendedBranch", "claim_key", "claim_resume", "open_key", "read_suspended"]

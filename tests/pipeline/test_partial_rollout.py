@@ -15,7 +15,7 @@ from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.pipeline.sweep import sweep
 from refpipe.storage.backends import open_store
 from refpipe.storage.chunk_read import fetch_arrays
-from refpipe.storage.errors import KeyExistsError, OpenBranchError
+from refpipe.storage.errors import OpenBranchError
 from refpipe.storage.layout import node_key
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.ledger_open import open_key
@@ -88,20 +88,36 @@ def test_routing_rows_of_the_last_token_wait_across_the_cut(local_config):
 def test_a_suspended_branch_is_continued_or_discarded_once(local_config):
     fields = fields_of(P, C, seed=3)
     keeper = keeper_of(local_config)
+    other = Keeper(keeper.store, Ledger(keeper.store, "env_worker_1"), CFG, local_config)
     branch = keeper.open_branch(P, branch_id="once")
     branch.append(0, 7, rows_of(fields, 0, 7))
     branch.suspend()
-    one, two = keeper.resume_branch("once"), keeper.resume_branch("once")
+    one = keeper.resume_branch("once")
+    with pytest.raises(OpenBranchError, match=rf"^branch once: already resumed by env worker env_worker_0 \(ledger "
+                                              rf"session {keeper.ledger.session}\) \(claim .*/once\.claim\.0\): a "
+                                              rf"suspended branch is continued or discarded once$"):
+        other.resume_branch("once")  # before writing or deleting anything
     one.append(7, 9, rows_of(fields, 7, 9))
-    with pytest.raises(KeyExistsError, match=r"branch 'once.1' was already kept in run"):
-        two.append(7, 9, rows_of(fields, 7, 9))
-    assert one.discard(reason="episode dropped").deleted == [keeper.store.uri(node_key(f"once.{i}")) for i in (0, 1)]
+    one.suspend()  # cut again: the next resume takes the next claim
+    two = other.resume_branch("once")
+    with pytest.raises(OpenBranchError, match=rf"^branch once: already resumed by env worker env_worker_1 \(ledger "
+                                              rf"session {other.ledger.session}\) \(claim .*/once\.claim\.1\)"):
+        keeper.resume_branch("once")
+    two.append(9, 12, rows_of(fields, 9, 12))
+    ref = two.close()
+    assert [s.branch_id for s in ref.segments] == ["once.0", "once.1", "once.2"]
+    whole = keeper.keep(Branch(P, 12 - P, rows_of(fields, 0, 12), branch_id="whole"))
+    assert_same(fetch_arrays(keeper.store, ref), fetch_arrays(keeper.store, whole))
     assert not keeper.store.exists(open_key("once"))
     with pytest.raises(OpenBranchError, match="no suspended branch of that id"):
         keeper.resume_branch("once")
+    assert other.discard([ref], reason="episode dropped").deleted == [keeper.store.uri(node_key(f"once.{i}"))
+                                                                      for i in range(3)]
+    keeper.discard([whole])
     keeper.ledger.close()
+    other.ledger.close()
     report = audit(keeper.store, finished=True)
-    assert (report.kept, report.deleted, report.present, report.double_deletes) == (2, 2, 0, 0) and report.clean
+    assert (report.kept, report.deleted, report.present, report.double_deletes) == (4, 4, 0, 0) and report.clean
 
 
 def test_an_abandoned_open_branch_is_swept_whole(local_config):
