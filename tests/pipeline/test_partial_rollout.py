@@ -134,5 +134,12 @@ def test_an_abandoned_open_branch_is_swept_whole(local_config):
     assert audit(keeper.store, stopped=True).outstanding_by_holder == {"open branch lost (suspended)": 3}
     swept = sweep(keeper.store, abandon=True)
     assert sorted(swept.deleted) == sorted(keeper.store.uri(node_key(f"lost.{i}")) for i in range(3))
+    assert not keeper.store.exists(open_key("lost"))  # its segments are gone: it can no longer be resumed
+    listed = CliRunner().invoke(app, ["ls", keeper.store.prefix.uri, "--json"], catch_exceptions=False)
+    assert json.loads(listed.stdout)["ledger"]["num_suspended_branches"] == 0
+    again = keeper_of(local_config)
+    with pytest.raises(OpenBranchError, match=r"^branch lost: no suspended branch of that id in run "):
+        again.resume_branch("lost")
+    again.ledger.close()
     report = audit(keeper.store, finished=True)
     assert (report.kept, report.deleted, report.present) == (3, 3, 0) and report.clean
