@@ -5,8 +5,8 @@ An env-server worker opens a branch (``Keeper.open_branch``), appends each turn'
 ``Keeper.keep`` checks a whole branch) and closes it (``OpenBranch.close``), which returns one ``PayloadRef``
 listing the branch's segments (``PayloadRef.segments``). Appended rows wait in a buffer until it holds
 ``COALESCE_BYTES``, then go out as one segment: an ordinary chunk (same codec, its own block crcs) under the
-id ``<branch_id>.<index>``, kept in the ledger like any chunk. So a worker holds at most one turn plus the
-buffer per open branch, and writes each row once.
+id ``<branch_id>.<index>`` (written after resume number ``n``: ``<branch_id>.r<n>.<index>``), kept in the ledger
+like any chunk. So a worker holds at most one turn plus the buffer per open branch, and writes each row once.
 
 Routing rows as engines return them (``FieldsConfig.routing_rows = "all_but_last"``, or a field declared
 ``rows = "all_but_last"``): an append's rows of such a field are those of positions ``[start - 1, end - 1)``
@@ -28,7 +28,7 @@ from refpipe.storage.chunk_ref import ArraySpec, PayloadRef, domain_rows, segmen
 from refpipe.storage.errors import FieldError, OpenBranchError
 from refpipe.storage.layout import check_id, node_key
 from refpipe.storage.ledger import DeleteResult
-from refpipe.storage.ledger_open import SuspendedBranch, claim_resume, open_key, read_suspended
+from refpipe.storage.ledger_open import SuspendedBranch, claim_resume, open_key
 
 if TYPE_CHECKING:
     from refpipe.pipeline.keep import Keeper
@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 COALESCE_BYTES = 1 << 16
 """Bytes of appended rows a branch buffers before writing them as one segment (smaller turns are coalesced)."""
 MAX_SEGMENTS = 100_000
-"""Segments one branch may have (its segment ids ``<branch_id>.<index>`` must stay valid ids)."""
+"""Segments one branch may have (its segment ids ``<branch_id>.<index>``, once resumed
+``<branch_id>.r<resume>.<index>``, must stay valid ids)."""
 
 
 class OpenBranch:
@@ -177,14 +178,14 @@ class OpenBranch:
     def resume(cls, keeper: "Keeper", branch_id: str) -> "OpenBranch":
         """``Keeper.resume_branch``: the suspended branch ``branch_id``, claimed by this ledger session
         (``storage.ledger_open.claim_resume``) and open again at its committed tokens."""
-        record = read_suspended(keeper.store, branch_id)
+        keeper.ledger.check_open(f"resume branch {branch_id}")
+        record = claim_resume(keeper.store, branch_id, keeper.ledger.actor, keeper.ledger.session)
         if record is None:
             raise OpenBranchError(f"branch {branch_id}: no suspended branch of that id in run "
                                   f"{keeper.store.prefix.uri} (never suspended, or already closed or discarded)")
-        keeper.ledger.check_open(f"resume branch {branch_id}")
-        claim_resume(keeper.store, record, keeper.ledger.actor, keeper.ledger.session)
         branch = cls(keeper, branch_id, record.num_prompt_tokens)
         branch._resumes = record.resumes + 1
+        check_id(branch._segment_id(MAX_SEGMENTS), f"branch_id {branch_id!r} with a resume and segment index")
         branch.segments = list(record.segments)
         branch.num_tokens = branch._start = record.num_tokens
         branch._suspended = True
@@ -233,9 +234,12 @@ class OpenBranch:
             arrays[name], rest[name] = a[:rows], [a[rows:].copy()] if len(a) > rows else []
         prompt, completion = segment_tokens(p, self._start, end)
         specs = {n: s._replace(shape=arrays[n].shape) for n, s in self._specs.items()}
-        seg_id = f"{self.branch_id}.{len(self.segments)}"
-        self.segments.append(self.keeper.write(seg_id, arrays, specs, prompt, completion))
+        self.segments.append(self.keeper.write(self._segment_id(len(self.segments)), arrays, specs, prompt, completion))
         self._pending, self._start = rest, end
+
+    def _segment_id(self, index: int) -> str:
+        """``<branch_id>.<index>``; once resumed, ``<branch_id>.r<resume>.<index>`` (no resume reuses an id)."""
+        return f"{self.branch_id}.r{self._resumes}.{index}" if self._resumes else f"{self.branch_id}.{index}"
 
     def _ref(self) -> PayloadRef:
         segments = tuple(self.segments)

@@ -55,7 +55,7 @@ def test_a_branch_cut_at_a_step_boundary_is_held_then_continued_after_a_restart(
     for start, end in [(12, 20), (20, P + C)]:
         resumed.append(start, end, rows_of(fields, start, end))
     ref = resumed.close()
-    assert [s.branch_id for s in ref.segments] == ["long.0", "long.1", "long.2", "long.3"]
+    assert [s.branch_id for s in ref.segments] == ["long.0", "long.1", "long.r1.2", "long.r1.3"]
     assert not again.store.exists(open_key("long"))
     whole = again.keep(Branch(P, C, fields, branch_id="whole"))
     assert_same(fetch_arrays(again.store, ref), fetch_arrays(again.store, whole))
@@ -105,19 +105,45 @@ def test_a_suspended_branch_is_continued_or_discarded_once(local_config):
         keeper.resume_branch("once")
     two.append(9, 12, rows_of(fields, 9, 12))
     ref = two.close()
-    assert [s.branch_id for s in ref.segments] == ["once.0", "once.1", "once.2"]
+    assert [s.branch_id for s in ref.segments] == ["once.0", "once.r1.1", "once.r2.2"]
     whole = keeper.keep(Branch(P, 12 - P, rows_of(fields, 0, 12), branch_id="whole"))
     assert_same(fetch_arrays(keeper.store, ref), fetch_arrays(keeper.store, whole))
     assert not keeper.store.exists(open_key("once"))
     with pytest.raises(OpenBranchError, match="no suspended branch of that id"):
         keeper.resume_branch("once")
-    assert other.discard([ref], reason="episode dropped").deleted == [keeper.store.uri(node_key(f"once.{i}"))
-                                                                      for i in range(3)]
+    assert other.discard([ref], reason="episode dropped").deleted == [
+        keeper.store.uri(node_key(n)) for n in ("once.0", "once.r1.1", "once.r2.2")]
     keeper.discard([whole])
     keeper.ledger.close()
     other.ledger.close()
     report = audit(keeper.store, finished=True)
     assert (report.kept, report.deleted, report.present, report.double_deletes) == (4, 4, 0, 0) and report.clean
+
+
+def test_a_resumer_that_died_leaves_its_segments_to_the_sweep_and_no_id_is_reused(local_config):
+    fields = fields_of(P, C, seed=5)
+    keeper = keeper_of(local_config)
+    branch = keeper.open_branch(P, branch_id="crash")
+    branch.append(0, 7, rows_of(fields, 0, 7))
+    branch.suspend()
+    dying = Keeper(keeper.store, Ledger(keeper.store, "env_worker_1"), CFG, local_config)
+    dying.resume_branch("crash").append(7, 12, rows_of(fields, 7, 12))  # writes crash.r1.1, not in the record
+    dying.ledger.close()  # the resumer dies: its session is dead, its claim passed over
+    resumed = keeper.resume_branch("crash")
+    assert (resumed.num_tokens, [s.branch_id for s in resumed.segments]) == (7, ["crash.0"])
+    for start, end in [(7, 12), (12, P + C)]:
+        resumed.append(start, end, rows_of(fields, start, end))
+    ref = resumed.close()
+    assert [s.branch_id for s in ref.segments] == ["crash.0", "crash.r2.1", "crash.r2.2"]
+    whole = keeper.keep(Branch(P, C, fields, branch_id="whole"))
+    assert_same(fetch_arrays(keeper.store, ref), fetch_arrays(keeper.store, whole))
+    orphan = keeper.store.uri(node_key("crash.r1.1"))
+    assert audit(keeper.store).leaked_chunks == [orphan]
+    assert sweep(keeper.store).deleted == [orphan]
+    keeper.discard([ref, whole])
+    keeper.ledger.close()
+    report = audit(keeper.store, finished=True)
+    assert (report.kept, report.deleted, report.present, report.double_deletes) == (5, 5, 0, 0) and report.clean
 
 
 def test_an_abandoned_open_branch_is_swept_whole(local_config):
