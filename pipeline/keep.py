@@ -98,7 +98,8 @@ class Keeper:
         Raises:
             ConfigError: ``branch_id`` is not a valid id, or too long to name its segments.
             FieldError: ``num_prompt_tokens`` is not an integer >= 0.
-            OpenBranchError: ``branch_id`` is not a holder of ``prefix``, or the prefix's prompt tokens disagree.
+            OpenBranchError: ``branch_id`` is not a holder of ``prefix``, or already released it (``release_holders``,
+                a discard), or the prefix's prompt tokens disagree.
         """
         return OpenBranch(self, branch_id or f"{self.ledger.actor}-{uuid.uuid4().hex}", num_prompt_tokens, prefix)
 

@@ -28,6 +28,7 @@ from refpipe.storage.chunk_ref import ArraySpec, PayloadRef, domain_rows, segmen
 from refpipe.storage.errors import FieldError, OpenBranchError
 from refpipe.storage.layout import check_id, node_key
 from refpipe.storage.ledger import DeleteResult
+from refpipe.storage.ledger_holds import released_holders
 from refpipe.storage.ledger_open import SuspendedBranch, claim_resume, open_key
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ class OpenBranch:
             raise FieldError(f"open branch {branch_id}: num_prompt_tokens={num_prompt_tokens!r}: expected an "
                              f"integer >= 0")
         self.keeper, self.branch_id, self.num_prompt_tokens = keeper, branch_id, int(num_prompt_tokens)
-        self.segments: list[PayloadRef] = [] if prefix is None else [_checked_prefix(prefix, branch_id,
+        self.segments: list[PayloadRef] = [] if prefix is None else [_checked_prefix(keeper, prefix, branch_id,
                                                                                      self.num_prompt_tokens)]
         self.num_tokens = 0 if prefix is None else prefix.num_tokens
         self.closed = False
@@ -270,11 +271,15 @@ def keep_prefix(keeper: "Keeper", num_tokens: int, fields: Mapping[str, object],
     return ref
 
 
-def _checked_prefix(prefix: PayloadRef, branch_id: str, num_prompt_tokens: int) -> PayloadRef:
-    """``prefix`` if ``branch_id`` holds it and it is all prompt tokens of the branch."""
+def _checked_prefix(keeper: "Keeper", prefix: PayloadRef, branch_id: str, num_prompt_tokens: int) -> PayloadRef:
+    """``prefix`` if ``branch_id`` holds it, has not released it, and it is all prompt tokens of the branch."""
     if branch_id not in prefix.holders:
         raise OpenBranchError(f"branch {branch_id}: prefix {prefix.branch_id} is held by {list(prefix.holders)}: "
                               f"expected {branch_id!r} among them (declare every holder in keep_prefix)")
+    if branch_id in released_holders(keeper.store, prefix.branch_id):
+        raise OpenBranchError(f"branch {branch_id}: prefix {prefix.branch_id} was already released for holder "
+                              f"{branch_id!r} (release_holders, or a discard): expected a holder that still holds it "
+                              f"(open a branch of another id without the prefix)")
     if prefix.num_completion_tokens or prefix.num_tokens > num_prompt_tokens:
         raise OpenBranchError(f"branch {branch_id}: prefix {prefix.branch_id} has {prefix.num_prompt_tokens} + "
                               f"{prefix.num_completion_tokens} tokens: expected at most the branch's "
