@@ -99,7 +99,8 @@ class Keeper:
         Raises:
             ConfigError: ``branch_id`` is not a valid id, or too long to name its segments.
             FieldError: ``num_prompt_tokens`` is not an integer >= 0.
-            OpenBranchError: ``branch_id`` is not a holder of ``prefix``, or the prefix's prompt tokens disagree.
+            OpenBranchError: ``branch_id`` is not a holder of ``prefix``, or already released it (``release_holders``,
+                a discard), or the prefix's prompt tokens disagree.
         """
         return OpenBranch(self, branch_id or f"{self.ledger.actor}-{uuid.uuid4().hex}", num_prompt_tokens, prefix)
 
@@ -109,8 +110,9 @@ class Keeper:
         fewer of an ``all_but_last`` field, as the first append does).
 
         Raises:
-            OpenBranchError: no suspended branch of that id (never suspended, or already closed or discarded), or
-                its record is unreadable.
+            OpenBranchError: no suspended branch of that id (never suspended, or already closed or discarded), its
+                record is unreadable, or another process resumed it (names its actor and ledger session; nothing
+                written or deleted: of all resumers of one record exactly one continues it).
         """
         return OpenBranch.resume(self, branch_id)
 

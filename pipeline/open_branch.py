@@ -5,8 +5,8 @@ An env-server worker opens a branch (``Keeper.open_branch``), appends each turn'
 ``Keeper.keep`` checks a whole branch) and closes it (``OpenBranch.close``), which returns one ``PayloadRef``
 listing the branch's segments (``PayloadRef.segments``). Appended rows wait in a buffer until it holds
 ``COALESCE_BYTES``, then go out as one segment: an ordinary chunk (same codec, its own block crcs) under the
-id ``<branch_id>.<index>``, kept in the ledger like any chunk. So a worker holds at most one turn plus the
-buffer per open branch, and writes each row once.
+id ``<branch_id>.<index>`` (written after resume number ``n``: ``<branch_id>.r<n>.<index>``), kept in the ledger
+like any chunk. So a worker holds at most one turn plus the buffer per open branch, and writes each row once.
 
 Routing rows as engines return them (``FieldsConfig.routing_rows = "all_but_last"``, or a field declared
 ``rows = "all_but_last"``): an append's rows of such a field are those of positions ``[start - 1, end - 1)``
@@ -28,7 +28,8 @@ from refpipe.storage.chunk_ref import ArraySpec, PayloadRef, domain_rows, segmen
 from refpipe.storage.delete_result import DeleteResult
 from refpipe.storage.errors import FieldError, OpenBranchError
 from refpipe.storage.layout import check_id, node_key
-from refpipe.storage.ledger_open import SuspendedBranch, open_key, read_suspended
+from refpipe.storage.ledger_holds import released_holders
+from refpipe.storage.ledger_open import SuspendedBranch, claim_resume, open_key
 
 if TYPE_CHECKING:
     from refpipe.pipeline.keep import Keeper
@@ -36,7 +37,8 @@ if TYPE_CHECKING:
 COALESCE_BYTES = 1 << 16
 """Bytes of appended rows a branch buffers before writing them as one segment (smaller turns are coalesced)."""
 MAX_SEGMENTS = 100_000
-"""Segments one branch may have (its segment ids ``<branch_id>.<index>`` must stay valid ids)."""
+"""Segments one branch may have (its segment ids ``<branch_id>.<index>``, once resumed
+``<branch_id>.r<resume>.<index>``, must stay valid ids)."""
 
 
 class OpenBranch:
@@ -56,7 +58,7 @@ class OpenBranch:
             raise FieldError(f"open branch {branch_id}: num_prompt_tokens={num_prompt_tokens!r}: expected an "
                              f"integer >= 0")
         self.keeper, self.branch_id, self.num_prompt_tokens = keeper, branch_id, int(num_prompt_tokens)
-        self.segments: list[PayloadRef] = [] if prefix is None else [_checked_prefix(prefix, branch_id,
+        self.segments: list[PayloadRef] = [] if prefix is None else [_checked_prefix(keeper, prefix, branch_id,
                                                                                      self.num_prompt_tokens)]
         self.num_tokens = 0 if prefix is None else prefix.num_tokens
         self.closed = False
@@ -66,6 +68,8 @@ class OpenBranch:
         """The next append gives one row fewer of ``all_but_last`` fields (rows are complete up to its start)."""
         self._suspended = False
         """A record of this branch exists (``suspend``; ``resume``)."""
+        self._resumes = 0
+        """Resumes of this branch so far, this one included (``SuspendedBranch.resumes`` of its next record)."""
         self._pending: dict[str, list[np.ndarray]] = {}
         self._specs: dict[str, ArraySpec] = {}
         registry = keeper.fields.registry()
@@ -162,7 +166,8 @@ class OpenBranch:
         if not self._short:
             self._flush(self.num_tokens - 1 if self._lagging & self._specs.keys() else self.num_tokens)
         record = SuspendedBranch(branch_id=self.branch_id, num_prompt_tokens=self.num_prompt_tokens,
-                                 segments=tuple(self.segments), actor=self.keeper.ledger.actor)
+                                 segments=tuple(self.segments), actor=self.keeper.ledger.actor,
+                                 resumes=self._resumes)
         self.keeper.store.put(open_key(self.branch_id), record.model_dump_json().encode())
         self.keeper.ledger.record("suspend", branch_id=self.branch_id, num_tokens=record.num_tokens,
                                   segments=[s.branch_id for s in self.segments])
@@ -172,12 +177,16 @@ class OpenBranch:
 
     @classmethod
     def resume(cls, keeper: "Keeper", branch_id: str) -> "OpenBranch":
-        """``Keeper.resume_branch``: the suspended branch ``branch_id``, open again at its committed tokens."""
-        record = read_suspended(keeper.store, branch_id)
+        """``Keeper.resume_branch``: the suspended branch ``branch_id``, claimed by this ledger session
+        (``storage.ledger_open.claim_resume``) and open again at its committed tokens."""
+        keeper.ledger.check_open(f"resume branch {branch_id}")
+        record = claim_resume(keeper.store, branch_id, keeper.ledger.actor, keeper.ledger.session)
         if record is None:
             raise OpenBranchError(f"branch {branch_id}: no suspended branch of that id in run "
                                   f"{keeper.store.prefix.uri} (never suspended, or already closed or discarded)")
         branch = cls(keeper, branch_id, record.num_prompt_tokens)
+        branch._resumes = record.resumes + 1
+        check_id(branch._segment_id(MAX_SEGMENTS), f"branch_id {branch_id!r} with a resume and segment index")
         branch.segments = list(record.segments)
         branch.num_tokens = branch._start = record.num_tokens
         branch._suspended = True
@@ -226,9 +235,12 @@ class OpenBranch:
             arrays[name], rest[name] = a[:rows], [a[rows:].copy()] if len(a) > rows else []
         prompt, completion = segment_tokens(p, self._start, end)
         specs = {n: s._replace(shape=arrays[n].shape) for n, s in self._specs.items()}
-        seg_id = f"{self.branch_id}.{len(self.segments)}"
-        self.segments.append(self.keeper.write(seg_id, arrays, specs, prompt, completion))
+        self.segments.append(self.keeper.write(self._segment_id(len(self.segments)), arrays, specs, prompt, completion))
         self._pending, self._start = rest, end
+
+    def _segment_id(self, index: int) -> str:
+        """``<branch_id>.<index>``; once resumed, ``<branch_id>.r<resume>.<index>`` (no resume reuses an id)."""
+        return f"{self.branch_id}.r{self._resumes}.{index}" if self._resumes else f"{self.branch_id}.{index}"
 
     def _ref(self) -> PayloadRef:
         segments = tuple(self.segments)
@@ -259,11 +271,15 @@ def keep_prefix(keeper: "Keeper", num_tokens: int, fields: Mapping[str, object],
     return ref
 
 
-def _checked_prefix(prefix: PayloadRef, branch_id: str, num_prompt_tokens: int) -> PayloadRef:
-    """``prefix`` if ``branch_id`` holds it and it is all prompt tokens of the branch."""
+def _checked_prefix(keeper: "Keeper", prefix: PayloadRef, branch_id: str, num_prompt_tokens: int) -> PayloadRef:
+    """``prefix`` if ``branch_id`` holds it, has not released it, and it is all prompt tokens of the branch."""
     if branch_id not in prefix.holders:
         raise OpenBranchError(f"branch {branch_id}: prefix {prefix.branch_id} is held by {list(prefix.holders)}: "
                               f"expected {branch_id!r} among them (declare every holder in keep_prefix)")
+    if branch_id in released_holders(keeper.store, prefix.branch_id):
+        raise OpenBranchError(f"branch {branch_id}: prefix {prefix.branch_id} was already released for holder "
+                              f"{branch_id!r} (release_holders, or a discard): expected a holder that still holds it "
+                              f"(open a branch of another id without the prefix)")
     if prefix.num_completion_tokens or prefix.num_tokens > num_prompt_tokens:
         raise OpenBranchError(f"branch {branch_id}: prefix {prefix.branch_id} has {prefix.num_prompt_tokens} + "
                               f"{prefix.num_completion_tokens} tokens: expected at most the branch's "

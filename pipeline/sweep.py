@@ -4,8 +4,9 @@ Which chunks are leaked, unfinished deletes or retained is the audit's judgement
 the holder rules in ``pipeline.audit``'s module docstring); the sweep acts on exactly those. Leaked
 committed chunks (and, with ``retained=True``, retained ones) are claimed and deleted through
 ``Ledger.delete_nodes``; leftover objects of unfinished deletes and leaked incomplete keeps are removed. It never
-touches a chunk of an untrained or replayed step file (unless the run is abandoned), and deletes nothing when a
-ledger record or step file is unreadable: the record may have named a holder.
+touches a chunk of an untrained or replayed step file (unless the run is abandoned), removes the record of a
+suspended open branch before deleting its segments (``storage.ledger_open``: it can no longer be resumed), and
+deletes nothing when a ledger record or step file is unreadable: the record may have named a holder.
 
 ``stopped`` is the user's declaration; the sweep checks it: it refuses while a session
 of the run is live by its heartbeat, on any host. A plain sweep (not ``stopped``) never
@@ -23,6 +24,7 @@ from refpipe.storage.delete_result import DeleteResult
 from refpipe.storage.errors import DoubleDeleteError, LedgerRecordError, StepFileError, UnknownRefError
 from refpipe.storage.layout import SWEEP_ACTOR
 from refpipe.storage.ledger import Ledger
+from refpipe.storage.ledger_open import open_key
 from refpipe.storage.store import Store
 
 SWEEP_REASON = "sweep: no live holder (left behind by a crash)"
@@ -59,10 +61,11 @@ def sweep(store: Store, *, stopped: bool = False, dry_run: bool = False, abandon
 
     Leaked committed chunks are claimed and deleted through ``Ledger.delete_nodes``; leftover
     objects of unfinished deletes and leaked incomplete keeps are removed (events
-    ``finish_delete``, ``remove_incomplete``). Chunks of untrained step files and of steps a resume
-    replays (``_replayed``) are never touched, unless the run is abandoned. A ``stopped`` or ``abandon``
-    sweep then removes the empty directories below the run prefix (``Store.remove_empty_directories``: payload
-    shards of deleted chunks; none on S3).
+    ``finish_delete``, ``remove_incomplete``). The record of a suspended open branch whose segments it deletes (a
+    finished or abandoned run's) is removed first, so it can no longer be resumed. Chunks of untrained step files and
+    of steps a resume replays (``_replayed``) are never touched, unless the run is abandoned. A ``stopped`` or
+    ``abandon`` sweep then removes the empty directories below the run prefix (``Store.remove_empty_directories``:
+    payload shards of deleted chunks; none on S3).
 
     Args:
         stopped: as ``audit``: no process of the run is running. Checked by the sessions'
@@ -106,6 +109,8 @@ def sweep(store: Store, *, stopped: bool = False, dry_run: bool = False, abandon
         return SweepResult(dry_run=True, deleted=[store.uri(n) for n in whole],
                            finished_deletes=report.unfinished_deletes,
                            removed_incomplete=[store.uri(n) for n in incomplete], retained=[store.uri(n) for n in kept])
+    suspended = sorted({scan.open_nodes[n] for n in whole if n in scan.open_nodes})
+    store.delete_keys([open_key(b) for b in suspended])  # first: a crash after it leaves leaked segments, no record
     ledger = Ledger(store, SWEEP_ACTOR)
     result = _delete_nodes(ledger, whole, SWEEP_REASON)
     gone = _delete_nodes(ledger, kept, RETAINED_REASON)

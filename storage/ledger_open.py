@@ -2,20 +2,29 @@
 
 ``OpenBranch.suspend`` writes the committed segments of an open branch as ``ledger/open/<aa>/<bb>/<branch_id>.json``
 (a ``SuspendedBranch``) and a flushed ``suspend`` event naming it; ``Keeper.resume_branch`` (any env-server
-process, after a restart too) reads it back and continues appending. Closing or discarding the branch removes the
-record, so it is continued or discarded once. While the record exists the audit counts its segments as held by
-``open branch <id> (suspended)``; in a finished or abandoned run they are leaked and the sweep deletes them.
+process, after a restart too) reads it back, claims it (``claim_resume``) and continues appending. Closing or
+discarding the branch removes the record. Each resume of a record takes the claim ``<branch_id>.claim.<n>`` next to it
+(``n``: ``SuspendedBranch.resumes``) by an exclusive put, so of any number of processes resuming one record exactly
+one continues it; the others get an ``OpenBranchError`` naming who resumed it, before writing or deleting anything.
+A claim of a dead session (a resumer that crashed) is passed over to the next number; resume number ``n`` names its
+segments ``<branch_id>.r<n>.<index>``, so no resume reuses an id a crashed one may have written (its segments are
+leaked: the audit reports them, the sweep deletes them once).
+Claims stay (a few bytes each) so a process holding a stale record is refused too. While the record exists the
+audit counts its segments as held by ``open branch <id> (suspended)``; in a finished or abandoned run they are leaked
+and the sweep deletes them.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from refpipe.storage.chunk_ref import PayloadRef
-from refpipe.storage.errors import KeyNotFoundError, OpenBranchError, validation_problems
+from refpipe.storage.errors import KeyExistsError, KeyNotFoundError, OpenBranchError, validation_problems
 from refpipe.storage.layout import check_id
+from refpipe.storage.liveness import live_sessions
 from refpipe.storage.store import Store
 
 OPEN_PREFIX = "ledger/open"
@@ -31,6 +40,8 @@ class SuspendedBranch(BaseModel):
     segments: tuple[PayloadRef, ...]
     actor: str
     """The env-server worker that suspended it."""
+    resumes: int = 0
+    """Resumes of the branch before this record (the next resumer takes claim number ``resumes``)."""
 
     @property
     def num_tokens(self) -> int:
@@ -43,6 +54,51 @@ def open_key(branch_id: str) -> str:
     check_id(branch_id, "branch_id")
     digest = hashlib.blake2b(branch_id.encode(), digest_size=2).hexdigest()
     return f"{OPEN_PREFIX}/{digest[:2]}/{digest[2:]}/{branch_id}.json"
+
+
+def claim_key(branch_id: str, resume: int) -> str:
+    """Key of the claim of resume number ``resume`` of a suspended branch: next to its record, not ending ``.json``."""
+    return f"{open_key(branch_id).removesuffix('.json')}.claim.{resume}"
+
+
+def claim_resume(store: Store, branch_id: str, actor: str, session: str) -> SuspendedBranch | None:
+    """Claim the next resume of the suspended branch ``branch_id`` for the ledger session ``session`` of ``actor``:
+    the record as it stands once claimed, its ``resumes`` set to the claim's number, or None when there is none
+    (never suspended, closed or discarded). A claim whose session is dead (``storage.liveness``: a resumer that
+    crashed) is passed over: the next number is claimed, so a resumer's segment ids never repeat an earlier one's.
+
+    Raises:
+        OpenBranchError: a live session (or an unreadable claim) holds the resume (names the branch, the actor and
+            session that resumed it), or the record is unreadable.
+    """
+    record = read_suspended(store, branch_id)
+    if record is None:
+        return None
+    resume, body = record.resumes, json.dumps({"actor": actor, "session": session}).encode()
+    while True:
+        key = claim_key(branch_id, resume)
+        try:
+            store.put(key, body, exclusive=True)
+            break
+        except KeyExistsError:
+            winner = _claimer(store, key)
+            if winner is None or winner in live_sessions(store, [winner]):
+                who = "another process (its claim is unreadable)" if winner is None else \
+                    f"env worker {winner[0]} (ledger session {winner[1]})"
+                raise OpenBranchError(f"branch {branch_id}: already resumed by {who} (claim {store.uri(key)}): a "
+                                      f"suspended branch is continued or discarded once") from None
+            resume += 1
+    record = read_suspended(store, branch_id)  # as a dead claimer left it (suspended again, or closed)
+    return None if record is None else record.model_copy(update={"resumes": resume})
+
+
+def _claimer(store: Store, key: str) -> tuple[str, str] | None:
+    """``(actor, session)`` of the claim at ``key``; None when it is unreadable."""
+    try:
+        winner = json.loads(store.get(key))
+        return str(winner["actor"]), str(winner["session"])
+    except (KeyNotFoundError, ValueError, KeyError, TypeError):
+        return None
 
 
 def read_suspended(store: Store, branch_id: str) -> SuspendedBranch | None:
@@ -67,4 +123,4 @@ def read_suspended(store: Store, branch_id: str) -> SuspendedBranch | None:
     return record
 
 
-__all__ = ["OPEN_PREFIX", "SuspendedBranch", "open_key", "read_suspended"]
+__all__ = ["OPEN_PREFIX", "SuspendedBranch", "claim_key", "claim_resume", "open_key", "read_suspended"]

@@ -15,7 +15,7 @@ from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.pipeline.sweep import sweep
 from refpipe.storage.backends import open_store
 from refpipe.storage.chunk_read import fetch_arrays
-from refpipe.storage.errors import KeyExistsError, OpenBranchError
+from refpipe.storage.errors import OpenBranchError
 from refpipe.storage.layout import node_key
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.ledger_open import open_key
@@ -55,7 +55,7 @@ def test_a_branch_cut_at_a_step_boundary_is_held_then_continued_after_a_restart(
     for start, end in [(12, 20), (20, P + C)]:
         resumed.append(start, end, rows_of(fields, start, end))
     ref = resumed.close()
-    assert [s.branch_id for s in ref.segments] == ["long.0", "long.1", "long.2", "long.3"]
+    assert [s.branch_id for s in ref.segments] == ["long.0", "long.1", "long.r1.2", "long.r1.3"]
     assert not again.store.exists(open_key("long"))
     whole = again.keep(Branch(P, C, fields, branch_id="whole"))
     assert_same(fetch_arrays(again.store, ref), fetch_arrays(again.store, whole))
@@ -88,20 +88,62 @@ def test_routing_rows_of_the_last_token_wait_across_the_cut(local_config):
 def test_a_suspended_branch_is_continued_or_discarded_once(local_config):
     fields = fields_of(P, C, seed=3)
     keeper = keeper_of(local_config)
+    other = Keeper(keeper.store, Ledger(keeper.store, "env_worker_1"), CFG, local_config)
     branch = keeper.open_branch(P, branch_id="once")
     branch.append(0, 7, rows_of(fields, 0, 7))
     branch.suspend()
-    one, two = keeper.resume_branch("once"), keeper.resume_branch("once")
+    one = keeper.resume_branch("once")
+    with pytest.raises(OpenBranchError, match=rf"^branch once: already resumed by env worker env_worker_0 \(ledger "
+                                              rf"session {keeper.ledger.session}\) \(claim .*/once\.claim\.0\): a "
+                                              rf"suspended branch is continued or discarded once$"):
+        other.resume_branch("once")  # before writing or deleting anything
     one.append(7, 9, rows_of(fields, 7, 9))
-    with pytest.raises(KeyExistsError, match=r"branch 'once.1' was already kept in run"):
-        two.append(7, 9, rows_of(fields, 7, 9))
-    assert one.discard(reason="episode dropped").deleted == [keeper.store.uri(node_key(f"once.{i}")) for i in (0, 1)]
+    one.suspend()  # cut again: the next resume takes the next claim
+    two = other.resume_branch("once")
+    with pytest.raises(OpenBranchError, match=rf"^branch once: already resumed by env worker env_worker_1 \(ledger "
+                                              rf"session {other.ledger.session}\) \(claim .*/once\.claim\.1\)"):
+        keeper.resume_branch("once")
+    two.append(9, 12, rows_of(fields, 9, 12))
+    ref = two.close()
+    assert [s.branch_id for s in ref.segments] == ["once.0", "once.r1.1", "once.r2.2"]
+    whole = keeper.keep(Branch(P, 12 - P, rows_of(fields, 0, 12), branch_id="whole"))
+    assert_same(fetch_arrays(keeper.store, ref), fetch_arrays(keeper.store, whole))
     assert not keeper.store.exists(open_key("once"))
     with pytest.raises(OpenBranchError, match="no suspended branch of that id"):
         keeper.resume_branch("once")
+    assert other.discard([ref], reason="episode dropped").deleted == [
+        keeper.store.uri(node_key(n)) for n in ("once.0", "once.r1.1", "once.r2.2")]
+    keeper.discard([whole])
+    keeper.ledger.close()
+    other.ledger.close()
+    report = audit(keeper.store, finished=True)
+    assert (report.kept, report.deleted, report.present, report.double_deletes) == (4, 4, 0, 0) and report.clean
+
+
+def test_a_resumer_that_died_leaves_its_segments_to_the_sweep_and_no_id_is_reused(local_config):
+    fields = fields_of(P, C, seed=5)
+    keeper = keeper_of(local_config)
+    branch = keeper.open_branch(P, branch_id="crash")
+    branch.append(0, 7, rows_of(fields, 0, 7))
+    branch.suspend()
+    dying = Keeper(keeper.store, Ledger(keeper.store, "env_worker_1"), CFG, local_config)
+    dying.resume_branch("crash").append(7, 12, rows_of(fields, 7, 12))  # writes crash.r1.1, not in the record
+    dying.ledger.close()  # the resumer dies: its session is dead, its claim passed over
+    resumed = keeper.resume_branch("crash")
+    assert (resumed.num_tokens, [s.branch_id for s in resumed.segments]) == (7, ["crash.0"])
+    for start, end in [(7, 12), (12, P + C)]:
+        resumed.append(start, end, rows_of(fields, start, end))
+    ref = resumed.close()
+    assert [s.branch_id for s in ref.segments] == ["crash.0", "crash.r2.1", "crash.r2.2"]
+    whole = keeper.keep(Branch(P, C, fields, branch_id="whole"))
+    assert_same(fetch_arrays(keeper.store, ref), fetch_arrays(keeper.store, whole))
+    orphan = keeper.store.uri(node_key("crash.r1.1"))
+    assert audit(keeper.store).leaked_chunks == [orphan]
+    assert sweep(keeper.store).deleted == [orphan]
+    keeper.discard([ref, whole])
     keeper.ledger.close()
     report = audit(keeper.store, finished=True)
-    assert (report.kept, report.deleted, report.present, report.double_deletes) == (2, 2, 0, 0) and report.clean
+    assert (report.kept, report.deleted, report.present, report.double_deletes) == (5, 5, 0, 0) and report.clean
 
 
 def test_an_abandoned_open_branch_is_swept_whole(local_config):
@@ -118,5 +160,12 @@ def test_an_abandoned_open_branch_is_swept_whole(local_config):
     assert audit(keeper.store, stopped=True).outstanding_by_holder == {"open branch lost (suspended)": 3}
     swept = sweep(keeper.store, abandon=True)
     assert sorted(swept.deleted) == sorted(keeper.store.uri(node_key(f"lost.{i}")) for i in range(3))
+    assert not keeper.store.exists(open_key("lost"))  # its segments are gone: it can no longer be resumed
+    listed = CliRunner().invoke(app, ["ls", keeper.store.prefix.uri, "--json"], catch_exceptions=False)
+    assert json.loads(listed.stdout)["ledger"]["num_suspended_branches"] == 0
+    again = keeper_of(local_config)
+    with pytest.raises(OpenBranchError, match=r"^branch lost: no suspended branch of that id in run "):
+        again.resume_branch("lost")
+    again.ledger.close()
     report = audit(keeper.store, finished=True)
     assert (report.kept, report.deleted, report.present) == (3, 3, 0) and report.clean

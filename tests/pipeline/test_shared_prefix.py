@@ -140,6 +140,12 @@ def test_bad_holders_are_typed_errors_and_discards_release_the_prefix(keeper):
     assert branch.discard(reason="episode failed").deleted == [store.uri(node_key("a.1"))]
     keeper.release_holders(prefix, ["b"], reason="episode failed before opening")
     assert store.exists(chunk_keys(prefix.key)[0])
+    with pytest.raises(OpenBranchError, match=r"^branch b: prefix p was already released for holder 'b' "
+                                              r"\(release_holders, or a discard\): expected a holder that still holds "
+                                              r"it"):
+        keeper.open_branch(P, branch_id="b", prefix=prefix)  # else c's release would delete it while b is open
+    with pytest.raises(OpenBranchError, match=r"^branch a: prefix p was already released for holder 'a'"):
+        keeper.open_branch(P, branch_id="a", prefix=prefix)
     assert keeper.release_holders(prefix, ["c"]).deleted == [store.uri(prefix.key)]
     keeper.ledger.close()
     report = audit(store, finished=True)
