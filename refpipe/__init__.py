@@ -18,7 +18,8 @@ stack"); every other module is internal and may change:
   ``resume_plan`` (a ``ResumePlan``), then ``finish``, ``close``; ``TrainMicroBatch``, ``StepMetrics``;
 - configs: ``StorageConfig``, ``FieldsConfig``, ``OrchestratorConfig``, ``TrainerConfig``;
 - fields: ``FieldDecl`` and ``ValueChecks`` (declare a field), ``sglang_routed_experts`` and
-  ``engine_routed_experts`` (routing as inference engines return it);
+  ``engine_routed_experts`` (routing as inference engines return it), ``sglang_suffix_rows``, ``TurnRows`` and
+  ``r3_routing_rows`` (a turn's new routing rows, docs/fields.md);
 - storage: ``open_store``, ``Store``, ``PayloadRef``, ``fetch_arrays``;
 - step files, read-only (docs/step-files.md): ``read_step_file``, ``StepFile``;
 - errors: ``RefpipeError`` and its subclasses.
@@ -49,6 +50,8 @@ _WHERE = {
     "Ragged": "refpipe.pipeline.fields", "FieldsConfig": "refpipe.pipeline.fields",
     "FieldDecl": "refpipe.pipeline.field_decl", "ValueChecks": "refpipe.pipeline.field_decl",
     "sglang_routed_experts": "refpipe.pipeline.engines", "engine_routed_experts": "refpipe.pipeline.engines",
+    "sglang_suffix_rows": "refpipe.pipeline.engines", "TurnRows": "refpipe.pipeline.engines",
+    "r3_routing_rows": "refpipe.pipeline.engines",
     "Ledger": "refpipe.storage.ledger", "DeleteResult": "refpipe.storage.delete_result",
     "Orchestrator": "refpipe.pipeline.orchestrator", "OrchestratorConfig": "refpipe.pipeline.orchestrator",
     "Episode": "refpipe.pipeline.samples", "BranchResult": "refpipe.pipeline.samples",
@@ -82,16 +85,22 @@ __all__ = [
     "RunStillRunningError", "SliceError", "SliceId", "StepDataset", "StepFile", "StepFileError", "StepHeader",
     "StepMetrics", "StepMicroBatch", "StepOrderError", "StorageConfig", "StorageError", "Store", "SuspendedBranch",
     "TrainMicroBatch",
-    "TrainerConfig", "TrainerRank", "TrainingStep", "TransientStorageError", "TruncatedChunkError",
+    "TrainerConfig", "TrainerRank", "TrainingStep", "TransientStorageError", "TruncatedChunkError", "TurnRows",
     "UnknownRefError", "ValueChecks", "balanced_packer", "engine_routed_experts", "fetch_arrays",
     "first_fit_packer", "from_episode", "group_normalized", "init_process_group", "new_data_group", "open_store",
-    "publish_step", "read_step_file", "rloo", "sglang_routed_experts"
+    "publish_step", "r3_routing_rows", "read_step_file", "rloo", "sglang_routed_experts", "sglang_suffix_rows"
 ]
 """The public names, spelled out so that type checkers see them (pyright reads only a literal ``__all__``)."""
 
 if TYPE_CHECKING:
     from refpipe.pipeline.advantages import GroupRollouts, from_episode, group_normalized, rloo
-    from refpipe.pipeline.engines import engine_routed_experts, sglang_routed_experts
+    from refpipe.pipeline.engines import (
+        TurnRows,
+        engine_routed_experts,
+        r3_routing_rows,
+        sglang_routed_experts,
+        sglang_suffix_rows,
+    )
     from refpipe.pipeline.field_decl import FieldDecl, ValueChecks
     from refpipe.pipeline.fields import FieldsConfig, Ragged
     from refpipe.pipeline.keep import Branch, Keeper

@@ -16,10 +16,10 @@ PUBLIC = [
     "RunStillRunningError", "SliceError", "SliceId", "StepDataset", "StepFile", "StepFileError", "StepHeader",
     "StepMetrics", "StepMicroBatch", "StepOrderError", "StorageConfig", "StorageError", "Store", "SuspendedBranch",
     "TrainMicroBatch",
-    "TrainerConfig", "TrainerRank", "TrainingStep", "TransientStorageError", "TruncatedChunkError",
+    "TrainerConfig", "TrainerRank", "TrainingStep", "TransientStorageError", "TruncatedChunkError", "TurnRows",
     "UnknownRefError", "ValueChecks", "balanced_packer", "engine_routed_experts", "fetch_arrays",
     "first_fit_packer", "from_episode", "group_normalized", "init_process_group", "new_data_group", "open_store",
-    "publish_step", "read_step_file", "rloo", "sglang_routed_experts",
+    "publish_step", "r3_routing_rows", "read_step_file", "rloo", "sglang_routed_experts", "sglang_suffix_rows",
 ]
 
 
