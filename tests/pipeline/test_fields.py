@@ -124,6 +124,45 @@ def test_repeats_are_found_in_any_pair_of_slots():
             validate_branch({"routed_experts": routing}, cfg, num_prompt_tokens=1, num_completion_tokens=1, what="b")
 
 
+def test_a_repeat_in_any_slot_pair_of_a_full_size_routing_array_is_named_exactly():
+    """The distinct-expert check at bench/peers.py's shape ([4096, 48, 8] uint8, 128 experts): every one of the
+    28 slot pairs, in the first, a middle and the last (token, layer) row, is found and named."""
+    cfg = FieldsConfig(num_layers=48, top_k=8, num_experts=128)
+    rng = np.random.default_rng(0)
+    routing = ((rng.integers(0, 128, (4096, 48, 1)) + np.arange(8)) % 128).astype(np.uint8)
+    validate_branch({"routed_experts": routing}, cfg, num_prompt_tokens=1024, num_completion_tokens=3072, what="b")
+    for token, layer in [(0, 0), (2049, 17), (4095, 47)]:
+        for i in range(8):
+            for j in range(i + 1, 8):
+                bad = routing.copy()
+                bad[token, layer, j] = bad[token, layer, i]
+                with pytest.raises(FieldError) as info:
+                    validate_branch({"routed_experts": bad}, cfg, num_prompt_tokens=1024, num_completion_tokens=3072,
+                                    what="b")
+                assert str(info.value) == (f"b: field 'routed_experts': row {token} [num_layers {layer}] holds "
+                                           f"{bad[token, layer].tolist()}: expected 8 distinct ids (no router picks "
+                                           "one id twice for a token)")
+
+
+@pytest.mark.parametrize("dtype,repeat", [
+    ("int32", [-7, 5, -7]),       # signed integers: compared as their bits
+    ("<i2", [0, -32768, -32768]),
+    ("float32", [0.5, -1.0, 0.5]),  # not integers: compared with ==
+    ("float32", [0.0, -0.0, 1.0]),  # ... so 0.0 and -0.0 repeat, as == says
+])
+def test_a_declared_distinct_field_of_any_dtype_names_its_first_repeated_row(dtype, repeat):
+    from refpipe.pipeline.field_decl import FieldDecl
+    decl = FieldDecl.model_validate({"name": "ids", "dtypes": [dtype], "shape": [3], "checks": {"distinct": True}})
+    rows = np.array([[-1, 5, 2]] * 4, dtype)
+    validate_branch({"ids": rows}, FieldsConfig(declare=[decl]), num_prompt_tokens=1, num_completion_tokens=4, what="b")
+    rows[2] = repeat
+    with pytest.raises(FieldError) as info:
+        validate_branch({"ids": rows}, FieldsConfig(declare=[decl]), num_prompt_tokens=1, num_completion_tokens=4,
+                        what="b")
+    assert str(info.value) == (f"b: field 'ids': row 2 holds {rows[2].tolist()}: expected 3 distinct ids (no router "
+                               "picks one id twice for a token)")
+
+
 ALL_BUT_LAST = CFG.model_copy(update={"routing_rows": "all_but_last"})
 
 
