@@ -240,3 +240,20 @@ def test_env_worker_keeping_5000_branches_does_not_grow(local_config):
     growth = process.memory_info().rss - start
     assert growth < 4 << 20, f"RSS grew {growth} bytes over 4,500 keeps"
     assert len(store.list_prefix("payloads")) == 2 * 5000
+
+
+def test_a_keep_in_a_shard_seen_before_is_five_filesystem_calls(local_config):
+    """bench/keep_fetch.py's ``fs_ops_per_branch.keep`` floor (docs/benchmarks.md): the branch directory's ``mkdir``
+    and ``O_PATH`` open (the anchor no symlink is followed below), ``c.0`` created in place, ``zarr.json`` as an
+    ``O_TMPFILE`` linked whole; the ledger's keep event is buffered."""
+    from tests.storage.storage_helpers import FsOps
+    store = open_store(local_config)
+    keeper = Keeper(store, Ledger(store, "env_worker_0"), CFG, local_config)
+    shard = node_key("b0").rpartition("/")[0]
+    second = next(f"b{i}" for i in range(1, 10_000) if node_key(f"b{i}").rpartition("/")[0] == shard)
+    keeper.keep(Branch(P, C, fields_of(), "b0"))  # reaches (and caches) the run prefix, payloads and the shard
+    with FsOps(store.prefix.path) as ops:
+        ref = keeper.keep(Branch(P, C, fields_of(seed=1), second))
+    assert ops.ops == [("os.mkdir", second), ("open", second), ("open", DATA_NAME), ("open", "."),
+                       ("os.link", META_NAME)]
+    assert fetch_arrays(store, ref)["topk_ids"].tobytes() == fields_of(seed=1)["topk_ids"].tobytes()
