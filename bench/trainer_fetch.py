@@ -16,8 +16,8 @@ Three worlds of 2 ranks, one after the other (each its own processes, so peak RS
            ``BufferPool``: from the second round on, the previous round's memory) +
            ``TrainerRank.stand_in_dropped``. ``fetch_assemble_vs_limit`` = median over rounds
            of limit seconds / refpipe seconds, scaled to the same bytes, min over ranks. Between
-           the two, the limit's reads again in 256 KiB pieces, each checksummed (crc32c) right after its read on the
-           same thread, as refpipe's fetch does:
+           the two, the limit's reads again in 256 KiB pieces, each checksummed (refpipe's crc32c,
+           ``storage.checksum``) right after its read on the same thread, as refpipe's fetch does:
            ``read_crc32c_vs_limit``, the most a fetch that verifies every byte read could reach.
 ``no_prefetch`` / ``prefetch``  ``--steps`` full ``TrainerRank.run_step`` calls each
            (``TrainerConfig.prefetch_next_step`` off / on) whose ``train`` sleeps
@@ -54,7 +54,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import crc32c
 import numpy as np
 from _args import positive_int  # noqa: E402  (bench/ is sys.path[0] when run as a script)
 
@@ -63,6 +62,7 @@ from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.pipeline.step_file import StepFile, publish_step_file
 from refpipe.pipeline.step_header import SCHEMA_VERSION, MicroBatchRecord, SequenceRecord, StepHeader
 from refpipe.storage.backends import open_store
+from refpipe.storage.checksum import crc32c
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.layout import chunk_keys
 from refpipe.storage.ledger import Ledger
@@ -131,7 +131,7 @@ def read_limit(paths: list[str], buffers: list[np.ndarray], threads: int, *, che
             for start in range(0, buf.nbytes, PIECE_BYTES):
                 piece = buf[start : start + PIECE_BYTES]
                 n += os.preadv(fd, [piece], start)
-                crc = crc32c.crc32c(piece, crc)
+                crc = crc32c(piece, crc)
             return n
         finally:
             os.close(fd)

@@ -25,13 +25,13 @@ import os
 import zipfile
 from collections.abc import Mapping
 
-import crc32c
 import numpy as np
 from pydantic import ValidationError
 
 from refpipe.pipeline.step_header import SCHEMA_VERSION, STREAMS, StepHeader
 from refpipe.pipeline.step_zip import npy_header_bytes, stream_member
 from refpipe.storage.backends import open_store
+from refpipe.storage.checksum import crc32c
 from refpipe.storage.chunk_ref import REF_ROWS_CHECKED_PER_USE
 from refpipe.storage.config import run_storage
 from refpipe.storage.errors import ConfigError, KeyExistsError, StepFileError, validation_problems
@@ -67,7 +67,7 @@ def encode_step_file(header: StepHeader, streams: Mapping[tuple[int, int], Mappi
             # the .npy bytes np.lib.format.write_array writes: its 1.0 header, then the array
             members[member_name(mb.dp_rank, mb.index, name)] = (npy_header_bytes(dtype, mb.num_tokens),
                                                                 np.ascontiguousarray(a).view(np.uint8))
-    crcs = {member: crc32c.crc32c(body, crc32c.crc32c(head))  # type: ignore[arg-type]  # numpy stubs: an ndarray is a Buffer only from Python 3.12
+    crcs = {member: crc32c(body, crc32c(head))
             for member, (head, body) in members.items()}
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as zf:

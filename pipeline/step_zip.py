@@ -15,8 +15,9 @@ import struct
 import zipfile
 from collections.abc import Mapping
 
-import crc32c
 import numpy as np
+
+from refpipe.storage.checksum import crc32c
 
 _END = struct.Struct("<4s4H2LH")
 """Zip's end of central directory record (APPNOTE 4.3.16): signature, disk numbers, entry counts, central
@@ -104,7 +105,7 @@ def stream_member(data: memoryview, zf: zipfile.ZipFile, member: str, dtype: str
     body = member_bytes(data, info)
     if member not in crcs:
         raise ValueError(f"member {member} has no crc32c in the header (stream_crc32c)")
-    crc = crc32c.crc32c(body)
+    crc = crc32c(body)
     if crc != crcs[member]:
         raise ValueError(f"member {member}: crc32c {crc:#010x}, the header records {crcs[member]:#010x} "
                          f"(corrupted step file)")

@@ -21,9 +21,9 @@ import datetime
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
-import crc32c
 import numpy as np
 
+from refpipe.storage.checksum import crc32c
 from refpipe.storage.chunk_codec import check_checksum, check_length, decode_payload, view_array
 from refpipe.storage.chunk_ref import ArrayLayout, PayloadRef, domain_rows
 from refpipe.storage.errors import (
@@ -242,7 +242,7 @@ def _read_whole_into(store: Store, data_key: str, ref: PayloadRef, out: dict[str
     def checksum(i: int, piece: memoryview) -> None:  # each piece right after its read, while in cache
         nonlocal crc
         if i != stored_at:
-            crc = crc32c.crc32c(piece, crc)
+            crc = crc32c(piece, crc)
 
     check_length(ref, store.get_into(data_key, buffers, checksum), ref.uri)
     check_checksum(ref, crc, int(buffers[-1].view("<u4")[0]), ref.uri)
@@ -329,7 +329,7 @@ def _read_rows(store: Store, data_key: str, ref: PayloadRef, lay: ArrayLayout, r
     data = store.retrying(f"read {ref.uri}", read, retry=TruncatedChunkError)
     block_nbytes = ref.block_rows * row_nbytes
     for b in range(blocks):
-        computed = crc32c.crc32c(memoryview(data)[b * block_nbytes : (b + 1) * block_nbytes])
+        computed = crc32c(memoryview(data)[b * block_nbytes : (b + 1) * block_nbytes])
         if computed != lay.block_crcs[b]:
             first = b * ref.block_rows
             raise ChunkCorruptError(

@@ -13,7 +13,6 @@ import math
 from collections.abc import Mapping
 from typing import Literal, NamedTuple
 
-import crc32c
 import numpy as np
 from pydantic import (
     BaseModel,
@@ -26,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from refpipe.storage.checksum import crc32c
 from refpipe.storage.errors import ConfigError, OutsideRunError
 from refpipe.storage.layout import ID_RULE, is_id, node_key
 
@@ -224,7 +224,7 @@ class PayloadRef(BaseModel):
 
 def segments_checksum(segments: tuple[PayloadRef, ...]) -> int:
     """A segmented ref's ``checksum``: crc32c of its segments' checksums (uint32 little-endian, in order)."""
-    return int(crc32c.crc32c(np.array([s.checksum for s in segments], "<u4").tobytes()))
+    return int(crc32c(np.array([s.checksum for s in segments], "<u4").tobytes()))
 
 
 def segment_tokens(num_prompt_tokens: int, start: int, end: int) -> tuple[int, int]:

@@ -16,9 +16,9 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-import crc32c
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from refpipe.storage.checksum import crc32c
 from refpipe.storage.errors import DeleteRecordError, KeyNotFoundError, validation_problems
 from refpipe.storage.layout import node_key, release_prefix, tombstone_key
 from refpipe.storage.store import Store
@@ -41,7 +41,7 @@ def encode_record(event: Mapping[str, Any]) -> bytes:
     """
     if CRC_FIELD in event:
         raise ValueError(f"ledger event {event.get('event')!r}: the field name {CRC_FIELD!r} is the line's own")
-    crc = crc32c.crc32c(canonical_record(event))
+    crc = crc32c(canonical_record(event))
     return json.dumps({**event, CRC_FIELD: f"{crc:08x}"}, separators=(",", ":")).encode() + b"\n"
 
 
@@ -56,7 +56,7 @@ def _decode_record(line: bytes) -> dict[str, Any]:
     if not isinstance(event, dict) or not isinstance(event.get("event"), str):
         raise ValueError(f"{line[:40]!r}: expected a JSON object with an 'event' name")
     stored = event.pop(CRC_FIELD, None)
-    computed = f"{crc32c.crc32c(canonical_record(event)):08x}"
+    computed = f"{crc32c(canonical_record(event)):08x}"
     if stored != computed:
         raise ValueError(f"crc32c {computed} of the record, the line says {stored!r} (changed after it was "
                          f"written)" if stored is not None else f"{line[:40]!r}: no {CRC_FIELD!r} field")

@@ -44,8 +44,9 @@ class ConfinedPrefix:
         """A read-only fd of ``key`` (``OutsideRunError`` through a symlink; other failures as raised).
 
         One ``openat`` of the rest of the key's path from the deepest cached directory handle, kept only when the
-        file's kernel path (``/proc/self/fd``) is that handle's path plus the rest, so no symlink led there;
-        otherwise (and on any error) the fd is closed unread and the key is walked to one component at a time.
+        file's kernel path (``/proc/self/fd``) is that handle's path plus the rest, so no symlink led there and the
+        directory was not moved (that one ``readlink`` is the read's only check of the handle); otherwise (and on
+        any error) the fd is closed unread and the key is walked to one component at a time.
         """
         fast = self._open_below_handle(key)
         if fast is not None:
@@ -66,7 +67,7 @@ class ConfinedPrefix:
         parts = self.prefix.check_key(key).split("/")
         directories = ["/".join(parts[:i]) for i in range(len(parts))]
         handles = self.handles
-        leased = handles.lease(directories)
+        leased = handles.lease(directories, check_path=False)  # the file's own path is checked below
         if leased is None:
             return None
         rest = key[len(leased[0]) + 1:] if leased[0] else key

@@ -51,9 +51,11 @@ class DirectoryHandles:
                 os.close(handle.fd)
             self._pid, self._lock, self._handles, self._orphans = os.getpid(), threading.Lock(), OrderedDict(), {}
 
-    def lease(self, keys: list[str]) -> tuple[str, int] | None:
+    def lease(self, keys: list[str], *, check_path: bool = True) -> tuple[str, int] | None:
         """The deepest of ``keys`` (directory keys, shallowest first) that has a handle, and its fd, which stays
-        open until ``release``; None when none has. The path check runs outside the lock (a ``readlink``)."""
+        open until ``release``; None when none has. The path check runs outside the lock (a ``readlink``);
+        ``check_path=False`` skips it for a caller that checks the path of what it opens below the handle instead
+        (``ConfinedPrefix.open_read``: one ``readlink`` per read, not two)."""
         self._check_fork()
         for key in reversed(keys):
             with self._lock:
@@ -61,7 +63,7 @@ class DirectoryHandles:
                 if handle is None:
                     continue
                 handle.users += 1
-            if handle.path and path_of(handle.fd) == handle.path:
+            if handle.path and (not check_path or path_of(handle.fd) == handle.path):
                 with self._lock:
                     if self._handles.get(key) is handle:
                         self._handles.move_to_end(key)

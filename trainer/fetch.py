@@ -15,7 +15,7 @@ planning it names (``MicroBatchPlan.read_targets``: its first sequence that keep
 as are fetched), which then records them as read (``mark_read``); its other uses (a borrowed padding dummy, a
 shorter cut) and cut or compressed chunks are copied. The thread that fetches a micro
 batch's last chunk finishes it (``finish_micro_batch``: the copies, padding, streams), hashes it
-(``micro_batch_hash``: the step's replay hash, so the rank's main thread never reads the step's bytes
+(``micro_batch_hash``: the step's replay hash, over the refs and what assembly made, not the rows read
 again) and then drops the chunks no other micro batch needs. A micro batch that fails is dropped
 whole, so rows written into it before the failure never reach training.
 """
@@ -225,7 +225,7 @@ class _OwnFetch:
             except RefpipeError as e:
                 self._fail([index], f"micro batch {index}: {type(e).__name__}: {e}")
             else:
-                digest = micro_batch_hash(done)  # xxhash releases the GIL: it runs beside the other fetches
+                digest = micro_batch_hash(done, self.header.refs)
                 with self.lock:
                     self.out.assembled[index], self.out.hashes[index] = done, digest
         with self.lock:

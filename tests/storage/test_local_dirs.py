@@ -56,9 +56,12 @@ def test_a_cached_directory_moved_out_and_replaced_by_a_symlink_is_refused(local
     os.symlink(elsewhere, f"{store.prefix.path}/payloads/ab")
     expected = (f"{store.uri('payloads/ab/b1/c.0')}: {store.uri('payloads/ab')} is a symlink: the local store never "
                 "follows a symlink below the run prefix")
-    with pytest.raises(OutsideRunError) as info:
+    with FsOps(store.prefix.path) as ops, pytest.raises(OutsideRunError) as info:
         store.get("payloads/ab/b1/c.0")
     assert str(info.value) == expected
+    # the read opens c.0 through the moved directory's handle (not path-checked first), finds the file elsewhere,
+    # closes it unread and walks: the stale handles are dropped there and the symlink refused
+    assert ops.ops == [("open", "c.0"), ("open", "ab")]
     with pytest.raises(OutsideRunError):
         store.put("payloads/ab/b1/zarr.json", b"{}", exclusive=True)
     with pytest.raises(OutsideRunError):

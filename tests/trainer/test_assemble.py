@@ -146,7 +146,7 @@ def test_fetch_own_dedups_reads_kept_rows_assembles_and_flags_failed_micro_batch
     for index, mb in fetched.assembled.items():
         assert_same(flatten(mb.streams, mb.cu_seqlens, mb.fields), expected_micro_batch(step, 1, index))
     # the replay hashes come with the fetch (hashed on the fetch threads), each over its micro batch as assembled
-    assert fetched.hashes == {index: micro_batch_hash(mb) for index, mb in fetched.assembled.items()}
+    assert fetched.hashes == {index: micro_batch_hash(mb, header.refs) for index, mb in fetched.assembled.items()}
     assert len(set(fetched.hashes.values())) == 2
     store.delete_keys(list(chunk_keys(header.refs[4].key)))  # d: used by DP 1 index 1
     fetched = fetch_own(store, step_file, 1, FIELDS, max_concurrency=4)
@@ -170,23 +170,36 @@ def test_to_torch_widens_streams_once_and_shares_field_memory(local):
     assert_same(flatten(t.streams, t.cu_seqlens, t.fields), expected_micro_batch(step, 0, 0), widened=True)
 
 
-def test_micro_batch_hash_is_xxh3_128_of_every_array_and_its_name_dtype_and_shape(local):
+def test_micro_batch_hash_is_xxh3_128_of_the_refs_and_what_assembly_made(local):
     store, step = local
     header = step.header
     arrays = {i: fetch_arrays(store, header.refs[i], n) for i, n in own_requests(header, 0).items()}
     mb = assemble_micro_batch(header.micro_batches_of(0)[0], step.streams[(0, 0)], arrays, header.refs,
                               seq_len=SEQ_LEN, fields=FIELDS)
+    digest = micro_batch_hash(mb, header.refs)
     # pinned: a replay after a crash compares it with the first life's (trainer metrics); XXH3-128, not BLAKE2b
-    assert micro_batch_hash(mb) == "30c05e019bbaba8894193bcf27f828d4"
+    assert digest == "a96d6163ff8ab62faceb049cdd351433"
     changed = dict(mb.streams, advantages=mb.streams["advantages"].copy())
     changed["advantages"][3] += 1
-    assert micro_batch_hash(dataclasses.replace(mb, streams=changed)) != micro_batch_hash(mb)
+    assert micro_batch_hash(dataclasses.replace(mb, streams=changed), header.refs) != digest
+    topk = mb.fields["topk_ids"]
+    row_ids = topk.row_ids.copy()
+    row_ids[0] = 0  # made by assembly, hashed by its bytes (padding rows too: tests/trainer/test_declared_fields.py)
+    assert micro_batch_hash(dataclasses.replace(mb, fields={**mb.fields, "topk_ids": dataclasses.replace(
+        topk, row_ids=row_ids)}), header.refs) != digest
     routing = mb.fields["routed_experts"]
+    # rows read from a chunk enter by the ref the fetch checked them against (another crc32c: another digest) ...
+    first = mb.record.sequences[0].ref
+    other = list(header.refs)
+    other[first] = other[first].model_copy(update={"checksum": other[first].checksum ^ 1})
+    assert micro_batch_hash(mb, other) != digest
+    # ... not by a second pass over their bytes: a chunk holding other bytes fails its fetch with ChunkCorruptError
+    # (tests/trainer/test_fetch_direct.py, a flipped byte), so its micro batch is dropped and never hashed
     padded = routing.padded.copy()
-    padded[1, 0, 0] += 1  # a real token's row: read through ``padded`` only (``values`` is its view)
-    changed = dataclasses.replace(routing, padded=padded, values=padded[: len(routing.values)])
-    assert micro_batch_hash(dataclasses.replace(mb, fields={**mb.fields, "routed_experts": changed})) \
-        != micro_batch_hash(mb)
+    padded[1, 0, 0] += 1
+    changed_routing = dataclasses.replace(routing, padded=padded, values=padded[: len(routing.values)])
+    assert micro_batch_hash(dataclasses.replace(mb, fields={**mb.fields, "routed_experts": changed_routing}),
+                            header.refs) == digest
 
 
 def test_assemble_imports_without_torch():

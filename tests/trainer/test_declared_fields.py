@@ -77,8 +77,9 @@ def test_declared_fields_assemble_by_their_declarations(built):
     tags = mb.fields["prompt_tags"]
     assert tags.values.dtype == np.int16 and tags.values.tolist() == [*range(6), *range(4)]
     assert tags.counts.tolist() == [2] * 5 and tags.row_ids.tolist() == image.row_ids.tolist()
-    image.values[0, 0] += 1  # the replay hash covers every declared field's bytes
-    assert micro_batch_hash(mb) != fetched.hashes[0]
+    assert micro_batch_hash(mb, StepFile.read(store, 0).header.refs) == fetched.hashes[0]
+    values.padded[-1] = 1.0  # the replay hash covers every declared field's padding rows (and each ref)
+    assert micro_batch_hash(mb, StepFile.read(store, 0).header.refs) != fetched.hashes[0]
 
 
 def test_the_cli_shows_and_verifies_declared_fields(built, tmp_path):
