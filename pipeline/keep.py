@@ -106,8 +106,8 @@ class Keeper:
 
     def resume_branch(self, branch_id: str) -> OpenBranch:
         """Continue a branch suspended at a step boundary (``OpenBranch.suspend``), by this or an earlier process:
-        open again at its committed tokens (``OpenBranch.num_tokens``; the next append starts there, giving one row
-        fewer of an ``all_but_last`` field, as the first append does).
+        open again at its appended tokens (``OpenBranch.num_tokens``; the next append starts there and gives the rows
+        it would have given had the branch not been cut).
 
         Raises:
             OpenBranchError: no suspended branch of that id (never suspended, or already closed or discarded), its

@@ -29,7 +29,7 @@ from refpipe.storage.delete_result import DeleteResult
 from refpipe.storage.errors import FieldError, OpenBranchError
 from refpipe.storage.layout import check_id, node_key
 from refpipe.storage.ledger_holds import released_holders
-from refpipe.storage.ledger_open import SuspendedBranch, claim_resume, open_key
+from refpipe.storage.ledger_open import SuspendedBranch, WaitingRows, claim_resume, open_key
 
 if TYPE_CHECKING:
     from refpipe.pipeline.keep import Keeper
@@ -155,8 +155,10 @@ class OpenBranch:
     def suspend(self) -> SuspendedBranch:
         """Cut the branch at a step boundary: write its buffered rows, record its segments durably
         (``storage.ledger_open``: a record under the run and a flushed ``suspend`` event) and close this object.
-        Any env-server process continues it with ``Keeper.resume_branch`` from ``SuspendedBranch.num_tokens``
-        (with ``all_but_last`` fields, the last appended token is not committed: its row had not arrived).
+        Any env-server process continues it with ``Keeper.resume_branch`` from ``SuspendedBranch.num_tokens`` (every
+        appended token), as if it had not been cut. With ``all_but_last`` fields the last appended token's row has
+        not arrived: its other rows are kept in the record (``SuspendedBranch.waiting``) and its row comes with the
+        resumed branch's next append.
 
         Raises:
             OpenBranchError: the branch is closed.
@@ -165,9 +167,11 @@ class OpenBranch:
         self._check_open("suspend")
         if not self._short:
             self._flush(self.num_tokens - 1 if self._lagging & self._specs.keys() else self.num_tokens)
+        waiting = WaitingRows.of(self.num_tokens - self._start, self._specs, self._pending) \
+            if self._start < self.num_tokens else None
         record = SuspendedBranch(branch_id=self.branch_id, num_prompt_tokens=self.num_prompt_tokens,
                                  segments=tuple(self.segments), actor=self.keeper.ledger.actor,
-                                 resumes=self._resumes)
+                                 resumes=self._resumes, waiting=waiting)
         self.keeper.store.put(open_key(self.branch_id), record.model_dump_json().encode())
         self.keeper.ledger.record("suspend", branch_id=self.branch_id, num_tokens=record.num_tokens,
                                   segments=[s.branch_id for s in self.segments])
@@ -189,6 +193,10 @@ class OpenBranch:
         check_id(branch._segment_id(MAX_SEGMENTS), f"branch_id {branch_id!r} with a resume and segment index")
         branch.segments = list(record.segments)
         branch.num_tokens = branch._start = record.num_tokens
+        if record.waiting:  # the last token's rows; its all_but_last rows come with the next append
+            branch._start -= record.waiting.num_tokens
+            branch._specs, branch._short = dict(record.waiting.arrays), False
+            branch._pending = {n: [a] for n, a in record.waiting.rows().items()}
         branch._suspended = True
         keeper.ledger.record("resume", branch_id=branch_id, num_tokens=record.num_tokens, suspended_by=record.actor)
         return branch
