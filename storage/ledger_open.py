@@ -102,6 +102,35 @@ def claim_key(branch_id: str, resume: int) -> str:
     return f"{open_key(branch_id).removesuffix('.json')}.claim.{resume}"
 
 
+def opened_key(branch_id: str) -> str:
+    """Key of the claim of an open branch's id, taken when it is opened: ``<record key without .json>.opened``."""
+    return f"{open_key(branch_id).removesuffix('.json')}.opened"
+
+
+def claim_branch_id(store: Store, branch_id: str, actor: str, session: str) -> None:
+    """Claim ``branch_id`` for a branch opened by the ledger session ``session`` of ``actor``: one exclusive put of
+    ``opened_key`` per opened branch (none per append), kept for the run, so no later open reuses the id.
+
+    Raises:
+        OpenBranchError: the id was opened before in this run (names the env worker and ledger session that did).
+        StorageError: the put failed (after the store's retries).
+    """
+    key = opened_key(branch_id)
+    try:
+        store.put(key, json.dumps({"actor": actor, "session": session}).encode(), exclusive=True)
+    except KeyExistsError:
+        raise OpenBranchError(f"branch {branch_id}: already opened in run {store.prefix.uri} by {_who(store, key)} "
+                              f"(claim {store.uri(key)}): branch ids are unique per run; open the branch under a new "
+                              f"id") from None
+
+
+def _who(store: Store, key: str) -> str:
+    """``env worker <actor> (ledger session <session>)`` of the claim at ``key``."""
+    winner = _claimer(store, key)
+    return "another process (its claim is unreadable)" if winner is None else \
+        f"env worker {winner[0]} (ledger session {winner[1]})"
+
+
 def claim_resume(store: Store, branch_id: str, actor: str, session: str) -> SuspendedBranch | None:
     """Claim the next resume of the suspended branch ``branch_id`` for the ledger session ``session`` of ``actor``:
     the record as it stands once claimed, its ``resumes`` set to the claim's number, or None when there is none
@@ -124,10 +153,8 @@ def claim_resume(store: Store, branch_id: str, actor: str, session: str) -> Susp
         except KeyExistsError:
             winner = _claimer(store, key)
             if winner is None or winner in live_sessions(store, [winner]):
-                who = "another process (its claim is unreadable)" if winner is None else \
-                    f"env worker {winner[0]} (ledger session {winner[1]})"
-                raise OpenBranchError(f"branch {branch_id}: already resumed by {who} (claim {store.uri(key)}): a "
-                                      f"suspended branch is continued or discarded once") from None
+                raise OpenBranchError(f"branch {branch_id}: already resumed by {_who(store, key)} (claim "
+                                      f"{store.uri(key)}): a suspended branch is continued or discarded once") from None
             resume += 1
     record = read_suspended(store, branch_id)  # as a dead claimer left it (suspended again, or closed)
     return None if record is None else record.model_copy(update={"resumes": resume})
@@ -164,4 +191,5 @@ def read_suspended(store: Store, branch_id: str) -> SuspendedBranch | None:
     return record
 
 
-__all__ = ["OPEN_PREFIX", "SuspendedBranch", "WaitingRows", "claim_key", "claim_resume", "open_key", "read_suspended"]
+__all__ = ["OPEN_PREFIX", "SuspendedBranch", "WaitingRows", "claim_branch_id", "claim_key", "claim_resume",
+           "open_key", "opened_key", "read_suspended"]

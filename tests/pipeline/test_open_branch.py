@@ -221,3 +221,26 @@ def test_a_segmented_ref_whose_segments_disagree_is_refused(local_config, monkey
 
 def stored_le(fields: dict) -> dict[str, np.ndarray]:
     return {n: np.ascontiguousarray(a, a.dtype.newbyteorder("<")) for n, a in stored(fields).items()}
+
+
+def test_a_branch_id_is_claimed_when_the_branch_is_opened(local_config):
+    keeper = keeper_of(local_config)
+    other = Keeper(keeper.store, Ledger(keeper.store, "env_worker_1"), CFG, local_config)
+    fields = fields_of(P, C, seed=13)
+    first = keeper.open_branch(P, branch_id="twice")
+    for opener in (keeper, other):  # before any row is appended, in this process or another
+        with pytest.raises(OpenBranchError, match=rf"^branch twice: already opened in run .* by env worker "
+                                                  rf"env_worker_0 \(ledger session {keeper.ledger.session}\) \(claim "
+                                                  rf".*/twice\.opened\): branch ids are unique per run; open the "
+                                                  rf"branch under a new id$"):
+            opener.open_branch(P, branch_id="twice")
+    first.append(0, P + C, rows_of(fields, 0, P + C))
+    ref = first.close()
+    with pytest.raises(OpenBranchError, match=r"^branch twice: already opened"):
+        other.open_branch(P, branch_id="twice")  # closed, the id stays taken for the run
+    assert_same(fetch_arrays(keeper.store, ref), stored_le(fields))
+    keeper.discard([ref])
+    keeper.ledger.close()
+    other.ledger.close()
+    report = audit(keeper.store, finished=True)
+    assert (report.kept, report.deleted, report.present) == (1, 1, 0) and report.clean
