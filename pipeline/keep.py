@@ -114,9 +114,9 @@ class Keeper:
         it would have given had the branch not been cut).
 
         Raises:
-            OpenBranchError: no suspended branch of that id (never suspended, or already closed or discarded), its
-                record is unreadable, or another process resumed it (names its actor and ledger session; nothing
-                written or deleted: of all resumers of one record exactly one continues it).
+            OpenBranchError: no suspended branch of that id (names why: who closed or discarded it, or opened it and
+                never suspended it), its record is unreadable, or another process resumed it (names its actor and
+                ledger session; nothing written or deleted: of all resumers of one record exactly one continues it).
         """
         return OpenBranch.resume(self, branch_id)
 

@@ -124,6 +124,21 @@ def claim_branch_id(store: Store, branch_id: str, actor: str, session: str) -> N
                               f"id") from None
 
 
+def why_no_record(store: Store, branch_id: str) -> str:
+    """Why a branch has no suspended record, for an error: its last resumer closed or discarded it (the holder of its
+    highest resume claim), else who opened it and never suspended it; a sweep may have removed the record too.
+    Reads the claims one by one (an error path: one read per resume)."""
+    last, resume = None, 0
+    while store.exists(claim_key(branch_id, resume)):
+        last, resume = claim_key(branch_id, resume), resume + 1
+    if last is not None:
+        return f"already closed or discarded by {_who(store, last)}, its last resumer (claim {store.uri(last)}), or " \
+               f"its record removed by a sweep"
+    if store.exists(opened_key(branch_id)):
+        return f"opened by {_who(store, opened_key(branch_id))} and never suspended, or its record removed by a sweep"
+    return "never opened in this run"
+
+
 def _who(store: Store, key: str) -> str:
     """``env worker <actor> (ledger session <session>)`` of the claim at ``key``."""
     winner = _claimer(store, key)
@@ -192,4 +207,4 @@ def read_suspended(store: Store, branch_id: str) -> SuspendedBranch | None:
 
 
 __all__ = ["OPEN_PREFIX", "SuspendedBranch", "WaitingRows", "claim_branch_id", "claim_key", "claim_resume",
-           "open_key", "opened_key", "read_suspended"]
+           "open_key", "opened_key", "read_suspended", "why_no_record"]

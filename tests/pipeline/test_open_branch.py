@@ -151,10 +151,10 @@ def test_bad_use_is_a_typed_error_naming_the_input_and_nothing_leaks(local_confi
     for start, end in TURNS[1:]:
         branch.append(start, end, rows_of(fields, start, end))
     ref = branch.close()
-    with pytest.raises(OpenBranchError, match=r"^branch bad: close: the branch is closed \(closed or discarded "
-                                              r"after 30 tokens\)"):
+    with pytest.raises(OpenBranchError, match=r"^branch bad: close: the branch was closed after 30 tokens: expected "
+                                              r"an open branch; open a new branch$"):
         branch.close()
-    with pytest.raises(OpenBranchError, match=r"^branch bad: append rows \[30, 31\): the branch is closed"):
+    with pytest.raises(OpenBranchError, match=r"^branch bad: append rows \[30, 31\): the branch was closed"):
         branch.append(30, 31, rows_of(fields, 29, 30))
     assert_same(fetch_arrays(keeper.store, ref), stored_le(fields))
     result = keeper.discard([ref])
@@ -193,7 +193,8 @@ def test_discarding_an_open_branch_deletes_its_segments_once(local_config, monke
     branch.append(7, 8, rows_of(fields, 7, 8))
     result = branch.discard(reason="episode abandoned")
     assert result.deleted == [keeper.store.uri(node_key("gone.0")), keeper.store.uri(node_key("gone.1"))]
-    with pytest.raises(OpenBranchError, match="the branch is closed"):
+    with pytest.raises(OpenBranchError, match=r"^branch gone: append rows \[8, 9\): the branch was discarded after 8 "
+                                              r"tokens"):
         branch.append(8, 9, rows_of(fields, 8, 9))
 
 

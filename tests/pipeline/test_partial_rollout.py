@@ -44,7 +44,9 @@ def test_a_branch_cut_at_a_step_boundary_is_held_then_continued_after_a_restart(
         branch.append(start, end, rows_of(fields, start, end))
     suspended = branch.suspend()
     assert (suspended.num_tokens, [s.branch_id for s in suspended.segments]) == (12, ["long.0", "long.1"])
-    with pytest.raises(OpenBranchError, match=r"^branch long: append rows \[12, 13\): the branch is closed"):
+    with pytest.raises(OpenBranchError, match=r"^branch long: append rows \[12, 13\): the branch was suspended after "
+                                              r"12 tokens: expected an open branch; resume it \(Keeper.resume_branch"
+                                              r"\('long'\)\) and use the branch that returns$"):
         branch.append(12, 13, rows_of(fields, 12, 13))
     first.ledger.close()  # the env server restarts
     assert audit(first.store).outstanding_by_holder == {"open branch long (suspended)": 2}
@@ -59,9 +61,19 @@ def test_a_branch_cut_at_a_step_boundary_is_held_then_continued_after_a_restart(
     assert not again.store.exists(open_key("long"))
     whole = again.keep(Branch(P, C, fields, branch_id="whole"))
     assert_same(fetch_arrays(again.store, ref), fetch_arrays(again.store, whole))
-    with pytest.raises(OpenBranchError, match=r"^branch long: no suspended branch of that id in run .* \(never "
-                                              r"suspended, or already closed or discarded\)"):
+    with pytest.raises(OpenBranchError, match=rf"^branch long: no suspended branch of that id in run .* \(already "
+                                              rf"closed or discarded by env worker env_worker_0 \(ledger session "
+                                              rf"{again.ledger.session}\), its last resumer \(claim .*/long\.claim\.0"
+                                              rf"\), or its record removed by a sweep\)$"):
         again.resume_branch("long")
+    with pytest.raises(OpenBranchError, match=r"^branch never: no suspended branch of that id in run .* \(never "
+                                              r"opened in this run\)$"):
+        again.resume_branch("never")
+    again.open_branch(P, branch_id="open").discard()
+    with pytest.raises(OpenBranchError, match=rf"^branch open: no suspended branch of that id in run .* \(opened by "
+                                              rf"env worker env_worker_0 \(ledger session {again.ledger.session}\) "
+                                              rf"and never suspended, or its record removed by a sweep\)$"):
+        again.resume_branch("open")
     again.discard([ref, whole])
     again.ledger.close()
     orchestrator.close()
