@@ -194,6 +194,7 @@ def _check_shape(micro_batches: Sequence[Sequence[StepMicroBatch]], step: int, s
             for name, dtype in expected.items():
                 _check_stream(mb.streams.get(name), f"{what} stream {name!r}", dtype, num_tokens)
             _check_values(mb.streams, what, fields.vocab_size)
+            _check_temperatures(mb, what)
             _check_required(mb, what, fields)
 
 
@@ -208,6 +209,22 @@ def _check_values(streams: Mapping[str, np.ndarray], what: str, vocab_size: int 
         problem = f"advantages[{bad}] = {float(advantages[bad])}: expected a finite float"
     if problem:
         raise PackingError(f"{what} stream {problem}")
+
+
+def _check_temperatures(mb: StepMicroBatch, what: str) -> None:
+    """Every token's temperature finite and > 0, the rule a branch meets at ``Orchestrator.submit``
+    (``pipeline.samples``): the trainer divides the logits by it, so 0 (or NaN, inf, < 0) would train NaN losses
+    silently, padding and zero-loss sequences included."""
+    temperatures = mb.streams["temperatures"]
+    bad = ~(np.isfinite(temperatures) & (temperatures > 0))
+    if bad.any():
+        k = int(np.argmax(bad))
+        j = int(np.searchsorted(np.cumsum([s.num_tokens for s in mb.sequences]), k, side="right"))
+        payload = mb.sequences[j].payload
+        branch = "" if payload is None else f" (branch {payload.ref.branch_id})"
+        raise PackingError(f"{what} sequence {j}{branch} stream temperatures[{k}] = {float(temperatures[k])} "
+                           f"({int(bad.sum())} of {bad.size} tokens): expected a finite sampling temperature > 0 "
+                           f"(the trainer divides the logits by it)")
 
 
 def _check_required(mb: StepMicroBatch, what: str, fields: FieldsConfig) -> None:

@@ -130,6 +130,13 @@ def _bad(kept, plain, rng):
                           at + r" stream advantages\[16\] = nan: expected a finite float$"),
         "negative id": ([[other], [replace(good, streams=_with(good.streams, "input_ids", 2, -1))]],
                         at + r" stream input_ids\[2\] = -1: expected a token id >= 0$"),
+        "zero temperatures": ([[other], [replace(good, streams={**good.streams,
+                                                                "temperatures": np.zeros(17, np.float32)})]],
+                              at + r" sequence 0 \(branch b0\) stream temperatures\[0\] = 0.0 \(17 of 17 tokens\): "
+                                   r"expected a finite sampling temperature > 0 \(the trainer divides the logits by "
+                                   r"it\)$"),
+        "nan temperature": ([[other], [replace(good, streams=_with(good.streams, "temperatures", 9, np.nan))]],
+                            at + r" sequence 1 \(branch b1\) stream temperatures\[9\] = nan \(1 of 17 tokens\)"),
     }
 
 
@@ -142,7 +149,7 @@ def _with(streams: dict, name: str, index: int, value) -> dict:
 
 @pytest.mark.parametrize("kind", ["unequal", "none", "dtype", "length", "missing", "unknown", "too long", "slice",
                                   "mixed", "twice", "unowned", "empty", "policy", "nan logprob", "positive logprob",
-                                  "nan advantage", "negative id"])
+                                  "nan advantage", "negative id", "zero temperatures", "nan temperature"])
 def test_bad_input_is_a_packing_error_naming_where_and_nothing_is_written(run, kind):
     store, ledger, kept, plain, rng = run
     batches, message = _bad(kept, plain, rng)[kind]
