@@ -104,7 +104,8 @@ def publish_step(store: Store, ledger: Ledger, step: int, micro_batches: Sequenc
 
     Raises:
         PackingError: the input does not describe a valid step (names the DP rank, micro batch, sequence or
-            stream and what was expected); nothing is written.
+            stream and what was expected), or a ref was published before by ``ledger``'s session
+            (``LedgerSession.shipped``: names the step); nothing is written.
         SliceError: a payload is not a ``PayloadSlice`` of 1..``ref.num_tokens`` tokens.
         OutsideRunError: a ref was kept in another run.
         KeyExistsError: step ``step`` was already published.
@@ -113,8 +114,13 @@ def publish_step(store: Store, ledger: Ledger, step: int, micro_batches: Sequenc
                                     fields=fields, extra_streams=extra_streams or {}, metrics=metrics or {})
     for i, ref in enumerate(header.refs):
         check_in_run(ref, store.prefix, f"step {step} ref {i}")
+        if ledger.shipped.get(ref.branch_id, step) != step:  # the same step again: its step file refuses it
+            raise PackingError(f"step {step} ref {i}: chunk {ref.uri} (branch {ref.branch_id}) was already published "
+                               f"in step {ledger.shipped[ref.branch_id]} by {ledger.actor}: expected each ref in one "
+                               f"step (a ref trains once; its owner deletes it after that step)")
     uri = publish_step_file(store, header, streams)
     ledger.record("ship", step=step, uri=uri, branch_ids=[r.branch_id for r in header.refs])
+    ledger.shipped.update((r.branch_id, step) for r in header.refs)
     ledger.flush()
     return header
 

@@ -126,6 +126,20 @@ def test_republishing_a_step_keeps_its_groups_queued(env):
     assert chunks(store) == {"e00-b0", "e01-b0", "e10-b0", "e11-b0"} and tombstones(store) == set()
 
 
+def test_a_shipped_ref_submitted_again_is_refused_and_left_to_its_trainer(env):
+    orch, keeper, store = env
+    rng = np.random.default_rng(7)
+    e0, e1 = episode(keeper, rng, "e0", "g0", 1.0), episode(keeper, rng, "e1", "g0", 0.0)
+    orch.submit(e0)
+    orch.submit(e1)
+    assert {r.branch_id for r in orch.build_step(0).refs} == {"e0-b0", "e1-b0"}
+    with pytest.raises(EpisodeError, match=r"^episode 'e9' of group 'g1' was already submitted \(refs shipped in "
+                                           r"steps \{'e0-b0': 0\}\)$"):
+        orch.submit(replace(e0, episode_id="e9", group_id="g1"))  # would train step 0's rows twice
+    assert chunks(store) == {"e0-b0", "e1-b0"} and tombstones(store) == set()  # step 0's trainer deletes it
+    assert sum(orch.deleted.values()) == 0 and orch.pending_groups == 0
+
+
 def test_refs_disagreeing_with_the_run_fields_keep_their_groups_queued(local_config):
     store = open_store(local_config)
     wider = FIELDS.model_copy(update={"logprobs_k": 4})  # the env servers kept a top-3 head

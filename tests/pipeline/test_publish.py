@@ -77,6 +77,20 @@ def test_a_step_from_the_callers_packing_round_trips_and_ships(run):
         publish_step(store, ledger, 4, batches, seq_len=SEQ_LEN, fields=FIELDS, extra_streams={"values": "<f4"})
 
 
+def test_a_ref_published_in_an_earlier_step_is_refused(run):
+    store, ledger, kept, plain, rng = run
+    publish_step(store, ledger, 4, [[_micro_batch(rng, kept[:2], extra=False)]], seq_len=SEQ_LEN, fields=FIELDS)
+    again = [[_micro_batch(rng, [kept[2], kept[1]], extra=False)]]
+    with pytest.raises(PackingError, match=r"^step 5 ref 1: chunk .*/b1 \(branch b1\) was already published in step 4 "
+                                           r"by orchestrator: expected each ref in one step \(a ref trains once; its "
+                                           r"owner deletes it after that step\)$"):
+        publish_step(store, ledger, 5, again, seq_len=SEQ_LEN, fields=FIELDS)
+    assert not store.exists(step_key(5))  # nothing written: b2 stays the caller's
+    header = publish_step(store, ledger, 5, [[_micro_batch(rng, [kept[2]], extra=False)]], seq_len=SEQ_LEN,
+                          fields=FIELDS)
+    assert [r.branch_id for r in header.refs] == ["b2"] and ledger.shipped == {"b0": 4, "b1": 4, "b2": 5}
+
+
 def test_a_padding_micro_batch_borrows_an_owned_ref_and_sequences_without_refs_mix_with_side_channels(run):
     store, ledger, kept, plain, rng = run
     side = kept[4]
