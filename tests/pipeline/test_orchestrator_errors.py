@@ -67,6 +67,9 @@ def test_ref_token_counts_that_disagree_with_the_episode(env):
     ({"prompt_ids": np.zeros(4, np.int64)}, r"branch 0: prompt_ids is <i8 \[4\]: expected int32"),
     ({"inference_logprobs": np.zeros(5, np.float32)}, r"inference_logprobs is <f4 \[5\]: expected float32 \[6\]"),
     ({"temperature": 0.0}, r"temperature 0.0"),
+    ({"temperature": float("inf")}, r"temperature inf, policy_version 0: expected >= 1 token, a finite float32 "
+                                    r"temperature > 0, policy_version >= 0$"),
+    ({"temperature": 1e39}, r"temperature 1e\+39"),  # inf once stored as the float32 stream
     ({"policy_version": -1}, r"policy_version -1"),
     ({"advantages": np.full(6, np.nan, np.float32)}, r"advantages hold a non-finite value at completion token 0"),
 ])
