@@ -41,9 +41,10 @@ def field_names(array_names) -> list[str]:
     return sorted({name.split(".")[0] for name in array_names})
 
 
-def _micro_batch_summary(header: StepHeader, mb: MicroBatchRecord, states: list[ChunkState]) -> dict:
+def _micro_batch_summary(header: StepHeader, mb: MicroBatchRecord, states: dict[str, ChunkState]) -> dict:
     ref_ids = sorted({s.ref for s in mb.sequences if s.ref is not None})
-    missing = [states[i].uri for i in ref_ids if not states[i].present]
+    chunks = header.chunks([header.refs[i] for i in ref_ids])
+    missing = [states[c.key].uri for c in chunks if not states[c.key].present]
     return {
         "dp_rank": mb.dp_rank, "index": mb.index,
         "num_sequences": len(mb.sequences), "num_tokens": mb.num_tokens,
@@ -51,7 +52,7 @@ def _micro_batch_summary(header: StepHeader, mb: MicroBatchRecord, states: list[
         "num_borrowed": sum(s.borrowed for s in mb.sequences),
         "env_names": dict(Counter(s.env_name for s in mb.sequences)),
         "fields": field_names(name for i in ref_ids for name in header.refs[i].arrays),
-        "num_chunks": len(ref_ids), "num_chunks_present": len(ref_ids) - len(missing),
+        "num_chunks": len(chunks), "num_chunks_present": len(chunks) - len(missing),
         "num_chunks_missing": len(missing), "missing": missing,
         "num_segments": sum(len(header.refs[i].segments) for i in ref_ids),
         "sequences": [{"num_tokens": s.num_tokens, "env_name": s.env_name, "borrowed": s.borrowed,
@@ -61,27 +62,34 @@ def _micro_batch_summary(header: StepHeader, mb: MicroBatchRecord, states: list[
     }
 
 
-def summarize(header: StepHeader, step_uri: str, states: list[ChunkState]) -> dict:
+def summarize(header: StepHeader, step_uri: str, states: dict[str, ChunkState]) -> dict:
     """The JSON summary of a step file (``refpipe inspect --json``).
 
     Args:
         header: the validated step header.
-        states: ``states[i]`` is whether ``header.refs[i]`` still exists (and its URI in the run as opened).
+        states: node key -> whether that chunk still exists (and its URI in the run as opened), for each of
+            ``header.chunks()``.
 
     Returns:
-        A dict with the step's identity, totals, every missing chunk with the ledger's word on it, and
-        one entry per micro batch (counts, env names, fields, chunks present/missing, and its sequences
-        in packing order). URIs are those looked at, in the run as opened (``run_uri`` too: a copied
-        run's header still names the original).
+        A dict with the step's identity, chunk counts (``header.chunks()``: a segment is a chunk, a shared prefix
+        counts once), every branch with a missing chunk (its first) and the ledger's word on it, and one entry
+        per micro batch (counts, env names, fields, chunks present/missing, and its sequences in packing order).
+        URIs are those looked at, in the run as opened (``run_uri`` too: a copied run's header still names the
+        original).
     """
-    missing = [{"uri": state.uri, "branch_id": ref.branch_id, "owner_dp_rank": owner, "problem": state.problem}
-               for ref, owner, state in zip(header.refs, header.owners, states) if not state.present]
+    missing = []
+    for ref, owner in zip(header.refs, header.owners):
+        state = next((states[c.key] for c in ref.chunks if not states[c.key].present), None)
+        if state is not None:
+            missing.append({"uri": state.uri, "branch_id": ref.branch_id, "owner_dp_rank": owner,
+                            "problem": state.problem})
+    num_missing = sum(not state.present for state in states.values())
     return {
         "step_uri": step_uri, "run_uri": step_uri.rpartition("/steps/")[0], "step": header.step,
         "seq_len": header.seq_len,
         "dp_world_size": header.dp_world_size, "metrics": header.metrics,
-        "num_micro_batches": len(header.micro_batches), "num_chunks": len(header.refs),
-        "num_chunks_present": len(header.refs) - len(missing), "num_chunks_missing": len(missing),
+        "num_micro_batches": len(header.micro_batches), "num_chunks": len(states),
+        "num_chunks_present": len(states) - num_missing, "num_chunks_missing": num_missing,
         "missing": missing,
         "micro_batches": [_micro_batch_summary(header, mb, states) for mb in header.micro_batches],
     }
@@ -138,7 +146,9 @@ def inspect_step(
         raise ConfigError(f"--plot {str(plot)!r}: expected a file name ending in .png")
     plot_path = refuse_inside_run(target.store, str(plot), "--plot") if plot else None
     header = load_step(target).header
-    summary = summarize(header, target.uri, chunk_states(target.store, header.refs, header.step))
+    chunks = header.chunks()
+    states = dict(zip((c.key for c in chunks), chunk_states(target.store, chunks, header.step)))
+    summary = summarize(header, target.uri, states)
     if plot_path:  # first: a reader that closes the pipe early (`| head`) ends the command at the print
         from refpipe.cli.inspect_plot import plot_micro_batches
 

@@ -184,16 +184,12 @@ class ChunkState:
 
 def chunk_state(store: Store, ref: PayloadRef, step: int | None = None) -> ChunkState:
     """Check that the ref's data object (``c.0``) and commit marker (``zarr.json``) both exist and, when
-    either is gone, its delete record (``deleted_by``; ``step``: the step file naming the ref). A segmented branch
-    (``PayloadRef.segments``): the state of its first segment that is not present (named by the segment's URI),
-    else present.
+    either is gone, its delete record (``deleted_by``; ``step``: the step file naming the ref). ``ref`` names one
+    chunk (a segment of a segmented branch, ``PayloadRef.chunks``).
 
     Raises:
         OutsideRunError: the ref lies outside the run (``StepFile`` already refuses such step files).
     """
-    if ref.segments:  # a segmented branch is present when every segment is; else its first missing one
-        states = [chunk_state(store, s) for s in ref.segments]
-        return next((s for s in states if not s.present), ChunkState(store.uri(ref.key), True))
     gone = [key.rpartition("/")[2] for key in chunk_keys(ref.key) if not store.exists(key)]
     if not gone:
         return ChunkState(store.uri(ref.key), True)

@@ -106,7 +106,7 @@ def verify_step(
     target = open_step(step_uri, s3_endpoint_url)
     step = StepFile.parse(target.store.get(target.key), target.uri)
     check_step(step.header, target.step, target.uri)
-    refs = [chunk for ref in step.header.refs for chunk in ref.chunks]  # a segmented branch: each segment
+    refs = step.header.chunks()  # a segmented branch: each segment; a shared prefix once
     problems = _step_problems(step)
     for chunk_problems in parallel_map(target.store, lambda ref: verify_chunk(target.store, ref, target.step), refs,
                                        "verifying chunks"):

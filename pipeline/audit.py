@@ -302,7 +302,13 @@ def judge(scan: RunScan, store: Store, *, stopped: bool = False, finished: bool 
 
 
 def _problem_line(event: dict) -> str:
-    first = f", first deleted by {event.get('first')}" if event.get("event") == "double_delete" else ""
+    first = ""
+    if event.get("event") == "double_delete":
+        holder, why = event.get("first"), event.get("first_reason")
+        if holder in (None, "?"):
+            first = f", first deleted by an unknown holder ({why or 'the double delete event does not name it'})"
+        else:
+            first = f", first deleted by {holder}" + (f" ({why})" if why else "")
     return f"{event.get('event')} of {event.get('uri') or event.get('branch_id')} by {event.get('actor')} " \
            f"({event.get('reason')}){first}"
 

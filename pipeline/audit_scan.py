@@ -64,7 +64,7 @@ from refpipe.storage.layout import (
 )
 from refpipe.storage.ledger_holds import HOLDS_PREFIX, parse_hold_key
 from refpipe.storage.ledger_open import read_suspended
-from refpipe.storage.ledger_records import ReleaseRecord, read_release_record, read_segment
+from refpipe.storage.ledger_records import ReleaseRecord, delete_record_of, read_release_record, read_segment
 from refpipe.storage.store import Store
 
 T = TypeVar("T")
@@ -248,12 +248,21 @@ def _fold_releases(store: Store, scan: RunScan, nodes: set[str]) -> None:
     incremental audit folds only the nodes it checks (named or present), never settled ones."""
     for node in sorted(n for n in nodes if n in scan.claims and n not in scan.folded):
         claims = scan.claims[node]
-        first = "a delete record" if node in scan.tombstoned else "{} ({})".format(*claims[0])
+        first, first_reason = _tombstone_holder(store, node) if node in scan.tombstoned else claims[0]
         for holder, reason in claims[0 if node in scan.tombstoned else 1:]:
             scan.double_claims.append({"event": "double_delete", "branch_id": branch_id_of(node),
-                                       "uri": store.uri(node), "actor": holder, "reason": reason, "first": first})
+                                       "uri": store.uri(node), "actor": holder, "reason": reason, "first": first,
+                                       "first_reason": first_reason})
         scan.tombstoned.add(node)
         scan.folded.add(node)
+
+
+def _tombstone_holder(store: Store, node: str) -> tuple[str, str]:
+    """``(holder, reason)`` of a node's delete record (one read: a double claim only); ``("?", why)`` unreadable."""
+    record = delete_record_of(store, branch_id_of(node))
+    if record is None or isinstance(record, DeleteRecordError):
+        return "?", f"its delete record is gone or unreadable: {record}"
+    return record.holder, record.reason
 
 
 def _named(scan: RunScan) -> set[str]:

@@ -224,8 +224,11 @@ def r3_routing_rows(data: str | bytes, *, rows_held: int, num_tokens: int, cfg: 
     dtype (the reader splits the matrices by size only; the layer-major order of SGLang's and vLLM's rows is
     assumed). Selectors: ALL selects positions ``[0, total_token_count)``; SUFFIX ``[replay_start_token,
     replay_start_token + replayed_token_count)``; BITMAP position i when bit ``i & 7`` of selector byte ``i >> 3``
-    is set. ALL returns its rows from ``rows_held`` on; SUFFIX and BITMAP must select exactly the run of positions
-    from ``rows_held`` (what the branch lacks), so no position is left without a row.
+    is set. Every mode gives the turn's rows of positions ``[rows_held, num_tokens - 1)``, what the branch lacks: a
+    selected row of the last position (``num_tokens - 1``; ALL always selects it) is dropped, since that row comes
+    with the next turn's prefill (as SGLang's and vLLM's rows); ALL's rows before ``rows_held`` are dropped too;
+    SUFFIX and BITMAP must select every position of that run and none before it, so no position is left without a
+    row.
 
     Args:
         data: the blob (``payloads.router_replay.data``), base64 text or bytes.
@@ -234,13 +237,14 @@ def r3_routing_rows(data: str | bytes, *, rows_held: int, num_tokens: int, cfg: 
         cfg: the run's fields (``routed_experts`` configured).
 
     Returns:
-        ``[new_rows, num_layers, top_k]`` in ``cfg.routing_dtype``, positions from ``rows_held``.
+        ``[num_tokens - 1 - rows_held, num_layers, top_k]`` in ``cfg.routing_dtype``, positions
+        ``[rows_held, num_tokens - 1)``.
 
     Raises:
         FieldError: naming the blob's field: not base64 or zstd; a short or foreign header (magic, version,
             mode, dtype, a uint16 blob without the little-endian flag); section lengths that do not add up;
             ``total_token_count != num_tokens``; matrices of another size than ``[num_layers, top_k]``;
-            positions that do not start at ``rows_held`` or leave a gap; an id out of range or repeated.
+            positions that do not cover ``[rows_held, num_tokens - 1)`` exactly; an id out of range or repeated.
     """
     what = "R3/v1 routing blob"
     num_layers, top_k = _routing_dims(cfg)
@@ -252,13 +256,14 @@ def r3_routing_rows(data: str | bytes, *, rows_held: int, num_tokens: int, cfg: 
         raise FieldError(f"{what}: {len(matrices)} matrix bytes for {positions.size} positions: expected "
                          f"{positions.size * per_row} ({dtype} [{num_layers}, {top_k}] per position)")
     rows = np.frombuffer(matrices, dtype).reshape(positions.size, num_layers, top_k)
-    if mode == "ALL":
-        rows, positions = rows[rows_held:], positions[rows_held:]
-    first = int(positions[0]) if positions.size else rows_held
-    if first != rows_held or (positions.size and int(positions[-1]) - first + 1 != positions.size):
-        raise FieldError(f"{what}: {mode} selects {positions.size} positions from {first} to "
-                         f"{int(positions[-1]) if positions.size else first}: expected a run of positions from "
-                         f"{rows_held} on (the open branch holds {rows_held} rows)")
+    end = num_tokens - 1  # the last token's row comes with the next turn's prefill
+    keep = (positions < end) & (positions >= (rows_held if mode == "ALL" else 0))
+    rows, positions = rows[keep], positions[keep]
+    if not np.array_equal(positions, np.arange(rows_held, max(end, rows_held))):
+        span = f"from {int(positions[0])} to {int(positions[-1])}" if positions.size else "none"
+        raise FieldError(f"{what}: {mode} selects {positions.size} positions below {end} ({span}): expected the run "
+                         f"[{rows_held}, {end}) (the open branch holds {rows_held} rows; the row of the last "
+                         f"position {end} comes with the next turn)")
     return _checked_rows(rows, cfg, what, first=rows_held)
 
 

@@ -22,6 +22,7 @@ from refpipe.storage.chunk_write import put_chunk
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.delete_result import DeleteResult
 from refpipe.storage.ledger import Ledger
+from refpipe.storage.ledger_open import claim_branch_id
 from refpipe.storage.store import Store
 
 
@@ -99,20 +100,23 @@ class Keeper:
         Raises:
             ConfigError: ``branch_id`` is not a valid id, or too long to name its segments.
             FieldError: ``num_prompt_tokens`` is not an integer >= 0.
-            OpenBranchError: ``branch_id`` is not a holder of ``prefix``, or already released it (``release_holders``,
-                a discard), or the prefix's prompt tokens disagree.
+            OpenBranchError: ``branch_id`` was opened before in this run (names who opened it: the id is claimed
+                here, by one exclusive put per branch), is not a holder of ``prefix``, or already released it
+                (``release_holders``, a discard), or the prefix's prompt tokens disagree.
         """
-        return OpenBranch(self, branch_id or f"{self.ledger.actor}-{uuid.uuid4().hex}", num_prompt_tokens, prefix)
+        branch = OpenBranch(self, branch_id or f"{self.ledger.actor}-{uuid.uuid4().hex}", num_prompt_tokens, prefix)
+        claim_branch_id(self.store, branch.branch_id, self.ledger.actor, self.ledger.session)
+        return branch
 
     def resume_branch(self, branch_id: str) -> OpenBranch:
         """Continue a branch suspended at a step boundary (``OpenBranch.suspend``), by this or an earlier process:
-        open again at its committed tokens (``OpenBranch.num_tokens``; the next append starts there, giving one row
-        fewer of an ``all_but_last`` field, as the first append does).
+        open again at its appended tokens (``OpenBranch.num_tokens``; the next append starts there and gives the rows
+        it would have given had the branch not been cut).
 
         Raises:
-            OpenBranchError: no suspended branch of that id (never suspended, or already closed or discarded), its
-                record is unreadable, or another process resumed it (names its actor and ledger session; nothing
-                written or deleted: of all resumers of one record exactly one continues it).
+            OpenBranchError: no suspended branch of that id (names why: who closed or discarded it, or opened it and
+                never suspended it), its record is unreadable, or another process resumed it (names its actor and
+                ledger session; nothing written or deleted: of all resumers of one record exactly one continues it).
         """
         return OpenBranch.resume(self, branch_id)
 

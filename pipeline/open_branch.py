@@ -29,7 +29,7 @@ from refpipe.storage.delete_result import DeleteResult
 from refpipe.storage.errors import FieldError, OpenBranchError
 from refpipe.storage.layout import check_id, node_key
 from refpipe.storage.ledger_holds import released_holders
-from refpipe.storage.ledger_open import SuspendedBranch, claim_resume, open_key
+from refpipe.storage.ledger_open import SuspendedBranch, WaitingRows, claim_resume, open_key, why_no_record
 
 if TYPE_CHECKING:
     from refpipe.pipeline.keep import Keeper
@@ -61,7 +61,8 @@ class OpenBranch:
         self.segments: list[PayloadRef] = [] if prefix is None else [_checked_prefix(keeper, prefix, branch_id,
                                                                                      self.num_prompt_tokens)]
         self.num_tokens = 0 if prefix is None else prefix.num_tokens
-        self.closed = False
+        self._ended = ""
+        """How this object ended: ``"closed"``, ``"discarded"`` or ``"suspended"``; empty while it is open."""
         self._start = self.num_tokens
         """First token of the buffered rows."""
         self._short = True
@@ -76,8 +77,13 @@ class OpenBranch:
         self._lagging = {name for name, d in registry.items() if d.rows == "all_but_last"}
         self._all_rows = _all_rows_config(keeper.fields)
 
+    @property
+    def closed(self) -> bool:
+        """Whether the branch was closed, discarded or suspended (no append, close or suspend follows)."""
+        return bool(self._ended)
+
     def __repr__(self) -> str:
-        state = "closed" if self.closed else "open"
+        state = self._ended or "open"
         return f"OpenBranch({self.branch_id!r}, {state}, {self.num_tokens} tokens, {len(self.segments)} segments)"
 
     def append(self, start: int, end: int, fields: Mapping[str, object]) -> None:
@@ -86,7 +92,8 @@ class OpenBranch:
         the buffer holds ``COALESCE_BYTES``.
 
         Raises:
-            OpenBranchError: the branch is closed, or ``start`` is not ``num_tokens`` or ``end <= start``
+            OpenBranchError: the branch was closed, discarded or suspended (says which), or ``start`` is not
+                ``num_tokens`` or ``end <= start``
                 (nothing is buffered).
             FieldError: the rows break their declarations, or a field's stored arrays differ from the first
                 append's (nothing is buffered; the branch stays open at ``num_tokens``).
@@ -139,7 +146,7 @@ class OpenBranch:
         except Exception:
             self._pending = pending  # without the padding rows: a close again adds them once
             raise
-        self.closed = True
+        self._ended = "closed"
         ref = self._ref()
         self._unsuspend()
         return ref
@@ -147,7 +154,7 @@ class OpenBranch:
     def discard(self, *, reason: str = "open branch discarded by env server") -> DeleteResult:
         """Drop the buffered rows and delete the segments written so far (exactly once, via the ledger; a shared
         prefix is released by this branch); the branch is closed. Raises as ``Ledger.delete``."""
-        self.closed, self._pending = True, {}
+        self._ended, self._pending = "discarded", {}
         result = self.keeper.ledger.release_chunks([(s, self.branch_id) for s in self.segments], reason=reason)
         self._unsuspend()
         return result
@@ -155,8 +162,10 @@ class OpenBranch:
     def suspend(self) -> SuspendedBranch:
         """Cut the branch at a step boundary: write its buffered rows, record its segments durably
         (``storage.ledger_open``: a record under the run and a flushed ``suspend`` event) and close this object.
-        Any env-server process continues it with ``Keeper.resume_branch`` from ``SuspendedBranch.num_tokens``
-        (with ``all_but_last`` fields, the last appended token is not committed: its row had not arrived).
+        Any env-server process continues it with ``Keeper.resume_branch`` from ``SuspendedBranch.num_tokens`` (every
+        appended token), as if it had not been cut. With ``all_but_last`` fields the last appended token's row has
+        not arrived: its other rows are kept in the record (``SuspendedBranch.waiting``) and its row comes with the
+        resumed branch's next append.
 
         Raises:
             OpenBranchError: the branch is closed.
@@ -165,14 +174,16 @@ class OpenBranch:
         self._check_open("suspend")
         if not self._short:
             self._flush(self.num_tokens - 1 if self._lagging & self._specs.keys() else self.num_tokens)
+        waiting = WaitingRows.of(self.num_tokens - self._start, self._specs, self._pending) \
+            if self._start < self.num_tokens else None
         record = SuspendedBranch(branch_id=self.branch_id, num_prompt_tokens=self.num_prompt_tokens,
                                  segments=tuple(self.segments), actor=self.keeper.ledger.actor,
-                                 resumes=self._resumes)
+                                 resumes=self._resumes, waiting=waiting)
         self.keeper.store.put(open_key(self.branch_id), record.model_dump_json().encode())
         self.keeper.ledger.record("suspend", branch_id=self.branch_id, num_tokens=record.num_tokens,
                                   segments=[s.branch_id for s in self.segments])
         self.keeper.ledger.flush()
-        self.closed, self._pending, self._suspended = True, {}, True
+        self._ended, self._pending, self._suspended = "suspended", {}, True
         return record
 
     @classmethod
@@ -183,12 +194,16 @@ class OpenBranch:
         record = claim_resume(keeper.store, branch_id, keeper.ledger.actor, keeper.ledger.session)
         if record is None:
             raise OpenBranchError(f"branch {branch_id}: no suspended branch of that id in run "
-                                  f"{keeper.store.prefix.uri} (never suspended, or already closed or discarded)")
+                                  f"{keeper.store.prefix.uri} ({why_no_record(keeper.store, branch_id)})")
         branch = cls(keeper, branch_id, record.num_prompt_tokens)
         branch._resumes = record.resumes + 1
         check_id(branch._segment_id(MAX_SEGMENTS), f"branch_id {branch_id!r} with a resume and segment index")
         branch.segments = list(record.segments)
         branch.num_tokens = branch._start = record.num_tokens
+        if record.waiting:  # the last token's rows; its all_but_last rows come with the next append
+            branch._start -= record.waiting.num_tokens
+            branch._specs, branch._short = dict(record.waiting.arrays), False
+            branch._pending = {n: [a] for n, a in record.waiting.rows().items()}
         branch._suspended = True
         keeper.ledger.record("resume", branch_id=branch_id, num_tokens=record.num_tokens, suspended_by=record.actor)
         return branch
@@ -199,9 +214,13 @@ class OpenBranch:
             self.keeper.store.delete_keys([open_key(self.branch_id)])
 
     def _check_open(self, doing: str) -> None:
-        if self.closed:
-            raise OpenBranchError(f"branch {self.branch_id}: {doing}: the branch is closed (closed or discarded "
-                                  f"after {self.num_tokens} tokens); open a new branch")
+        if self._ended == "suspended":
+            raise OpenBranchError(f"branch {self.branch_id}: {doing}: the branch was suspended after {self.num_tokens} "
+                                  f"tokens: expected an open branch; resume it (Keeper.resume_branch"
+                                  f"({self.branch_id!r})) and use the branch that returns")
+        if self._ended:
+            raise OpenBranchError(f"branch {self.branch_id}: {doing}: the branch was {self._ended} after "
+                                  f"{self.num_tokens} tokens: expected an open branch; open a new branch")
 
     def _check_specs(self, specs: Mapping[str, ArraySpec], what: str) -> None:
         """Every append stores the same arrays in the same dtypes as the first, and a shared prefix's among them."""

@@ -202,13 +202,13 @@ class Orchestrator:
 
     def _refuse(self, episode: Episode, error: Exception) -> None:
         """Delete (path ``refused``) the chunks of a refused episode that are the orchestrator's: refs kept in
-        this run, not queued, not refused before, once each. A ref the ledger finds already deleted or never
-        kept is logged, not raised: the refusal's own error follows."""
+        this run, not queued, not shipped (a trainer deletes those), not refused before, once each. A ref the ledger
+        finds already deleted or never kept is logged, not raised: the refusal's own error follows."""
         own: dict[str, PayloadRef] = {}
         for branch in getattr(episode, "branches", None) or ():
             ref = getattr(branch, "ref", None)
             if isinstance(ref, PayloadRef) and _in_run(ref, self.store) and ref.branch_id not in self._queued_refs \
-                    and ref.branch_id not in self._refused_refs:
+                    and ref.branch_id not in self._refused_refs and ref.branch_id not in self.ledger.shipped:
                 own.setdefault(ref.branch_id, ref)
         reason = (str(error).splitlines() or [type(error).__name__])[0][:300]  # the error names the episode
         try:
@@ -218,11 +218,15 @@ class Orchestrator:
         self._refused_refs.update(own)
 
     def _check_new(self, episode: Episode, queued: list[Episode]) -> None:
-        """Refuse an episode already queued in its group, or carrying a ref that is queued."""
+        """Refuse an episode already queued in its group, or carrying a ref that is queued or was shipped
+        (``LedgerSession.shipped``: a ref trains once)."""
         again = [r.branch_id for r in episode.refs() if r.branch_id in self._queued_refs]
-        if again or any(e.episode_id == episode.episode_id for e in queued):
+        shipped = {r.branch_id: self.ledger.shipped[r.branch_id] for r in episode.refs()
+                   if r.branch_id in self.ledger.shipped}
+        if again or shipped or any(e.episode_id == episode.episode_id for e in queued):
             raise EpisodeError(f"episode {episode.episode_id!r} of group {episode.group_id!r} was already submitted"
-                               f"{f' (refs {again} are queued)' if again else ''}")
+                               f"{f' (refs {again} are queued)' if again else ''}"
+                               f"{f' (refs shipped in steps {shipped})' if shipped else ''}")
 
     def build_step(self, step: int) -> StepHeader | None:
         """Void stale samples, pack up to ``groups_per_step`` ready groups, publish step ``step``.

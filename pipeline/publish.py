@@ -104,7 +104,8 @@ def publish_step(store: Store, ledger: Ledger, step: int, micro_batches: Sequenc
 
     Raises:
         PackingError: the input does not describe a valid step (names the DP rank, micro batch, sequence or
-            stream and what was expected); nothing is written.
+            stream and what was expected), or a ref was published before by ``ledger``'s session
+            (``LedgerSession.shipped``: names the step); nothing is written.
         SliceError: a payload is not a ``PayloadSlice`` of 1..``ref.num_tokens`` tokens.
         OutsideRunError: a ref was kept in another run.
         KeyExistsError: step ``step`` was already published.
@@ -113,8 +114,13 @@ def publish_step(store: Store, ledger: Ledger, step: int, micro_batches: Sequenc
                                     fields=fields, extra_streams=extra_streams or {}, metrics=metrics or {})
     for i, ref in enumerate(header.refs):
         check_in_run(ref, store.prefix, f"step {step} ref {i}")
+        if ledger.shipped.get(ref.branch_id, step) != step:  # the same step again: its step file refuses it
+            raise PackingError(f"step {step} ref {i}: chunk {ref.uri} (branch {ref.branch_id}) was already published "
+                               f"in step {ledger.shipped[ref.branch_id]} by {ledger.actor}: expected each ref in one "
+                               f"step (a ref trains once; its owner deletes it after that step)")
     uri = publish_step_file(store, header, streams)
     ledger.record("ship", step=step, uri=uri, branch_ids=[r.branch_id for r in header.refs])
+    ledger.shipped.update((r.branch_id, step) for r in header.refs)
     ledger.flush()
     return header
 
@@ -194,6 +200,7 @@ def _check_shape(micro_batches: Sequence[Sequence[StepMicroBatch]], step: int, s
             for name, dtype in expected.items():
                 _check_stream(mb.streams.get(name), f"{what} stream {name!r}", dtype, num_tokens)
             _check_values(mb.streams, what, fields.vocab_size)
+            _check_temperatures(mb, what)
             _check_required(mb, what, fields)
 
 
@@ -208,6 +215,22 @@ def _check_values(streams: Mapping[str, np.ndarray], what: str, vocab_size: int 
         problem = f"advantages[{bad}] = {float(advantages[bad])}: expected a finite float"
     if problem:
         raise PackingError(f"{what} stream {problem}")
+
+
+def _check_temperatures(mb: StepMicroBatch, what: str) -> None:
+    """Every token's temperature finite and > 0, the rule a branch meets at ``Orchestrator.submit``
+    (``pipeline.samples``): the trainer divides the logits by it, so 0 (or NaN, inf, < 0) would train NaN losses
+    silently, padding and zero-loss sequences included."""
+    temperatures = mb.streams["temperatures"]
+    bad = ~(np.isfinite(temperatures) & (temperatures > 0))
+    if bad.any():
+        k = int(np.argmax(bad))
+        j = int(np.searchsorted(np.cumsum([s.num_tokens for s in mb.sequences]), k, side="right"))
+        payload = mb.sequences[j].payload
+        branch = "" if payload is None else f" (branch {payload.ref.branch_id})"
+        raise PackingError(f"{what} sequence {j}{branch} stream temperatures[{k}] = {float(temperatures[k])} "
+                           f"({int(bad.sum())} of {bad.size} tokens): expected a finite sampling temperature > 0 "
+                           f"(the trainer divides the logits by it)")
 
 
 def _check_required(mb: StepMicroBatch, what: str, fields: FieldsConfig) -> None:

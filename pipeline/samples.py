@@ -31,7 +31,7 @@ class BranchResult:
         prompt_ids: [P] int32 prompt token ids.
         completion_ids: [C] int32 completion token ids, C >= 1.
         inference_logprobs: [C] float32 logprob of each completion token under the sampling policy.
-        temperature: sampling temperature (> 0), the same for every token of the branch.
+        temperature: sampling temperature (finite in float32, > 0), the same for every token of the branch.
         policy_version: trainer step whose weights generated the completion (>= 0).
         ref: the branch's kept side channels (``Keeper.keep``), or None when it carries none.
         trainable: False for branches that are never trained; their chunks are deleted on arrival.
@@ -230,9 +230,10 @@ def _check_branch(branch: BranchResult, what: str, prefix: RunPrefix) -> None:
     if branch.advantages is not None and not np.isfinite(branch.advantages).all():
         raise EpisodeError(f"{what}: advantages hold a non-finite value at completion token "
                            f"{int(np.argmin(np.isfinite(branch.advantages)))}: expected finite floats")
-    if c < 1 or not branch.temperature > 0 or branch.policy_version < 0:
+    if c < 1 or not 0 < branch.temperature <= float(np.finfo(np.float32).max) or branch.policy_version < 0:
         raise EpisodeError(f"{what}: completion of {c} tokens, temperature {branch.temperature}, policy_version "
-                           f"{branch.policy_version}: expected >= 1 token, temperature > 0, policy_version >= 0")
+                           f"{branch.policy_version}: expected >= 1 token, a finite float32 temperature > 0, "
+                           f"policy_version >= 0")
     if branch.ref is None:
         return
     check_in_run(branch.ref, prefix, what)

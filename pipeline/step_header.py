@@ -118,6 +118,16 @@ class StepHeader(BaseModel):
     for every stream member. Set by ``encode_step_file`` (a header not yet published has none); every read checks
     each member once against it (``StepFile``)."""
 
+    def chunks(self, refs: list[PayloadRef] | None = None) -> list[PayloadRef]:
+        """The distinct chunks ``refs`` (default: every ref of the step) name, in order of first mention: each
+        segment of a segmented branch (``PayloadRef.chunks``), a shared prefix once however many of its holders
+        the step ships. The one count of a step's chunks (``refpipe inspect`` and ``verify``)."""
+        distinct: dict[str, PayloadRef] = {}
+        for ref in self.refs if refs is None else refs:
+            for chunk in ref.chunks:
+                distinct.setdefault(chunk.key, chunk)
+        return list(distinct.values())
+
     def stream_dtypes(self) -> dict[str, str]:
         """Every stream of each micro batch: ``STREAMS`` then ``extra_streams``, name -> ``dtype.str``."""
         return {**STREAMS, **self.extra_streams}

@@ -60,7 +60,8 @@ def double_delete_error(uri: str, *, first_holder: str, first_reason: str, secon
     """The error of a chunk deleted a second time: ``chunk <uri> was already deleted by <first holder> (<first
     reason>); second delete from <second holder> (<reason>)``."""
     return DoubleDeleteError(f"chunk {uri} was already deleted by {first_holder} ({first_reason}); second delete "
-                             f"from {second_holder} ({reason})", first_holder=first_holder, second_holder=second_holder)
+                             f"from {second_holder} ({reason})", first_holder=first_holder, first_reason=first_reason,
+                             second_holder=second_holder)
 
 
 def raise_problems(result: DeleteResult) -> None:
@@ -77,5 +78,5 @@ def raise_problems(result: DeleteResult) -> None:
     double = next(iter(result.double_deletes.values()), None)
     if double is not None:
         raise DoubleDeleteError(message(double), result=result, first_holder=double.first_holder,
-                                second_holder=double.second_holder)
+                                first_reason=double.first_reason, second_holder=double.second_holder)
     raise UnknownRefError(message(next(iter(result.unknown.values()))), result=result)

@@ -95,15 +95,18 @@ class DoubleDeleteError(StorageError):
     """A chunk was deleted a second time; names the first and the second holder.
 
     Attributes:
-        first_holder: the actor whose delete record holds the chunk (``"?"`` when unreadable).
+        first_holder: the actor whose delete (or release) record holds the chunk (``"?"`` when that record is
+            unreadable or gone: ``first_reason`` says which).
+        first_reason: the first delete's reason, or why its holder is unknown.
         second_holder: the actor whose delete was refused.
         result: set when ``Ledger.delete`` raises it for a whole call: that call's ``DeleteResult``.
     """
 
-    def __init__(self, message: str, *, first_holder: str | None = None, second_holder: str | None = None,
+    def __init__(self, message: str, *, first_holder: str, first_reason: str, second_holder: str,
                  result: DeleteResult | None = None):
         super().__init__(message)
         self.first_holder = first_holder
+        self.first_reason = first_reason
         self.second_holder = second_holder
         self.result = result
 

@@ -276,7 +276,7 @@ class Ledger(LedgerSession):
         elif isinstance(problem, DoubleDeleteError):
             result.double_deletes[target.uri] = problem
             self.record("double_delete", branch_id=target.branch_id, uri=target.uri, reason=reason,
-                        first=problem.first_holder)
+                        first=problem.first_holder, first_reason=problem.first_reason)
         elif isinstance(problem, UnknownRefError):
             result.unknown[target.uri] = problem
             self.record("unknown_delete", branch_id=target.branch_id, uri=target.uri, reason=reason)

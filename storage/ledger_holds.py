@@ -65,8 +65,10 @@ def release_hold(store: Store, prefix: PayloadRef, holder: str, *, actor: str, r
         store.put(key, record, exclusive=True)
     except KeyExistsError:
         first = store.get(key).decode(errors="replace")
+        first_holder, first_reason = _first_release(first)
         raise DoubleDeleteError(f"shared prefix {uri}: branch {holder!r} released it twice: first {first}; second "
-                                f"by {actor} ({reason})", second_holder=actor) from None
+                                f"by {actor} ({reason})", first_holder=first_holder, first_reason=first_reason,
+                                second_holder=actor) from None
     if not set(prefix.holders) <= released_holders(store, prefix.branch_id):
         return False
     try:
@@ -74,6 +76,15 @@ def release_hold(store: Store, prefix: PayloadRef, holder: str, *, actor: str, r
     except KeyExistsError:
         return False  # another holder's releaser found every release too and deletes it
     return True
+
+
+def _first_release(record: str) -> tuple[str, str]:
+    """``(actor, reason)`` of a holder's release record; ``("?", why)`` when it is not one."""
+    try:
+        first = json.loads(record)
+        return str(first["actor"]), str(first["reason"])
+    except (ValueError, KeyError, TypeError) as e:
+        return "?", f"its release record is unreadable: {type(e).__name__}: {e}"
 
 
 def release_holds(store: Store, holds: Sequence[tuple[PayloadRef, str]], *, actor: str,

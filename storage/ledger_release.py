@@ -239,4 +239,5 @@ class Releases:
         uri = self._uri(ref)
         result.double_deletes[uri] = double_delete_error(uri, first_holder=first_holder, first_reason=first_reason,
                                                          second_holder=self.ledger.actor, reason=reason)
-        self.ledger.record("double_delete", branch_id=ref.branch_id, uri=uri, reason=reason, first=first_holder)
+        self.ledger.record("double_delete", branch_id=ref.branch_id, uri=uri, reason=reason, first=first_holder,
+                           first_reason=first_reason)

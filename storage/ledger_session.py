@@ -74,6 +74,9 @@ class LedgerSession:
         self._flush_lock = threading.Lock()
         self._flush_failed = False
         self.closed = False
+        self.shipped: dict[str, int] = {}
+        """Branch id -> the step this session published it in (``pipeline.publish.publish_step``), so a ref is
+        published once: one lookup per ref, no history read (memory: one entry per shipped ref)."""
         self._refuse_a_live_session()
         self.session = self._open()
 

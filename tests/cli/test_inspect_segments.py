@@ -43,14 +43,14 @@ def segmented_run(local_config, monkeypatch):
 def test_inspect_counts_segments_and_verify_reads_each(segmented_run):
     store, refs, uris = segmented_run
     summary = json.loads(invoke(["inspect", uris[0], "--json"]).stdout)
-    assert (summary["num_chunks"], summary["num_chunks_missing"]) == (7, 0)
+    total = sum(len(r.segments) for r in refs.values())
+    assert (summary["num_chunks"], summary["num_chunks_missing"]) == (total, 0)  # a segment is a chunk
     mb = summary["micro_batches"][0]
     assert [s["num_segments"] for s in mb["sequences"]] == [len(refs[n].segments) for n in "abc"]
     assert mb["num_segments"] == sum(len(refs[n].segments) for n in "abc")
     table = invoke(["inspect", uris[0]]).stdout
-    assert f"3 present ({mb['num_segments']} segments)" in table
+    assert f"{mb['num_segments']} present ({mb['num_segments']} segments)" in table
     verified = invoke(["verify", uris[0]])
-    total = sum(len(r.segments) for r in refs.values())
     assert verified.exit_code == 0 and verified.stdout.splitlines()[-1].startswith(f"step 0: {total} chunks (")
 
 
@@ -80,3 +80,33 @@ def test_a_deleted_segment_is_named_by_inspect_and_show(segmented_run):
     assert shown.stdout.splitlines()[1] == (
         f"gone: sampling_mask, topk_ids, topk_logprobs of sequence 0: chunk {store.uri(g.key)}: segment g-turns.1 "
         "deleted by trainer_dp1 (test: one segment)")
+
+
+def test_inspect_and_verify_count_a_shared_prefix_once(local_config, monkeypatch):
+    monkeypatch.setattr(open_branch, "COALESCE_BYTES", 1)
+    store = open_store(local_config)
+    rng = np.random.default_rng(9)
+    keeper = Keeper(store, Ledger(store, "env_worker_0"), FIELDS_CFG, local_config)
+    branches = {name: make_branch(rng, name, name in ROUTING) for name in "abcdefg"}
+    holders = sorted(ROUTING)  # a, b, c, d hold one prefix of 2 prompt tokens
+    prefix = keeper.keep_prefix(2, {"routed_experts": branches["a"].fields["routed_experts"][:2]},
+                                holders=[f"{n}-turns" for n in holders], prefix_id="group-prompt")
+    refs = {}
+    for name, branch in branches.items():
+        opened = keeper.open_branch(branch.num_prompt_tokens, branch_id=f"{name}-turns",
+                                    prefix=prefix if name in holders else None)
+        n = branch.num_prompt_tokens + branch.num_completion_tokens
+        for start in range(opened.num_tokens, n, 3):
+            end = min(n, start + 3)
+            opened.append(start, end, rows_of(dict(branch.fields), start, end, num_prompt=branch.num_prompt_tokens))
+        refs[name] = opened.close()
+    keeper.ledger.close()
+    uri = publish_step_file(store, *packed_header(store, refs, 0))
+    segments = [len(r.segments) for r in refs.values()]
+    distinct = sum(segments) - 3  # the prefix once, not once per holder
+    assert (sum(segments), distinct) == (26, 23)
+    summary = json.loads(invoke(["inspect", uri, "--json"]).stdout)
+    assert (summary["num_chunks"], summary["num_chunks_present"]) == (distinct, distinct)
+    assert summary["micro_batches"][0]["num_chunks"] == sum(len(refs[n].segments) for n in "abc") - 2
+    verified = invoke(["verify", uri])
+    assert verified.exit_code == 0 and verified.stdout.splitlines()[-1].startswith(f"step 0: {distinct} chunks (")

@@ -242,7 +242,7 @@ def test_double_and_unknown_deletes_are_violations(run):
     report = audit(store)
     assert (report.double_deletes, report.unknown_deletes) == (1, 1)
     assert report.delete_problems == [
-        f"double_delete of {ref.uri} by orchestrator (shutdown), first deleted by trainer_dp0",
+        f"double_delete of {ref.uri} by orchestrator (shutdown), first deleted by trainer_dp0 (step 0)",
         f"unknown_delete of {ghost.uri} by orchestrator (shutdown)"]
     assert report.violations == ["1 double deletes", "1 deletes of unknown refs"]
 

@@ -201,8 +201,20 @@ def test_r3_suffix_all_and_bitmap_give_the_rows_the_branch_lacks():
         rows = r3_routing_rows(blob, rows_held=6, num_tokens=11, cfg=CFG)
         assert rows.dtype == np.uint8 and rows.tolist() == WHOLE[6:10].tolist()
     whole = _r3_blob(0, 11, 11, 0, b"", u8[:11].tobytes())  # ALL: a row for every one of the 11 positions
-    assert r3_routing_rows(whole, rows_held=6, num_tokens=11, cfg=CFG).tolist() == WHOLE[6:11].tolist()
-    assert r3_routing_rows(whole, rows_held=0, num_tokens=11, cfg=CFG).tolist() == WHOLE[:11].tolist()
+    assert r3_routing_rows(whole, rows_held=6, num_tokens=11, cfg=CFG).tolist() == WHOLE[6:10].tolist()
+    assert r3_routing_rows(whole, rows_held=0, num_tokens=11, cfg=CFG).tolist() == WHOLE[:10].tolist()
+
+
+def test_r3_modes_agree_that_the_last_tokens_row_comes_with_the_next_turn():
+    u8 = WHOLE.astype(np.uint8)
+    blobs = {"ALL": _r3_blob(0, 11, 11, 0, b"", u8[:11].tobytes()),
+             "SUFFIX": _r3_blob(1, 11, 5, 6, b"", u8[6:11].tobytes()),  # selects the last position 10 too
+             "BITMAP": _r3_blob(2, 11, 5, 0, bytes([0b11000000, 0b00000111]), u8[6:11].tobytes())}
+    for mode, blob in blobs.items():
+        rows = r3_routing_rows(blob, rows_held=6, num_tokens=11, cfg=CFG)
+        assert rows.tolist() == WHOLE[6:10].tolist(), mode
+    nxt = _r3_blob(0, 15, 15, 0, b"", u8[:15].tobytes())  # the next turn's prefill routes position 10
+    assert r3_routing_rows(nxt, rows_held=10, num_tokens=15, cfg=CFG).tolist() == WHOLE[10:14].tolist()
 
 
 def test_r3_blob_compressed_in_chunks_is_read_whole():
@@ -224,11 +236,13 @@ def test_r3_uint16_rows_narrow_to_the_runs_routing_dtype():
 
 
 @pytest.mark.parametrize("blob,message", [
-    (_r3_blob(1, 11, 4, 5, b"", bytes(24)), "R3/v1 routing blob: SUFFIX selects 4 positions from 5 to 8: expected a "
-                                            "run of positions from 6 on (the open branch holds 6 rows)"),
+    (_r3_blob(1, 11, 4, 5, b"", bytes(24)), "R3/v1 routing blob: SUFFIX selects 4 positions below 10 (from 5 to 8): "
+                                            "expected the run [6, 10) (the open branch holds 6 rows; the row of the "
+                                            "last position 10 comes with the next turn)"),
     (_r3_blob(2, 11, 3, 0, bytes([0b01000000, 0b00000011]), bytes(18)),  # positions 6, 8, 9: no row for 7
-     "R3/v1 routing blob: BITMAP selects 3 positions from 6 to 9: expected a run of positions from 6 on (the open "
-     "branch holds 6 rows)"),
+     "R3/v1 routing blob: BITMAP selects 3 positions below 10 (from 6 to 9): expected the run [6, 10)"),
+    (_r3_blob(1, 11, 3, 6, b"", bytes(18)), "R3/v1 routing blob: SUFFIX selects 3 positions below 10 (from 6 to 8): "
+                                            "expected the run [6, 10)"),  # no row for 9
     (_r3_blob(1, 12, 4, 6, b"", bytes(24)), "R3/v1 routing blob: total_token_count=12: expected 11 (the turn's "
                                             "prompt + completion)"),
     (_r3_blob(1, 11, 4, 6, b"", bytes(20)), "R3/v1 routing blob: 20 matrix bytes for 4 positions: expected 24 (uint8 "

@@ -151,10 +151,10 @@ def test_bad_use_is_a_typed_error_naming_the_input_and_nothing_leaks(local_confi
     for start, end in TURNS[1:]:
         branch.append(start, end, rows_of(fields, start, end))
     ref = branch.close()
-    with pytest.raises(OpenBranchError, match=r"^branch bad: close: the branch is closed \(closed or discarded "
-                                              r"after 30 tokens\)"):
+    with pytest.raises(OpenBranchError, match=r"^branch bad: close: the branch was closed after 30 tokens: expected "
+                                              r"an open branch; open a new branch$"):
         branch.close()
-    with pytest.raises(OpenBranchError, match=r"^branch bad: append rows \[30, 31\): the branch is closed"):
+    with pytest.raises(OpenBranchError, match=r"^branch bad: append rows \[30, 31\): the branch was closed"):
         branch.append(30, 31, rows_of(fields, 29, 30))
     assert_same(fetch_arrays(keeper.store, ref), stored_le(fields))
     result = keeper.discard([ref])
@@ -193,7 +193,8 @@ def test_discarding_an_open_branch_deletes_its_segments_once(local_config, monke
     branch.append(7, 8, rows_of(fields, 7, 8))
     result = branch.discard(reason="episode abandoned")
     assert result.deleted == [keeper.store.uri(node_key("gone.0")), keeper.store.uri(node_key("gone.1"))]
-    with pytest.raises(OpenBranchError, match="the branch is closed"):
+    with pytest.raises(OpenBranchError, match=r"^branch gone: append rows \[8, 9\): the branch was discarded after 8 "
+                                              r"tokens"):
         branch.append(8, 9, rows_of(fields, 8, 9))
 
 
@@ -221,3 +222,26 @@ def test_a_segmented_ref_whose_segments_disagree_is_refused(local_config, monkey
 
 def stored_le(fields: dict) -> dict[str, np.ndarray]:
     return {n: np.ascontiguousarray(a, a.dtype.newbyteorder("<")) for n, a in stored(fields).items()}
+
+
+def test_a_branch_id_is_claimed_when_the_branch_is_opened(local_config):
+    keeper = keeper_of(local_config)
+    other = Keeper(keeper.store, Ledger(keeper.store, "env_worker_1"), CFG, local_config)
+    fields = fields_of(P, C, seed=13)
+    first = keeper.open_branch(P, branch_id="twice")
+    for opener in (keeper, other):  # before any row is appended, in this process or another
+        with pytest.raises(OpenBranchError, match=rf"^branch twice: already opened in run .* by env worker "
+                                                  rf"env_worker_0 \(ledger session {keeper.ledger.session}\) \(claim "
+                                                  rf".*/twice\.opened\): branch ids are unique per run; open the "
+                                                  rf"branch under a new id$"):
+            opener.open_branch(P, branch_id="twice")
+    first.append(0, P + C, rows_of(fields, 0, P + C))
+    ref = first.close()
+    with pytest.raises(OpenBranchError, match=r"^branch twice: already opened"):
+        other.open_branch(P, branch_id="twice")  # closed, the id stays taken for the run
+    assert_same(fetch_arrays(keeper.store, ref), stored_le(fields))
+    keeper.discard([ref])
+    keeper.ledger.close()
+    other.ledger.close()
+    report = audit(keeper.store, finished=True)
+    assert (report.kept, report.deleted, report.present) == (1, 1, 0) and report.clean

@@ -67,6 +67,9 @@ def test_ref_token_counts_that_disagree_with_the_episode(env):
     ({"prompt_ids": np.zeros(4, np.int64)}, r"branch 0: prompt_ids is <i8 \[4\]: expected int32"),
     ({"inference_logprobs": np.zeros(5, np.float32)}, r"inference_logprobs is <f4 \[5\]: expected float32 \[6\]"),
     ({"temperature": 0.0}, r"temperature 0.0"),
+    ({"temperature": float("inf")}, r"temperature inf, policy_version 0: expected >= 1 token, a finite float32 "
+                                    r"temperature > 0, policy_version >= 0$"),
+    ({"temperature": 1e39}, r"temperature 1e\+39"),  # inf once stored as the float32 stream
     ({"policy_version": -1}, r"policy_version -1"),
     ({"advantages": np.full(6, np.nan, np.float32)}, r"advantages hold a non-finite value at completion token 0"),
 ])
@@ -124,6 +127,20 @@ def test_republishing_a_step_keeps_its_groups_queued(env):
     assert {r.branch_id for r in first.refs} == {"e00-b0", "e01-b0"}
     assert {r.branch_id for r in second.refs} == {"e10-b0", "e11-b0"}
     assert chunks(store) == {"e00-b0", "e01-b0", "e10-b0", "e11-b0"} and tombstones(store) == set()
+
+
+def test_a_shipped_ref_submitted_again_is_refused_and_left_to_its_trainer(env):
+    orch, keeper, store = env
+    rng = np.random.default_rng(7)
+    e0, e1 = episode(keeper, rng, "e0", "g0", 1.0), episode(keeper, rng, "e1", "g0", 0.0)
+    orch.submit(e0)
+    orch.submit(e1)
+    assert {r.branch_id for r in orch.build_step(0).refs} == {"e0-b0", "e1-b0"}
+    with pytest.raises(EpisodeError, match=r"^episode 'e9' of group 'g1' was already submitted \(refs shipped in "
+                                           r"steps \{'e0-b0': 0\}\)$"):
+        orch.submit(replace(e0, episode_id="e9", group_id="g1"))  # would train step 0's rows twice
+    assert chunks(store) == {"e0-b0", "e1-b0"} and tombstones(store) == set()  # step 0's trainer deletes it
+    assert sum(orch.deleted.values()) == 0 and orch.pending_groups == 0
 
 
 def test_refs_disagreeing_with_the_run_fields_keep_their_groups_queued(local_config):

@@ -44,7 +44,9 @@ def test_a_branch_cut_at_a_step_boundary_is_held_then_continued_after_a_restart(
         branch.append(start, end, rows_of(fields, start, end))
     suspended = branch.suspend()
     assert (suspended.num_tokens, [s.branch_id for s in suspended.segments]) == (12, ["long.0", "long.1"])
-    with pytest.raises(OpenBranchError, match=r"^branch long: append rows \[12, 13\): the branch is closed"):
+    with pytest.raises(OpenBranchError, match=r"^branch long: append rows \[12, 13\): the branch was suspended after "
+                                              r"12 tokens: expected an open branch; resume it \(Keeper.resume_branch"
+                                              r"\('long'\)\) and use the branch that returns$"):
         branch.append(12, 13, rows_of(fields, 12, 13))
     first.ledger.close()  # the env server restarts
     assert audit(first.store).outstanding_by_holder == {"open branch long (suspended)": 2}
@@ -59,9 +61,19 @@ def test_a_branch_cut_at_a_step_boundary_is_held_then_continued_after_a_restart(
     assert not again.store.exists(open_key("long"))
     whole = again.keep(Branch(P, C, fields, branch_id="whole"))
     assert_same(fetch_arrays(again.store, ref), fetch_arrays(again.store, whole))
-    with pytest.raises(OpenBranchError, match=r"^branch long: no suspended branch of that id in run .* \(never "
-                                              r"suspended, or already closed or discarded\)"):
+    with pytest.raises(OpenBranchError, match=rf"^branch long: no suspended branch of that id in run .* \(already "
+                                              rf"closed or discarded by env worker env_worker_0 \(ledger session "
+                                              rf"{again.ledger.session}\), its last resumer \(claim .*/long\.claim\.0"
+                                              rf"\), or its record removed by a sweep\)$"):
         again.resume_branch("long")
+    with pytest.raises(OpenBranchError, match=r"^branch never: no suspended branch of that id in run .* \(never "
+                                              r"opened in this run\)$"):
+        again.resume_branch("never")
+    again.open_branch(P, branch_id="open").discard()
+    with pytest.raises(OpenBranchError, match=rf"^branch open: no suspended branch of that id in run .* \(opened by "
+                                              rf"env worker env_worker_0 \(ledger session {again.ledger.session}\) "
+                                              rf"and never suspended, or its record removed by a sweep\)$"):
+        again.resume_branch("open")
     again.discard([ref, whole])
     again.ledger.close()
     orchestrator.close()
@@ -69,16 +81,25 @@ def test_a_branch_cut_at_a_step_boundary_is_held_then_continued_after_a_restart(
     assert (report.kept, report.deleted, report.present, report.outstanding) == (5, 5, 0, 0) and report.clean
 
 
-def test_routing_rows_of_the_last_token_wait_across_the_cut(local_config):
+def test_the_last_tokens_rows_wait_across_the_cut_for_its_routing_row(local_config):
     cfg = CFG.model_copy(update={"routing_rows": "all_but_last"})
     fields = fields_of(P, C, seed=2)
     keeper = keeper_of(local_config, cfg)
     branch = keeper.open_branch(P, branch_id="lag")
     branch.append(0, 7, rows_of(fields, 0, 7, lag=True))
     branch.append(7, 12, rows_of(fields, 7, 12, lag=True))
-    assert branch.suspend().num_tokens == 11  # token 11's row had not arrived: it is appended again
+    suspended = branch.suspend()  # token 11's routing row has not arrived; its other rows are in the record
+    assert (suspended.num_tokens, [s.num_tokens for s in suspended.segments]) == (12, [6, 5])
+    assert suspended.waiting is not None and suspended.waiting.num_tokens == 1
+    assert {n: s.shape for n, s in suspended.waiting.arrays.items()} == {
+        "routed_experts": (0, 3, 2), "topk_ids": (1, 4), "topk_logprobs": (1, 4), "sample_support": (1, 5),
+        "sampling_mask.counts": (1,), "sampling_mask.ids": (int(fields["sampling_mask"].counts[7]),)}
+    assert suspended.waiting.rows()["topk_logprobs"].tobytes() == fields["topk_logprobs"][7:8].tobytes()
+    keeper.ledger.close()  # the env server restarts: only the record knows token 11's completion rows
+    keeper = keeper_of(local_config, cfg)
     resumed = keeper.resume_branch("lag")
-    resumed.append(11, 20, dict(rows_of(fields, 11, 20), routed_experts=fields["routed_experts"][11:19]))
+    assert resumed.num_tokens == 12
+    resumed.append(12, 20, rows_of(fields, 12, 20, lag=True))  # routing of positions [11, 19), as uncut
     resumed.append(20, P + C, rows_of(fields, 20, P + C, lag=True))
     ref = resumed.close()
     whole = keeper.keep(Branch(P, C, dict(fields, routed_experts=fields["routed_experts"][:-1]), branch_id="whole"))

@@ -77,6 +77,20 @@ def test_a_step_from_the_callers_packing_round_trips_and_ships(run):
         publish_step(store, ledger, 4, batches, seq_len=SEQ_LEN, fields=FIELDS, extra_streams={"values": "<f4"})
 
 
+def test_a_ref_published_in_an_earlier_step_is_refused(run):
+    store, ledger, kept, plain, rng = run
+    publish_step(store, ledger, 4, [[_micro_batch(rng, kept[:2], extra=False)]], seq_len=SEQ_LEN, fields=FIELDS)
+    again = [[_micro_batch(rng, [kept[2], kept[1]], extra=False)]]
+    with pytest.raises(PackingError, match=r"^step 5 ref 1: chunk .*/b1 \(branch b1\) was already published in step 4 "
+                                           r"by orchestrator: expected each ref in one step \(a ref trains once; its "
+                                           r"owner deletes it after that step\)$"):
+        publish_step(store, ledger, 5, again, seq_len=SEQ_LEN, fields=FIELDS)
+    assert not store.exists(step_key(5))  # nothing written: b2 stays the caller's
+    header = publish_step(store, ledger, 5, [[_micro_batch(rng, [kept[2]], extra=False)]], seq_len=SEQ_LEN,
+                          fields=FIELDS)
+    assert [r.branch_id for r in header.refs] == ["b2"] and ledger.shipped == {"b0": 4, "b1": 4, "b2": 5}
+
+
 def test_a_padding_micro_batch_borrows_an_owned_ref_and_sequences_without_refs_mix_with_side_channels(run):
     store, ledger, kept, plain, rng = run
     side = kept[4]
@@ -130,6 +144,13 @@ def _bad(kept, plain, rng):
                           at + r" stream advantages\[16\] = nan: expected a finite float$"),
         "negative id": ([[other], [replace(good, streams=_with(good.streams, "input_ids", 2, -1))]],
                         at + r" stream input_ids\[2\] = -1: expected a token id >= 0$"),
+        "zero temperatures": ([[other], [replace(good, streams={**good.streams,
+                                                                "temperatures": np.zeros(17, np.float32)})]],
+                              at + r" sequence 0 \(branch b0\) stream temperatures\[0\] = 0.0 \(17 of 17 tokens\): "
+                                   r"expected a finite sampling temperature > 0 \(the trainer divides the logits by "
+                                   r"it\)$"),
+        "nan temperature": ([[other], [replace(good, streams=_with(good.streams, "temperatures", 9, np.nan))]],
+                            at + r" sequence 1 \(branch b1\) stream temperatures\[9\] = nan \(1 of 17 tokens\)"),
     }
 
 
@@ -142,7 +163,7 @@ def _with(streams: dict, name: str, index: int, value) -> dict:
 
 @pytest.mark.parametrize("kind", ["unequal", "none", "dtype", "length", "missing", "unknown", "too long", "slice",
                                   "mixed", "twice", "unowned", "empty", "policy", "nan logprob", "positive logprob",
-                                  "nan advantage", "negative id"])
+                                  "nan advantage", "negative id", "zero temperatures", "nan temperature"])
 def test_bad_input_is_a_packing_error_naming_where_and_nothing_is_written(run, kind):
     store, ledger, kept, plain, rng = run
     batches, message = _bad(kept, plain, rng)[kind]

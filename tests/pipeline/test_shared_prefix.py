@@ -90,6 +90,8 @@ def test_the_prefix_is_deleted_once_after_its_last_holder_and_the_audit_explains
     report = audit(store, finished=True)
     assert (report.kept, report.deleted, report.present, report.leaked, report.outstanding) == (9, 9, 0, 0, 0)
     assert report.double_deletes == 3  # the second release of g-b1: its two segments and its hold on the prefix
+    assert f"double_delete of {store.uri(prefix.key)} by trainer_dp0 (again), first deleted by trainer_dp1 " \
+           f"(released)" in report.delete_problems
 
 
 def _release(root: str, run_id: str, rank: int, ref_json: str, barrier) -> None:

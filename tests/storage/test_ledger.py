@@ -149,7 +149,8 @@ def test_delete_is_exactly_once_and_a_second_delete_names_both_holders(store):
     # the double delete is on record at once, before any close
     problems = [e for s in events_of(store, "orchestrator") for e in s if e["event"] == "double_delete"]
     assert problems == [{"event": "double_delete", "actor": "orchestrator", "t": problems[0]["t"], "branch_id": "b1",
-                         "uri": refs[1].uri, "reason": "filtered", "first": "trainer_dp3"}]
+                         "uri": refs[1].uri, "reason": "filtered", "first": "trainer_dp3",
+                         "first_reason": "step 7"}]
 
 
 def test_a_double_delete_deletes_nothing_else(store):

@@ -108,7 +108,7 @@ def test_a_release_and_a_delete_of_one_chunk_is_a_double_delete_the_audit_report
     report = audit(store)
     assert report.double_deletes == 1
     assert report.delete_problems == [f"double_delete of {store.uri(ref.key)} by {ACTOR} (trained step 4), "
-                                      f"first deleted by a delete record"]
+                                      f"first deleted by orchestrator (discarded)"]
 
 
 def test_a_release_that_dies_mid_delete_is_finished_once_by_the_sweep(s3_server_config):
