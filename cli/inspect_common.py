@@ -191,8 +191,8 @@ def chunk_state(store: Store, ref: PayloadRef, step: int | None = None) -> Chunk
     Raises:
         OutsideRunError: the ref lies outside the run (``StepFile`` already refuses such step files).
     """
-    if ref.segments:  # a segmented branch is present when every segment is; else its first missing one
-        states = [chunk_state(store, s) for s in ref.segments]
+    if ref.segments:  # a segmented branch is present when every object is; else its first missing one
+        states = [chunk_state(store, s) for s in ref.chunks]
         return next((s for s in states if not s.present), ChunkState(store.uri(ref.key), True))
     gone = [key.rpartition("/")[2] for key in chunk_keys(ref.key) if not store.exists(key)]
     if not gone:

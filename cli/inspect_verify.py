@@ -11,7 +11,7 @@ for its refs is named. One line per problem on stdout, then a one-line summary; 
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -49,6 +49,8 @@ def _metadata_problems(store: Store, ref: PayloadRef, meta_key: str) -> list[str
     uri = store.uri(ref.key)
     try:
         attrs = read_attributes(store.get(meta_key))
+        if ref.offset is not None:
+            return _object_problems(ref, attrs, uri)
         stored = {name: (a["dtype"], tuple(a["shape"]), a["domain"], a["offset"])
                   for name, a in attrs["arrays"].items()}
     except KeyError as e:
@@ -69,6 +71,18 @@ def _metadata_problems(store: Store, ref: PayloadRef, meta_key: str) -> list[str
             problems.append(f"mismatch {uri}: {key} is {attrs.get(key)!r} in zarr.json, "
                             f"{getattr(ref, key)!r} in the reference")
     return problems
+
+
+def _object_problems(ref: PayloadRef, attrs: dict[str, Any], uri: str) -> list[str]:
+    """Compare a writer life's object's ``zarr.json`` (``chunk_codec.segments_metadata``) with a segment in it."""
+    nbytes = attrs.get("nbytes")
+    if attrs.get("format") != "refpipe.segments" or attrs.get("branch_id") != ref.branch_id:
+        return [f"mismatch {uri}: zarr.json describes {attrs.get('format')!r} {attrs.get('branch_id')!r}, the "
+                f"reference a segment of object {ref.branch_id!r} at offset {ref.offset}"]
+    if not isinstance(nbytes, int) or nbytes < (ref.offset or 0) + ref.nbytes:
+        return [f"mismatch {uri}: zarr.json says {nbytes!r} bytes, the reference a segment at bytes [{ref.offset}, "
+                f"{(ref.offset or 0) + ref.nbytes})"]
+    return []
 
 
 def verify_chunk(store: Store, ref: PayloadRef, step: int | None = None) -> list[str]:
@@ -106,7 +120,7 @@ def verify_step(
     target = open_step(step_uri, s3_endpoint_url)
     step = StepFile.parse(target.store.get(target.key), target.uri)
     check_step(step.header, target.step, target.uri)
-    refs = [chunk for ref in step.header.refs for chunk in ref.chunks]  # a segmented branch: each segment
+    refs = [chunk for ref in step.header.refs for chunk in ref.segments or (ref,)]  # a segmented branch: each segment
     problems = _step_problems(step)
     for chunk_problems in parallel_map(target.store, lambda ref: verify_chunk(target.store, ref, target.step), refs,
                                        "verifying chunks"):
