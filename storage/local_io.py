@@ -98,7 +98,7 @@ def _windows(views: list[memoryview], limit: int) -> list[list[tuple[int, memory
             if not room:
                 windows.append([])
                 room = limit
-            piece = view[:room]
+            piece = view if view.nbytes <= room else view[:room]
             windows[-1].append((i, piece))
             room -= piece.nbytes
             view = view[piece.nbytes:]

@@ -71,25 +71,33 @@ def fetch_segments(store: Store, ref: PayloadRef, n: int, out: Mapping[str, np.n
 
 
 def _parts(ref: PayloadRef, n: int, out: Mapping[str, np.ndarray]) -> list[_Part]:
-    """The segments the first ``n`` tokens reach (at least one), each with its rows of the destinations."""
+    """The segments the first ``n`` tokens reach (at least one), each with its rows of the destinations.
+
+    Raises:
+        RefError: a segment's rows disagree with its token counts (``PayloadRef.rows_problem``: a step file's refs
+            are validated without it), before any read.
+    """
     parts, start = [], 0
     offsets = dict.fromkeys(out, 0)
+    ragged = {name for name, spec in ref.arrays.items() if spec.domain.startswith("values:")}
     for seg in ref.segments or (ref,):
         if start >= n and start:
             break
-        k = min(seg.num_tokens, n - start)
-        if seg is not ref and (problem := seg.rows_problem()):  # a step file's refs are validated without it
-            raise RefError(f"chunk {ref.uri}: segment {seg.branch_id}: {problem}: not read")
-        dests = {}
+        tokens = seg.num_tokens
+        k = min(tokens, n - start)
+        dests, agree = {}, k == tokens  # agree: each destination's rows are its array's
         for name, dest in out.items():
-            if name in seg.arrays and not ref.arrays[name].domain.startswith("values:"):
-                rows = domain_rows(seg.arrays[name].domain, seg.num_prompt_tokens, k)
-                dests[name] = dest[offsets[name] : offsets[name] + rows]
-                offsets[name] += rows
-        direct = seg.offset is not None and k == seg.num_tokens and seg.compression == "none" and (
-            seg.arrays.keys() == dests.keys() or 0 < _fresh_nbytes(seg, dests) <= _nbytes(dests))
+            spec = seg.arrays.get(name)
+            if spec is not None and name not in ragged:
+                at, rows = offsets[name], domain_rows(spec.domain, seg.num_prompt_tokens, k)
+                dests[name], offsets[name] = dest[at : at + rows], at + rows
+                agree = agree and rows == spec.shape[0]
+        if seg is not ref and not (agree and len(dests) == len(seg.arrays)) and (problem := seg.rows_problem()):
+            raise RefError(f"chunk {ref.uri}: segment {seg.branch_id}: {problem}: not read")
+        direct = seg.offset is not None and k == tokens and seg.compression == "none" and (
+            len(dests) == len(seg.arrays) or 0 < _fresh_nbytes(seg, dests) <= _nbytes(dests))
         parts.append(_Part(seg, k, dests, direct))
-        start += seg.num_tokens
+        start += tokens
     return parts
 
 
@@ -114,9 +122,9 @@ def _read_run(store: Store, run: list[_Part], step: int | None) -> list[Fetched]
     buffers: list[np.ndarray] = []
     owner: list[int] = []  # segment of each buffer; -1: a stored crc32c
     for j, part in enumerate(run):
-        end, arrays = 0, part.arrays()
-        for name, a in arrays.items():  # as ``layout_arrays`` places them
-            dest = a.reshape(-1).view(np.uint8)
+        end, arrays = 0, part.dests if len(part.dests) == len(part.seg.arrays) else part.arrays()
+        for name in part.seg.arrays:  # in payload order, placed as ``layout_arrays`` places them
+            dest = arrays[name].reshape(-1).view(np.uint8)
             if end % ALIGN_BYTES:  # alignment padding
                 buffers.append(np.empty(ALIGN_BYTES - end % ALIGN_BYTES, np.uint8))
                 owner.append(j)
