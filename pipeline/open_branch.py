@@ -133,8 +133,8 @@ class OpenBranch:
 
         Raises:
             OpenBranchError: the branch is closed, or nothing was appended.
-            KeyExistsError, StorageError: writing the last segment failed; the branch stays open (close again, or
-                discard it).
+            KeyExistsError, StorageError: writing the last segment, or the commit marker of its writer life's
+                object (``LifeWriter.end``), failed; the branch stays open (close again, or discard it).
         """
         self._check_open("close")
         if not self._closing:

@@ -13,7 +13,7 @@ from refpipe.pipeline.sweep import sweep
 from refpipe.storage.chunk_codec import read_attributes
 from refpipe.storage.chunk_read import fetch_arrays, fetch_into
 from refpipe.storage.chunk_ref import PayloadRef
-from refpipe.storage.errors import ChunkCorruptError
+from refpipe.storage.errors import ChunkCorruptError, OpenBranchError, StorageError
 from refpipe.storage.layout import chunk_keys, node_key
 from tests.helpers.children import module_argv, module_env
 from tests.pipeline.test_keep import CFG
@@ -101,6 +101,33 @@ def test_a_flipped_byte_in_a_middle_segment_names_its_bytes(local_config, segmen
                                                 rf"crc32c mismatch: reference {seg.checksum:#010x}"):
         fetch_into(keeper.store, ref, None, {"routed_experts": np.empty((ref.num_tokens, LAYERS, TOP_K), np.uint8)})
     assert fetch_arrays(keeper.store, ref, PROMPT + 29 * TURN)["routed_experts"].shape[0] == PROMPT + 29 * TURN
+
+
+def test_a_close_whose_commit_marker_failed_closes_again_without_writing_rows_twice(local_config,
+                                                                                    segment_per_append, monkeypatch):
+    keeper = keeper_of(local_config, CFG)
+    rows = routing(PROMPT + 2 * TURN, 3)
+    branch = keeper.open_branch(PROMPT, branch_id="late")
+    branch.append(0, PROMPT + TURN, {"routed_experts": rows[: PROMPT + TURN]})
+    branch.append(PROMPT + TURN, PROMPT + 2 * TURN, {"routed_experts": rows[PROMPT + TURN :]})
+    put = keeper.store.put
+
+    def refuse_marker(key, data, **kw):
+        if key == chunk_keys(node_key("late.0"))[1]:
+            raise StorageError("test: the metadata server is away")
+        return put(key, data, **kw)
+
+    monkeypatch.setattr(keeper.store, "put", refuse_marker)
+    with pytest.raises(StorageError, match="the metadata server is away"):
+        branch.close()
+    with pytest.raises(OpenBranchError, match=r"^branch late: append rows \[20, 21\): a close wrote the branch's last "
+                                              r"rows and failed after; close again \(or discard it\)$"):
+        branch.append(PROMPT + 2 * TURN, PROMPT + 2 * TURN + 1, {"routed_experts": rows[:1]})
+    monkeypatch.setattr(keeper.store, "put", put)
+    ref = branch.close()
+    assert [(s.branch_id, s.offset) for s in ref.segments] == [("late.0", 0), ("late.0", ref.segments[0].nbytes)]
+    assert fetch_arrays(keeper.store, ref)["routed_experts"].tobytes() == rows.tobytes()
+    assert keeper.store.exists(chunk_keys(node_key("late.0"))[1])
 
 
 def test_a_life_cut_by_a_crash_is_named_by_the_audit_and_removed_once_by_the_sweep(local_config):
