@@ -116,40 +116,48 @@ def _read_run(store: Store, run: list[_Part], step: int | None) -> list[Fetched]
     """Read a run of direct parts of one object with one ``Store.get_into`` from its first offset; check each
     segment's length and crc32c."""
     first = run[0].seg
-    stored = np.empty(len(run), "<u4")  # each segment's stored crc32c
-    stored_bytes = stored.view(np.uint8)
-    fetched = []
-    buffers: list[np.ndarray] = []
-    owner: list[int] = []  # segment of each buffer; -1: a stored crc32c
-    for j, part in enumerate(run):
-        end, arrays = 0, part.dests if len(part.dests) == len(part.seg.arrays) else part.arrays()
-        for name in part.seg.arrays:  # in payload order, placed as ``layout_arrays`` places them
-            dest = arrays[name].reshape(-1).view(np.uint8)
-            if end % ALIGN_BYTES:  # alignment padding
-                buffers.append(np.empty(ALIGN_BYTES - end % ALIGN_BYTES, np.uint8))
-                owner.append(j)
-                end += ALIGN_BYTES - end % ALIGN_BYTES
-            buffers.append(dest)
-            owner.append(j)
-            end += dest.nbytes
-        fetched.append(arrays)
-        if part.seg.nbytes - 4 > end:  # the payload's trailing padding
-            buffers.append(np.empty(part.seg.nbytes - 4 - end, np.uint8))
-            owner.append(j)
-        buffers.append(stored_bytes[4 * j : 4 * j + 4])
-        owner.append(-1)
-    crcs = [0] * len(run)
+    buffers, owner, fetched, stored = _run_buffers(run)
+    crcs = [0] * (len(run) + 1)  # each segment's, then a slot the stored crc32c bytes go to
 
     def checksum(i: int, piece: memoryview) -> None:  # each piece right after its read, while in cache
-        if owner[i] >= 0:
-            crcs[owner[i]] = crc32c.crc32c(piece, crcs[owner[i]])
+        j = owner[i]
+        crcs[j] = crc32c.crc32c(piece, crcs[j])
 
     data_key = chunk_keys(first.key)[0]
     got = read_found(store, first, step, lambda: store.get_into(data_key, buffers, checksum, first.offset or 0))
+    del crcs[-1]
     if got < sum(part.seg.nbytes for part in run) or crcs != stored.tolist() \
             or crcs != [part.seg.checksum for part in run]:
         _check_run(store, run, got, crcs, stored)
     return [Fetched(arrays, True) for arrays in fetched]
+
+
+def _run_buffers(run: list[_Part]) -> tuple[list[np.ndarray], list[int], list[dict[str, np.ndarray]], np.ndarray]:
+    """The buffers a run is read into, in object order: each segment's arrays (its destinations, fresh arrays for the
+    rest) with scratch for alignment padding, then its stored crc32c; the segment each buffer belongs to (``len(run)``:
+    a stored crc32c); each segment's arrays; the stored crc32c (uint32, one per segment)."""
+    stored = np.empty(len(run), "<u4")
+    stored_bytes = stored.view(np.uint8)
+    buffers: list[np.ndarray] = []
+    owner: list[int] = []
+    fetched = []
+    for j, part in enumerate(run):
+        end, arrays = 0, part.dests if len(part.dests) == len(part.seg.arrays) else part.arrays()
+        for name in part.seg.arrays:  # in payload order, placed as ``layout_arrays`` places them
+            if end % ALIGN_BYTES:  # alignment padding
+                buffers.append(np.empty(ALIGN_BYTES - end % ALIGN_BYTES, np.uint8))
+                owner.append(j)
+                end += ALIGN_BYTES - end % ALIGN_BYTES
+            buffers.append(arrays[name].reshape(-1).view(np.uint8))
+            owner.append(j)
+            end += buffers[-1].nbytes
+        if part.seg.nbytes - 4 > end:  # the payload's trailing padding
+            buffers.append(np.empty(part.seg.nbytes - 4 - end, np.uint8))
+            owner.append(j)
+        buffers.append(stored_bytes[4 * j : 4 * j + 4])
+        owner.append(len(run))
+        fetched.append(arrays)
+    return buffers, owner, fetched, stored
 
 
 def _check_run(store: Store, run: list[_Part], got: int, crcs: list[int], stored: np.ndarray) -> None:
