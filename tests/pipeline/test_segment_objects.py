@@ -86,6 +86,26 @@ def test_a_cut_through_the_middle_of_a_segment_returns_the_exact_rows(local_conf
         rows[PROMPT + 17 * TURN : PROMPT + 18 * TURN].tobytes()
 
 
+def test_a_ref_whose_segments_do_not_follow_each_other_in_their_object_is_refused(local_config,
+                                                                                  segment_per_append):
+    keeper = keeper_of(local_config, CFG)
+    _, ref, _ = fifty_turns(keeper)
+    doc = ref.model_dump()
+    expected = doc["segments"][2]["offset"]
+    doc["segments"][2]["offset"] += 64  # a gap: bytes no ref vouches for
+    with pytest.raises(ValueError, match=rf"segment 2 \(b\.1\): offset {expected + 64}: expected {expected} \(the "
+                                         rf"segments of one object follow each other"):
+        PayloadRef.model_validate(doc)
+    doc = ref.model_dump()
+    doc["segments"][1]["offset"] = None  # a segment of a shared object without its offset
+    with pytest.raises(ValueError, match=r"segment 2 \(b\.1\): offset [0-9]+: expected 0"):
+        PayloadRef.model_validate(doc)
+    doc = ref.model_dump()
+    doc["segments"][0]["offset"] = 0  # the prefix
+    with pytest.raises(ValueError, match=r"offset=0: expected none on a ref with segments or holders"):
+        PayloadRef.model_validate(doc)
+
+
 def test_a_flipped_byte_in_a_middle_segment_names_its_bytes(local_config, segment_per_append):
     keeper = keeper_of(local_config, CFG)
     _, ref, _ = fifty_turns(keeper)
