@@ -11,7 +11,7 @@ for its refs is named. One line per problem on stdout, then a one-line summary; 
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -49,6 +49,8 @@ def _metadata_problems(store: Store, ref: PayloadRef, meta_key: str) -> list[str
     uri = store.uri(ref.key)
     try:
         attrs = read_attributes(store.get(meta_key))
+        if ref.offset is not None:
+            return _object_problems(ref, attrs, uri)
         stored = {name: (a["dtype"], tuple(a["shape"]), a["domain"], a["offset"])
                   for name, a in attrs["arrays"].items()}
     except KeyError as e:
@@ -69,6 +71,18 @@ def _metadata_problems(store: Store, ref: PayloadRef, meta_key: str) -> list[str
             problems.append(f"mismatch {uri}: {key} is {attrs.get(key)!r} in zarr.json, "
                             f"{getattr(ref, key)!r} in the reference")
     return problems
+
+
+def _object_problems(ref: PayloadRef, attrs: dict[str, Any], uri: str) -> list[str]:
+    """Compare a writer life's object's ``zarr.json`` (``chunk_codec.segments_metadata``) with a segment in it."""
+    nbytes = attrs.get("nbytes")
+    if attrs.get("format") != "refpipe.segments" or attrs.get("branch_id") != ref.branch_id:
+        return [f"mismatch {uri}: zarr.json describes {attrs.get('format')!r} {attrs.get('branch_id')!r}, the "
+                f"reference a segment of object {ref.branch_id!r} at offset {ref.offset}"]
+    if not isinstance(nbytes, int) or nbytes < (ref.offset or 0) + ref.nbytes:
+        return [f"mismatch {uri}: zarr.json says {nbytes!r} bytes, the reference a segment at bytes [{ref.offset}, "
+                f"{(ref.offset or 0) + ref.nbytes})"]
+    return []
 
 
 def verify_chunk(store: Store, ref: PayloadRef, step: int | None = None) -> list[str]:
@@ -106,7 +120,8 @@ def verify_step(
     target = open_step(step_uri, s3_endpoint_url)
     step = StepFile.parse(target.store.get(target.key), target.uri)
     check_step(step.header, target.step, target.uri)
-    refs = step.header.chunks()  # a segmented branch: each segment; a shared prefix once
+    chunks = step.header.chunks()  # the one count: each object once (a writer life's segments share one)
+    refs = list({(s.key, s.offset): s for ref in step.header.refs for s in ref.segments or (ref,)}.values())
     problems = _step_problems(step)
     for chunk_problems in parallel_map(target.store, lambda ref: verify_chunk(target.store, ref, target.step), refs,
                                        "verifying chunks"):
@@ -115,7 +130,7 @@ def verify_step(
         typer.echo(printable(line))
     nbytes = sum(ref.nbytes for ref in refs)
     found = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}" if problems else "all intact"
-    typer.echo(f"step {step.header.step}: {len(refs)} chunks ({nbytes} bytes), "
+    typer.echo(f"step {step.header.step}: {len(chunks)} chunks ({nbytes} bytes), "
                f"{len(step.header.micro_batches)} micro batches: {found}")
     if problems:
         raise typer.Exit(EXIT_PROBLEMS)

@@ -4,9 +4,11 @@ An env-server worker opens a branch (``Keeper.open_branch``), appends each turn'
 (``OpenBranch.append``: rows of tokens ``[start, end)`` of every field, checked against the declarations as
 ``Keeper.keep`` checks a whole branch) and closes it (``OpenBranch.close``), which returns one ``PayloadRef``
 listing the branch's segments (``PayloadRef.segments``). Appended rows wait in a buffer until it holds
-``COALESCE_BYTES``, then go out as one segment: an ordinary chunk (same codec, its own block crcs) under the
-id ``<branch_id>.<index>`` (written after resume number ``n``: ``<branch_id>.r<n>.<index>``), kept in the ledger
-like any chunk. So a worker holds at most one turn plus the buffer per open branch, and writes each row once.
+``COALESCE_BYTES``, then go out as one segment: an ordinary chunk's bytes (same codec, its own block crcs and
+crc32c) with the id ``<branch_id>.<index>`` (written after resume number ``n``: ``<branch_id>.r<n>.<index>``). On a
+filesystem the segments of one writer life (an open or a resume, up to its close or suspend) are appended to one
+object, named by the life's first segment id and kept in the ledger once (``pipeline.segment_write``); on S3 each is
+a chunk of its own. So a worker holds at most one turn plus the buffer per open branch, and writes each row once.
 
 Routing rows as engines return them (``FieldsConfig.routing_rows = "all_but_last"``, or a field declared
 ``rows = "all_but_last"``): an append's rows of such a field are those of positions ``[start - 1, end - 1)``
@@ -24,7 +26,15 @@ import numpy as np
 
 from refpipe.pipeline.field_decl import padding_rows
 from refpipe.pipeline.fields import FieldsConfig, validate_branch
-from refpipe.storage.chunk_ref import ArraySpec, PayloadRef, domain_rows, segment_tokens, segments_checksum
+from refpipe.pipeline.segment_write import LifeWriter
+from refpipe.storage.chunk_ref import (
+    ArraySpec,
+    PayloadRef,
+    domain_rows,
+    object_refs,
+    segment_tokens,
+    segments_checksum,
+)
 from refpipe.storage.delete_result import DeleteResult
 from refpipe.storage.errors import FieldError, OpenBranchError
 from refpipe.storage.layout import check_id, node_key
@@ -63,6 +73,9 @@ class OpenBranch:
         self.num_tokens = 0 if prefix is None else prefix.num_tokens
         self._ended = ""
         """How this object ended: ``"closed"``, ``"discarded"`` or ``"suspended"``; empty while it is open."""
+        self._life = LifeWriter(keeper)
+        self._closing = False
+        """``close`` wrote the last rows (with an ``all_but_last`` field's padding) but not the life's end."""
         self._start = self.num_tokens
         """First token of the buffered rows."""
         self._short = True
@@ -127,10 +140,20 @@ class OpenBranch:
 
         Raises:
             OpenBranchError: the branch is closed, or nothing was appended.
-            KeyExistsError, StorageError: writing the last segment failed; the branch stays open (close again, or
-                discard it).
+            KeyExistsError, StorageError: writing the last segment, or the commit marker of its writer life's
+                object (``LifeWriter.end``), failed; the branch stays open (close again, or discard it).
         """
         self._check_open("close")
+        if not self._closing:
+            self._write_last()
+        self._life.end()
+        self._ended = "closed"
+        ref = self._ref()
+        self._unsuspend()
+        return ref
+
+    def _write_last(self) -> None:
+        """``close``'s rows: the buffered ones and an ``all_but_last`` field's padding row."""
         if self._short:
             raise OpenBranchError(f"branch {self.branch_id}: close with no rows appended: expected at least one "
                                   f"append (keep an empty branch with Keeper.keep)")
@@ -146,16 +169,16 @@ class OpenBranch:
         except Exception:
             self._pending = pending  # without the padding rows: a close again adds them once
             raise
-        self._ended = "closed"
-        ref = self._ref()
-        self._unsuspend()
-        return ref
+        self._closing = True
 
     def discard(self, *, reason: str = "open branch discarded by env server") -> DeleteResult:
         """Drop the buffered rows and delete the segments written so far (exactly once, via the ledger; a shared
-        prefix is released by this branch); the branch is closed. Raises as ``Ledger.delete``."""
+        prefix is released by this branch); the branch is closed. Raises as ``Ledger.delete``, and StorageError
+        when the life's object cannot be committed first (``LifeWriter.end``; the branch stays open)."""
+        self._life.end()  # only a committed object is claimed and deleted
         self._ended, self._pending = "discarded", {}
-        result = self.keeper.ledger.release_chunks([(s, self.branch_id) for s in self.segments], reason=reason)
+        result = self.keeper.ledger.release_chunks([(s, self.branch_id) for s in object_refs(self.segments)],
+                                                   reason=reason)
         self._unsuspend()
         return result
 
@@ -176,6 +199,7 @@ class OpenBranch:
             self._flush(self.num_tokens - 1 if self._lagging & self._specs.keys() else self.num_tokens)
         waiting = WaitingRows.of(self.num_tokens - self._start, self._specs, self._pending) \
             if self._start < self.num_tokens else None
+        self._life.end()
         record = SuspendedBranch(branch_id=self.branch_id, num_prompt_tokens=self.num_prompt_tokens,
                                  segments=tuple(self.segments), actor=self.keeper.ledger.actor,
                                  resumes=self._resumes, waiting=waiting)
@@ -221,6 +245,9 @@ class OpenBranch:
         if self._ended:
             raise OpenBranchError(f"branch {self.branch_id}: {doing}: the branch was {self._ended} after "
                                   f"{self.num_tokens} tokens: expected an open branch; open a new branch")
+        if self._closing and doing != "close":
+            raise OpenBranchError(f"branch {self.branch_id}: {doing}: a close wrote the branch's last rows and "
+                                  f"failed after; close again (or discard it)")
 
     def _check_specs(self, specs: Mapping[str, ArraySpec], what: str) -> None:
         """Every append stores the same arrays in the same dtypes as the first, and a shared prefix's among them."""
@@ -254,7 +281,7 @@ class OpenBranch:
             arrays[name], rest[name] = a[:rows], [a[rows:].copy()] if len(a) > rows else []
         prompt, completion = segment_tokens(p, self._start, end)
         specs = {n: s._replace(shape=arrays[n].shape) for n, s in self._specs.items()}
-        self.segments.append(self.keeper.write(self._segment_id(len(self.segments)), arrays, specs, prompt, completion))
+        self.segments.append(self._life.write(self._segment_id(len(self.segments)), arrays, specs, prompt, completion))
         self._pending, self._start = rest, end
 
     def _segment_id(self, index: int) -> str:

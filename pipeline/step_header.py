@@ -120,7 +120,8 @@ class StepHeader(BaseModel):
 
     def chunks(self, refs: list[PayloadRef] | None = None) -> list[PayloadRef]:
         """The distinct chunks ``refs`` (default: every ref of the step) name, in order of first mention: each
-        segment of a segmented branch (``PayloadRef.chunks``), a shared prefix once however many of its holders
+        object of a segmented branch (``PayloadRef.chunks``: on a filesystem a writer life's segments share one), a
+        shared prefix once however many of its holders
         the step ships. The one count of a step's chunks (``refpipe inspect`` and ``verify``)."""
         distinct: dict[str, PayloadRef] = {}
         for ref in self.refs if refs is None else refs:

@@ -138,6 +138,20 @@ def _metadata_json(branch_id: str, arrays: Mapping[str, ArraySpec], payload_nbyt
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
+def segments_metadata(object_id: str, nbytes: int, num_prompt_tokens: int, num_completion_tokens: int,
+                      writer: str) -> bytes:
+    """``zarr.json`` of a writer life's object of an open branch (``pipeline.segment_write``): a 1-D uint8 array of
+    the ``nbytes`` its segments take, ``bytes`` codec only (each segment carries its own crc32c, its ref its offset),
+    attributes naming the object, its writer and the tokens its segments cover."""
+    doc = json.loads(_metadata_template("none", 0))
+    doc["shape"] = doc["chunk_grid"]["configuration"]["chunk_shape"] = [nbytes]
+    doc["codecs"] = [c for c in doc["codecs"] if c["name"] == "bytes"]
+    doc["attributes"] = {"refpipe": {"format": "refpipe.segments", "version": FORMAT_VERSION, "branch_id": object_id,
+                                     "writer": writer, "nbytes": nbytes, "num_prompt_tokens": num_prompt_tokens,
+                                     "num_completion_tokens": num_completion_tokens}}
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
 @functools.lru_cache(maxsize=4)
 def _metadata_template(compression: str, zstd_level: int) -> str:
     """zarr's ``zarr.json`` of a one-chunk uint8 array with our codecs (one per compression setting)."""

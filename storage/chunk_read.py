@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 
@@ -37,6 +37,8 @@ from refpipe.storage.errors import (
 from refpipe.storage.layout import chunk_keys
 from refpipe.storage.ledger_records import delete_record_of
 from refpipe.storage.store import Store
+
+T = TypeVar("T")
 
 
 class Fetched(NamedTuple):
@@ -120,71 +122,43 @@ def fetch_into(store: Store, ref: PayloadRef, num_tokens: int | None, out: Mappi
     problem = ref.rows_problem()  # a step file's refs are validated without it (``REF_ROWS_CHECKED_PER_USE``)
     if problem:
         raise RefError(f"chunk {ref.uri}: {problem}: not read")
-    if ref.segments:
-        return _fetch_segments(store, ref, n, out, step)
-    def attempt() -> Fetched | str:
+    if ref.segments or ref.offset is not None:
+        from refpipe.storage.segment_read import fetch_segments  # it reads its single segments with fetch_into
+
+        return fetch_segments(store, ref, n, out, step)
+    return read_found(store, ref, step, lambda: _fetch(store, data_key, ref, n, dict(out)))
+
+
+def read_found(store: Store, ref: PayloadRef, step: int | None, read: Callable[[], T]) -> T:
+    """``read()`` of the chunk ``ref`` names, a ``KeyNotFoundError`` read again (``max_retries`` times with backoff:
+    the ref says the chunk was kept, so a 404 may be a stale cache or a lagging replica) unless its delete record
+    exists (``step``: the step file naming the ref, whose release records are looked up too).
+
+    Raises:
+        ChunkNotFoundError: naming the deleter, when and why; or still missing after the re-reads.
+    """
+    def attempt() -> T | _Deleted:
         try:
-            return _fetch(store, data_key, ref, n, dict(out))
+            return read()
         except KeyNotFoundError:
             deleted = _deleted(store, ref, step)
             if deleted is None:
                 raise
-            return deleted
+            return _Deleted(deleted)
 
-    try:  # the ref says the chunk was kept: a 404 may be a stale cache or a lagging replica, so read again
-        fetched = store.retrying(f"read {ref.uri}", attempt, retry=KeyNotFoundError)
+    data_key = chunk_keys(ref.key)[0]
+    try:
+        fetched = store.retrying(f"read {store.uri(ref.key)}", attempt, retry=KeyNotFoundError)
     except KeyNotFoundError as e:
         raise ChunkNotFoundError(f"{store.uri(data_key)} does not exist (read {store.config.max_retries + 1} "
                                  f"times; no delete record)") from e
-    if isinstance(fetched, str):  # final: a deleted chunk never comes back, so it is not read again
-        raise ChunkNotFoundError(f"{store.uri(data_key)} does not exist: {fetched}")
+    if isinstance(fetched, _Deleted):  # final: a deleted chunk never comes back, so it is not read again
+        raise ChunkNotFoundError(f"{store.uri(data_key)} does not exist: {fetched.why}")
     return fetched
 
 
-def _fetch_segments(store: Store, ref: PayloadRef, n: int, out: Mapping[str, np.ndarray], step: int | None) -> Fetched:
-    """A segmented branch's first ``n`` tokens: each segment they reach (a cut one too) read by ``fetch_into`` straight
-    into its rows of the destinations; arrays without a destination (and ragged values) are joined from the pieces.
-    Every segment's errors are its own (a missing segment: ``ChunkNotFoundError`` naming it)."""
-    for name, dest in out.items():
-        _check_destination(ref, name, dest, (_cut_rows(ref, name, n, out), *ref.arrays[name].shape[1:]))
-    pieces: dict[str, list[np.ndarray]] = {name: [] for name in ref.arrays}
-    offsets = dict.fromkeys(ref.arrays, 0)
-    start, in_place = 0, True
-    for seg in ref.segments:
-        if start >= n and start:
-            break
-        k = min(seg.num_tokens, n - start)
-        dests = {name: dest[offsets[name] : offsets[name] + domain_rows(seg.arrays[name].domain,
-                                                                         seg.num_prompt_tokens, k)]
-                 for name, dest in out.items()
-                 if name in seg.arrays and not ref.arrays[name].domain.startswith("values:")}
-        fetched = fetch_into(store, seg, k, dests, step)
-        in_place &= fetched.in_place
-        for name, a in fetched.arrays.items():
-            if name not in dests:
-                pieces[name].append(a)
-            offsets[name] += len(a)
-        start += seg.num_tokens
-    arrays = {}
-    for name, parts in pieces.items():
-        if name in out and not parts and not ref.arrays[name].domain.startswith("values:"):
-            arrays[name] = out[name]
-            continue
-        spec = ref.arrays[name]
-        parts = parts or [np.empty((0, *spec.shape[1:]), spec.dtype)]  # no rows in the segments read
-        arrays[name] = np.concatenate(parts) if len(parts) > 1 else parts[0]
-        arrays[name].flags.writeable = False
-        if name in out:
-            _check_destination(ref, name, out[name], arrays[name].shape)
-            out[name][...] = arrays[name]
-            arrays[name] = out[name]
-    return Fetched(arrays, in_place)
-
-
-def _cut_rows(ref: PayloadRef, name: str, n: int, out: Mapping[str, np.ndarray]) -> int:
-    """Rows array ``name`` has in the first ``n`` tokens (a ragged one: its destination's, checked after)."""
-    domain = ref.arrays[name].domain
-    return len(out[name]) if domain.startswith("values:") else domain_rows(domain, ref.num_prompt_tokens, n)
+class _Deleted(NamedTuple):
+    why: str
 
 
 def _deleted(store: Store, ref: PayloadRef, step: int | None) -> str | None:

@@ -10,7 +10,7 @@ files, episodes, the CLI). The bytes themselves: ``storage.chunk_codec``; writin
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -121,6 +121,10 @@ class PayloadRef(BaseModel):
     holders: tuple[str, ...] = ()
     """A shared prefix (``Keeper.keep_prefix``): the branch ids holding it, declared when it was kept; it is deleted
     after each of them was released or discarded (``storage.ledger_holds``). Empty: the chunk of one branch."""
+    offset: int | None = Field(default=None, ge=0)
+    """Where the chunk's bytes start in the object its ``branch_id`` names: a segment appended to its writer life's
+    object (``pipeline.open_branch``; the chunk is bytes ``[offset, offset + nbytes)`` of it). None: the object is
+    the chunk."""
     segments: tuple["PayloadRef", ...] = ()
     """A segmented branch (``pipeline.open_branch``): the refs of its segments in token order, each an ordinary
     chunk covering tokens ``[start, end)`` of the branch (its own token counts are that range's prompt and
@@ -144,6 +148,8 @@ class PayloadRef(BaseModel):
         if problem:
             raise ValueError(problem)
         bad = [h for h in self.holders if not is_id(h)]
+        if self.offset is not None and (self.segments or self.holders):
+            raise ValueError(f"offset={self.offset}: expected none on a ref with segments or holders")
         if bad or len(set(self.holders)) != len(self.holders) or (self.holders and self.segments):
             raise ValueError(f"holders {list(self.holders)}: expected distinct branch ids ({ID_RULE}), on a ref "
                              f"without segments")
@@ -166,26 +172,27 @@ class PayloadRef(BaseModel):
 
     @model_serializer(mode="wrap")
     def _without_empty_segments(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
-        """A ref serialises without empty ``holders`` and ``segments``, as before either existed."""
+        """A ref serialises without empty ``holders`` and ``segments`` and a None ``offset``."""
         out: dict[str, object] = handler(self)
-        for name in ("holders", "segments"):
-            if not getattr(self, name):
+        for name in ("holders", "segments", "offset"):
+            if getattr(self, name) in ((), None):
                 out.pop(name, None)
         return out
 
     @property
     def nodes(self) -> tuple[str, ...]:
-        """Node keys of every chunk this ref names: its segments' (``segments``), else its own ``key``.
+        """Node keys of every object this ref names (``chunks``), each once.
 
         Raises:
             OutsideRunError: as ``key``.
         """
-        return tuple(s.key for s in self.segments) if self.segments else (self.key,)
+        return tuple(c.key for c in self.chunks)
 
     @property
     def chunks(self) -> tuple["PayloadRef", ...]:
-        """The refs of the chunks this ref names: its ``segments``, else itself."""
-        return self.segments or (self,)
+        """One ref per object this ref names, in order: its ``segments`` (of segments sharing a writer life's object,
+        the first), else itself. What a delete claims and removes."""
+        return object_refs(self.segments) if self.segments else (self,)
 
     @property
     def key(self) -> str:
@@ -222,6 +229,11 @@ class PayloadRef(BaseModel):
         return layout_arrays(self.arrays)[0]
 
 
+def object_refs(segments: Sequence[PayloadRef]) -> tuple[PayloadRef, ...]:
+    """The first ref of each object among ``segments`` (segments of one writer life share one: ``offset``)."""
+    return tuple({s.branch_id: s for s in reversed(segments)}.values())[::-1]
+
+
 def segments_checksum(segments: tuple[PayloadRef, ...]) -> int:
     """A segmented ref's ``checksum``: crc32c of its segments' checksums (uint32 little-endian, in order)."""
     return int(crc32c(np.array([s.checksum for s in segments], "<u4").tobytes()))
@@ -236,8 +248,14 @@ def segment_tokens(num_prompt_tokens: int, start: int, end: int) -> tuple[int, i
 def _check_segments(ref: "PayloadRef") -> None:
     """Raise ``ValueError`` unless a segmented ref's segments tile its tokens and arrays exactly."""
     start, rows = 0, dict.fromkeys(ref.arrays, 0)
+    objects: dict[str, int] = {}  # object id -> its bytes up to the segment before
     for i, seg in enumerate(ref.segments):
         what = f"segment {i} ({seg.branch_id})"
+        at = objects.get(seg.branch_id, 0) if i and ref.segments[i - 1].branch_id == seg.branch_id else 0
+        if seg.branch_id in objects and not at or (seg.offset is not None and seg.offset != at):
+            raise ValueError(f"{what}: offset {seg.offset}: expected {at} (the segments of one object follow each "
+                             f"other, each starting where the one before ends)")
+        objects[seg.branch_id] = at + seg.nbytes if seg.offset is not None else 0
         counts = segment_tokens(ref.num_prompt_tokens, start, start + seg.num_tokens)
         if seg.segments or (seg.num_prompt_tokens, seg.num_completion_tokens) != counts \
                 or seg.compression != ref.compression:

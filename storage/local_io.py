@@ -48,6 +48,16 @@ def write_all(fd: int, buffers: Sequence[Bytes]) -> None:
             view = view[os.write(fd, view[:_WRITE_PIECE_BYTES]):]
 
 
+def pwrite_all(fd: int, buffers: Sequence[Bytes], offset: int) -> None:
+    """Write buffers in order from byte ``offset``, at most ``_WRITE_PIECE_BYTES`` per ``pwrite(2)``, resuming after
+    short writes."""
+    for buffer in buffers:
+        view = byte_view(buffer)
+        while view:
+            n = os.pwrite(fd, view[:_WRITE_PIECE_BYTES], offset)
+            view, offset = view[n:], offset + n
+
+
 def read_all(fd: int, size: int, offset: int) -> bytes:
     """Up to ``size`` bytes at ``offset`` (fewer only at end of file), resuming after short reads."""
     data = os.pread(fd, size, offset)
@@ -59,8 +69,8 @@ def read_all(fd: int, size: int, offset: int) -> bytes:
     return data
 
 
-def readv_pieces(fd: int, views: list[memoryview], size: int, each: ReadPiece) -> int:
-    """``readv_all`` from offset 0 in pieces of at most ``_READ_PIECE_BYTES``, calling ``each(i, piece)`` for every
+def readv_pieces(fd: int, views: list[memoryview], size: int, each: ReadPiece, offset: int = 0) -> int:
+    """``readv_all`` from ``offset`` in pieces of at most ``_READ_PIECE_BYTES``, calling ``each(i, piece)`` for every
     piece of ``views[i]`` right after it was read, in order, while its bytes are still in cache.
 
     Returns bytes read: ``size``, or fewer at end of file (then the pieces not read whole get no call).
@@ -70,7 +80,7 @@ def readv_pieces(fd: int, views: list[memoryview], size: int, each: ReadPiece) -
         wanted = min(sum(piece.nbytes for _, piece in window), size - done)
         if wanted <= 0:
             break
-        got = readv_all(fd, [piece for _, piece in window], wanted, done)
+        got = readv_all(fd, [piece for _, piece in window], wanted, offset + done)
         for i, piece in window:
             if got < piece.nbytes:
                 return done + got
@@ -88,7 +98,7 @@ def _windows(views: list[memoryview], limit: int) -> list[list[tuple[int, memory
             if not room:
                 windows.append([])
                 room = limit
-            piece = view[:room]
+            piece = view if view.nbytes <= room else view[:room]
             windows[-1].append((i, piece))
             room -= piece.nbytes
             view = view[piece.nbytes:]

@@ -25,7 +25,7 @@ from refpipe.storage.concurrency import bounded_map
 from refpipe.storage.errors import KeyNotFoundError, OutsideRunError, RunPathNotADirectoryError, StorageError
 from refpipe.storage.local_confined import ConfinedPrefix
 from refpipe.storage.local_errors import classify
-from refpipe.storage.local_io import TOKEN_XATTR, fill, read_all, readv_all, readv_pieces
+from refpipe.storage.local_io import TOKEN_XATTR, fill, pwrite_all, read_all, readv_all, readv_pieces
 from refpipe.storage.store import Bytes, ReadPiece, Store, byte_view
 
 T = TypeVar("T")
@@ -76,19 +76,35 @@ class LocalStore(Store):
         finally:
             os.close(fd)
 
-    def get_into(self, key: str, buffers: Sequence[Bytes], each: ReadPiece | None = None) -> int:
-        return self._attempt("cannot read", key, lambda: self._read_into(key, buffers, each))
+    def get_into(self, key: str, buffers: Sequence[Bytes], each: ReadPiece | None = None, offset: int = 0) -> int:
+        return self._attempt("cannot read", key, lambda: self._read_into(key, buffers, each, offset))
 
-    def _read_into(self, key: str, buffers: Sequence[Bytes], each: ReadPiece | None) -> int:
+    def _read_into(self, key: str, buffers: Sequence[Bytes], each: ReadPiece | None, offset: int) -> int:
         fd = self._confined().open_read(key)
         try:
-            size = os.fstat(fd).st_size
+            size = max(os.fstat(fd).st_size - offset, 0)
             views = [byte_view(b) for b in buffers]
             wanted = min(size, sum(v.nbytes for v in views))
-            got = readv_pieces(fd, views, wanted, each) if each else readv_all(fd, [v for v in views if v], wanted)
+            got = readv_pieces(fd, views, wanted, each, offset) if each else \
+                readv_all(fd, [v for v in views if v], wanted, offset)
             return size if got == wanted else got  # a short read: the file shrank since fstat
         finally:
             os.close(fd)
+
+    appends = True
+
+    def write_at(self, key: str, buffers: Sequence[Bytes], offset: int) -> None:
+        def write() -> None:
+            def op(dir_fd: int, name: str) -> None:
+                fd = os.open(name, _WRITE_FLAGS | os.O_NONBLOCK, dir_fd=dir_fd)  # no create; a FIFO never blocks
+                try:
+                    pwrite_all(fd, buffers, offset)
+                finally:
+                    os.close(fd)
+
+            self._confined().at(key, op)
+
+        self._attempt("cannot write", key, write)
 
     def _confined(self) -> ConfinedPrefix:
         """This store's confined directory handles (made on first use in a process; not pickled)."""

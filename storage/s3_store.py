@@ -130,8 +130,8 @@ class S3Store(Store):
 
         return self.retrying(what, op)
 
-    def get_into(self, key: str, buffers: Sequence[Bytes], each: ReadPiece | None = None) -> int:
-        data = memoryview(self.get(key))  # one GET, then copied: S3 reads are network-bound, not copy-bound
+    def get_into(self, key: str, buffers: Sequence[Bytes], each: ReadPiece | None = None, offset: int = 0) -> int:
+        data = memoryview(self.get(key, offset or None))  # one GET, then copied: S3 reads are network-bound
         done = 0
         for i, buffer in enumerate(buffers):
             view = byte_view(buffer)

@@ -74,6 +74,9 @@ class Store(abc.ABC):
     """Whether ``Ledger.release`` claims a DP rank's chunks of a step with one release record (a store whose
     exclusive put and existence check are network round trips: S3) instead of one delete record per chunk."""
 
+    appends = False
+    """Whether ``write_at`` adds bytes to an existing object (a filesystem: ``pwrite``); S3 objects are whole."""
+
     def __init__(self, prefix: RunPrefix, config: StorageConfig):
         self.prefix = prefix
         self.config = config
@@ -137,15 +140,15 @@ class Store(abc.ABC):
         """
 
     @abc.abstractmethod
-    def get_into(self, key: str, buffers: Sequence[Bytes], each: ReadPiece | None = None) -> int:
-        """Read ``key`` from its first byte into ``buffers`` (writable, C-contiguous; filled in order).
+    def get_into(self, key: str, buffers: Sequence[Bytes], each: ReadPiece | None = None, offset: int = 0) -> int:
+        """Read ``key`` from byte ``offset`` into ``buffers`` (writable, C-contiguous; filled in order).
 
         ``each(i, piece)``: called for consecutive pieces of ``buffers[i]`` (together: every byte filled, in
         order, each piece once) as they are filled, so a checksum reads them while they are in cache; a piece of
         a buffer the object ends in without filling gets no call.
 
         Returns:
-            The object's size in bytes. Larger than the buffers' total: the buffers hold its
+            The object's size in bytes from ``offset``. Larger than the buffers' total: the buffers hold its
             first bytes and the rest was not read. Smaller: only that many bytes were written
             (the buffers' tail is left as it was). Callers compare it with the size they expect.
 
@@ -192,6 +195,18 @@ class Store(abc.ABC):
             if self._token(key) != token:
                 raise
             self.found_own_attempt()
+
+    def write_at(self, key: str, buffers: Sequence[Bytes], offset: int) -> None:
+        """Write ``buffers`` in order at byte ``offset`` of the existing object ``key`` (only where ``appends``; a
+        retry writes the same bytes again). Readers may see the bytes partly written: the writer's refs say which
+        bytes are whole (``PayloadRef.offset``).
+
+        Raises:
+            KeyNotFoundError: no object at ``key``.
+            StorageError: any other failure (``TransientStorageError`` once retries are spent).
+            NotImplementedError: the store does not append.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not append to an object ({self.uri(key)})")
 
     def found_own_attempt(self) -> None:
         """Count an exclusive put that found its own earlier, applied attempt (``idempotent_puts``)."""

@@ -43,13 +43,15 @@ def segmented_run(local_config, monkeypatch):
 def test_inspect_counts_segments_and_verify_reads_each(segmented_run):
     store, refs, uris = segmented_run
     summary = json.loads(invoke(["inspect", uris[0], "--json"]).stdout)
-    total = sum(len(r.segments) for r in refs.values())
-    assert (summary["num_chunks"], summary["num_chunks_missing"]) == (total, 0)  # a segment is a chunk
+    total = sum(len(r.chunks) for r in refs.values())
+    assert total == 7  # on a filesystem a writer life's segments are one object: one chunk per branch here
+    assert (summary["num_chunks"], summary["num_chunks_missing"]) == (total, 0)
     mb = summary["micro_batches"][0]
     assert [s["num_segments"] for s in mb["sequences"]] == [len(refs[n].segments) for n in "abc"]
     assert mb["num_segments"] == sum(len(refs[n].segments) for n in "abc")
     table = invoke(["inspect", uris[0]]).stdout
-    assert f"{mb['num_segments']} present ({mb['num_segments']} segments)" in table
+    assert (mb["num_chunks"], mb["num_segments"]) == (3, sum(len(refs[n].segments) for n in "abc"))
+    assert f"{mb['num_chunks']} present ({mb['num_segments']} segments)" in table
     verified = invoke(["verify", uris[0]])
     assert verified.exit_code == 0 and verified.stdout.splitlines()[-1].startswith(f"step 0: {total} chunks (")
 
@@ -71,14 +73,14 @@ def test_show_of_segments_equals_show_of_whole_chunks(segmented_run, tmp_path):
 def test_a_deleted_segment_is_named_by_inspect_and_show(segmented_run):
     store, refs, uris = segmented_run
     g = refs["g"]
-    Ledger(store, "trainer_dp1").delete([g.segments[1]], reason="test: one segment")
+    Ledger(store, "trainer_dp1").delete([g.segments[1]], reason="test: one segment")  # the object of all of them
     summary = json.loads(invoke(["inspect", uris[0], "--json"]).stdout)
     assert summary["missing"] == [{"uri": store.uri(g.segments[1].key), "branch_id": "g-turns", "owner_dp_rank": 1,
                                    "problem": "deleted by trainer_dp1 (test: one segment)"}]
     shown = invoke(["show", uris[0], "--micro-batch", "1", "--dp-rank", "1"])
     assert shown.exit_code == 0
     assert shown.stdout.splitlines()[1] == (
-        f"gone: sampling_mask, topk_ids, topk_logprobs of sequence 0: chunk {store.uri(g.key)}: segment g-turns.1 "
+        f"gone: sampling_mask, topk_ids, topk_logprobs of sequence 0: chunk {store.uri(g.key)}: segment g-turns.0 "
         "deleted by trainer_dp1 (test: one segment)")
 
 
@@ -102,11 +104,11 @@ def test_inspect_and_verify_count_a_shared_prefix_once(local_config, monkeypatch
         refs[name] = opened.close()
     keeper.ledger.close()
     uri = publish_step_file(store, *packed_header(store, refs, 0))
-    segments = [len(r.segments) for r in refs.values()]
-    distinct = sum(segments) - 3  # the prefix once, not once per holder
-    assert (sum(segments), distinct) == (26, 23)
+    objects = [len(r.chunks) for r in refs.values()]  # a holder: the prefix and its writer life's object
+    distinct = sum(objects) - 3  # the prefix once, not once per holder
+    assert (sum(objects), distinct) == (11, 8)
     summary = json.loads(invoke(["inspect", uri, "--json"]).stdout)
     assert (summary["num_chunks"], summary["num_chunks_present"]) == (distinct, distinct)
-    assert summary["micro_batches"][0]["num_chunks"] == sum(len(refs[n].segments) for n in "abc") - 2
+    assert summary["micro_batches"][0]["num_chunks"] == 4  # a, b, c and their one prefix
     verified = invoke(["verify", uri])
     assert verified.exit_code == 0 and verified.stdout.splitlines()[-1].startswith(f"step 0: {distinct} chunks (")

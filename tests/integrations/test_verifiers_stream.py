@@ -28,6 +28,7 @@ from refpipe.pipeline import open_branch  # noqa: E402
 from refpipe.pipeline.audit import audit  # noqa: E402
 from refpipe.pipeline.fields import FieldsConfig  # noqa: E402
 from refpipe.pipeline.keep import Keeper  # noqa: E402
+from refpipe.pipeline.segment_write import LifeWriter  # noqa: E402
 from refpipe.storage.backends import open_store  # noqa: E402
 from refpipe.storage.chunk_read import fetch_arrays  # noqa: E402
 from refpipe.storage.errors import FieldError  # noqa: E402
@@ -304,20 +305,21 @@ def test_a_path_node_without_routing_is_refused_not_dropped_for_the_whole_branch
 
 
 class Writes:
-    """Every chunk ``keeper.write`` writes, as ``(chunk id, tokens)``, marked per flush."""
+    """Every segment an open branch writes (``LifeWriter.write``), as ``(segment id, tokens)``, and its ref (on a
+    filesystem, the segments of one writer life share one object: the ref's ``branch_id``)."""
 
-    def __init__(self, keeper):
+    def __init__(self, monkeypatch):
         self.log: list[tuple[str, int]] = []
         self.refs = []
-        write = keeper.write
+        write = LifeWriter.write
 
-        def recorded(chunk_id, arrays, specs, num_prompt_tokens, num_completion_tokens, holders=()):
-            ref = write(chunk_id, arrays, specs, num_prompt_tokens, num_completion_tokens, holders)
-            self.log.append((chunk_id, num_prompt_tokens + num_completion_tokens))
+        def recorded(life, segment_id, arrays, specs, num_prompt_tokens, num_completion_tokens):
+            ref = write(life, segment_id, arrays, specs, num_prompt_tokens, num_completion_tokens)
+            self.log.append((segment_id, num_prompt_tokens + num_completion_tokens))
             self.refs.append(ref)
             return ref
 
-        keeper.write = recorded
+        monkeypatch.setattr(LifeWriter, "write", recorded)
 
 
 def path_tokens(trace, leaf) -> int:
@@ -330,7 +332,7 @@ def test_multi_turn_appends_store_the_whole_keep_rows_turn_by_turn(local_config,
     fetch the bytes a whole keep of the finished trace stores."""
     monkeypatch.setattr(open_branch, "COALESCE_BYTES", 1)
     rp = Refpipe(local_config)
-    writes = Writes(rp.keeper)
+    writes = Writes(monkeypatch)
     stream = rp.stream()
     per_flush: list[list[tuple[str, int]]] = []
     marks = []  # after each turn, of every trainable branch: (leaf, position and row of its placeholder)
@@ -361,7 +363,7 @@ def test_multi_turn_appends_store_the_whole_keep_rows_turn_by_turn(local_config,
     assert per_flush == [[("1", t1 - 1)], [("1", t2 - t1)], [("1", t3 - t2)], [("7", t4 - 1)], [("1", 1), ("7", 1)]]
     assert [s.num_tokens for s in refs[5].segments] == [t1 - 1, t2 - t1, t3 - t2, 1]
     assert [s.num_tokens for s in refs[7].segments] == [t4 - 1, 1]
-    assert payload_nodes(rp.store) == chunk_ids(refs.values()) == {cid for cid, _ in writes.log}
+    assert payload_nodes(rp.store) == chunk_ids(refs.values()) == {r.branch_id for r in writes.refs}
     segment_bytes = sum(r.nbytes for r in writes.refs)
     assert segment_bytes == sum(r.nbytes for r in refs.values())
 
@@ -391,7 +393,7 @@ def test_multi_turn_appends_store_the_whole_keep_rows_turn_by_turn(local_config,
 def test_an_open_trace_that_leaves_the_run_leaves_nothing(local_config, monkeypatch):
     monkeypatch.setattr(open_branch, "COALESCE_BYTES", 1)
     rp = Refpipe(local_config)
-    writes = Writes(rp.keeper)
+    writes = Writes(monkeypatch)
     stream = rp.stream()
 
     async def go():
@@ -414,7 +416,7 @@ def test_an_open_trace_that_leaves_the_run_leaves_nothing(local_config, monkeypa
     first, segments = asyncio.run(go())
     assert len(segments) == 2 and INFO_KEY not in first.info
     records = tombstones(rp.store, segments)
-    assert sorted(records) == sorted(s.branch_id for s in segments)
+    assert sorted(records) == sorted({s.branch_id for s in segments})  # one object per writer life
     assert {r["reason"] for r in records.values()} == {"discarded attempt: trace attempt1 left the run (retried)"}
     kept = list(read_refs(stream.episode().traces[0].info, "attempt2").values())
     assert payload_nodes(rp.store) == chunk_ids(kept)
@@ -427,7 +429,7 @@ def test_an_open_trace_that_leaves_the_run_leaves_nothing(local_config, monkeypa
 def test_a_cancelled_run_discards_its_open_branches(local_config, monkeypatch):
     monkeypatch.setattr(open_branch, "COALESCE_BYTES", 1)
     rp = Refpipe(local_config)
-    writes = Writes(rp.keeper)
+    writes = Writes(monkeypatch)
     stream = rp.stream()
     appended = asyncio.Event()
 
@@ -453,10 +455,10 @@ def test_a_cancelled_run_discards_its_open_branches(local_config, monkeypatch):
     assert len(writes.refs) == 3 and INFO_KEY not in stream.traces[0].info  # three turns' segments, never closed
     assert payload_nodes(rp.store) == set()
     assert {r["reason"] for r in tombstones(rp.store, writes.refs).values()} == {"run abandoned: cancelled"}
-    assert len(tombstones(rp.store, writes.refs)) == 3
+    assert len(tombstones(rp.store, writes.refs)) == 1  # the three segments' object
     rp.ledger.close()
     report = audit(rp.store, finished=True)
-    assert report.clean and (report.kept, report.deleted, report.present, report.double_deletes) == (3, 3, 0, 0)
+    assert report.clean and (report.kept, report.deleted, report.present, report.double_deletes) == (1, 1, 0, 0)
 
 
 def test_a_turn_node_without_routing_fails_the_run_and_discards_its_open_branch(local_config, monkeypatch):
@@ -464,7 +466,7 @@ def test_a_turn_node_without_routing_fails_the_run_and_discards_its_open_branch(
     refused, never appended without routing; the run fails and its open branch's segments are deleted."""
     monkeypatch.setattr(open_branch, "COALESCE_BYTES", 1)
     rp = Refpipe(local_config)
-    writes = Writes(rp.keeper)
+    writes = Writes(monkeypatch)
     stream = rp.stream()
     sizes = []
 

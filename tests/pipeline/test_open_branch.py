@@ -13,9 +13,10 @@ from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.storage.backends import open_store
 from refpipe.storage.chunk_read import fetch_arrays, fetch_into
 from refpipe.storage.chunk_ref import PayloadRef
-from refpipe.storage.errors import ChunkNotFoundError, FieldError, KeyExistsError, OpenBranchError
+from refpipe.storage.errors import ChunkNotFoundError, FieldError, KeyExistsError, OpenBranchError, StorageError
 from refpipe.storage.layout import chunk_keys, node_key
 from refpipe.storage.ledger import Ledger
+from refpipe.storage.store import byte_view
 from tests.pipeline.test_keep import CFG, fields_of, stored
 
 P, C = 4, 26
@@ -63,11 +64,14 @@ def test_appended_turns_read_back_as_the_whole_branch(storage_config, monkeypatc
     keeper = keeper_of(storage_config)
     fields = fields_of(P, C, seed=3)
     seg, whole = kept_both(keeper, fields)
-    assert [(s.branch_id, s.num_prompt_tokens, s.num_completion_tokens) for s in seg.segments] == [
-        ("seg.0", 4, 3), ("seg.1", 0, 1), ("seg.2", 0, 11), ("seg.3", 0, 11)]
+    appends = keeper.store.appends  # a filesystem: the segments of one writer life in one object, at their offsets
+    sizes = [s.nbytes for s in seg.segments]
+    assert [(s.branch_id, s.offset, s.num_prompt_tokens, s.num_completion_tokens) for s in seg.segments] == [
+        ("seg.0" if appends else f"seg.{i}", sum(sizes[:i]) if appends else None, p, c)
+        for i, (p, c) in enumerate([(4, 3), (0, 1), (0, 11), (0, 11)])]
     assert (seg.num_prompt_tokens, seg.num_completion_tokens) == (P, C)
     assert {n: s.shape for n, s in seg.arrays.items()} == {n: s.shape for n, s in whole.arrays.items()}
-    assert seg.nodes == tuple(node_key(f"seg.{i}") for i in range(4))
+    assert seg.nodes == ((node_key("seg.0"),) if appends else tuple(node_key(f"seg.{i}") for i in range(4)))
     assert PayloadRef.model_validate_json(seg.model_dump_json()) == seg
     assert "segments" not in whole.model_dump()
     assert_same(fetch_arrays(keeper.store, seg), fetch_arrays(keeper.store, whole))
@@ -158,30 +162,53 @@ def test_bad_use_is_a_typed_error_naming_the_input_and_nothing_leaks(local_confi
         branch.append(30, 31, rows_of(fields, 29, 30))
     assert_same(fetch_arrays(keeper.store, ref), stored_le(fields))
     result = keeper.discard([ref])
-    assert sorted(result.deleted) == sorted(keeper.store.uri(node_key(f"bad.{i}")) for i in range(4))
+    assert result.deleted == [keeper.store.uri(node_key("bad.0"))]  # the one object of its writer life
     assert not any(keeper.store.exists(k) for n in ref.nodes for k in chunk_keys(n))
     keeper.ledger.close()
     report = audit(keeper.store, finished=True)
-    assert (report.kept, report.deleted, report.present) == (4, 4, 0) and report.clean
+    assert (report.kept, report.deleted, report.present) == (1, 1, 0) and report.clean
 
 
 def test_a_failed_segment_write_keeps_the_rows_buffered_and_nothing_leaks(local_config, monkeypatch):
     monkeypatch.setattr(open_branch, "COALESCE_BYTES", 1)
     keeper = keeper_of(local_config)
     fields = fields_of(P, C, seed=11)
-    clash = keeper.keep(Branch(P, C, fields, branch_id="clash.1"))  # takes the id of the branch's second segment
+    clash = keeper.keep(Branch(P, C, fields, branch_id="clash.0"))  # takes the id of the branch's first segment
     branch = keeper.open_branch(P, branch_id="clash")
-    branch.append(0, 7, rows_of(fields, 0, 7))
-    with pytest.raises(KeyExistsError, match=r"^branch 'clash.1' was already kept in run"):
-        branch.append(7, 8, rows_of(fields, 7, 8))
-    with pytest.raises(KeyExistsError, match=r"^branch 'clash.1' was already kept in run"):
+    with pytest.raises(KeyExistsError, match=r"^branch 'clash.0' was already kept in run"):
+        branch.append(0, 7, rows_of(fields, 0, 7))
+    with pytest.raises(KeyExistsError, match=r"^branch 'clash.0' was already kept in run"):
         branch.close()
-    assert (branch.num_tokens, [s.branch_id for s in branch.segments], branch.closed) == (8, ["clash.0"], False)
-    assert branch.discard().deleted == [keeper.store.uri(node_key("clash.0"))]
+    assert (branch.num_tokens, branch.segments, branch.closed) == (7, [], False)
+    assert branch.discard().deleted == []
     keeper.discard([clash])
     keeper.ledger.close()
     report = audit(keeper.store, finished=True)
-    assert (report.kept, report.deleted, report.present) == (2, 2, 0) and report.clean
+    assert (report.kept, report.deleted, report.present) == (1, 1, 0) and report.clean
+
+
+def test_a_failed_append_is_written_again_at_the_same_offset(local_config, monkeypatch):
+    monkeypatch.setattr(open_branch, "COALESCE_BYTES", 1)
+    keeper = keeper_of(local_config)
+    fields = fields_of(P, C, seed=12)
+    branch = keeper.open_branch(P, branch_id="torn")
+    branch.append(0, 7, rows_of(fields, 0, 7))
+    write_at = keeper.store.write_at
+
+    def torn(key, buffers, offset):  # half the segment lands, then the write fails
+        write_at(key, [bytes(byte_view(buffers[0])[: len(byte_view(buffers[0])) // 2])], offset)
+        raise StorageError("test: the disk filled up")
+
+    monkeypatch.setattr(keeper.store, "write_at", torn)
+    with pytest.raises(StorageError, match="the disk filled up"):
+        branch.append(7, 8, rows_of(fields, 7, 8))
+    monkeypatch.setattr(keeper.store, "write_at", write_at)
+    for start, end in TURNS[2:]:
+        branch.append(start, end, rows_of(fields, start, end))
+    ref = branch.close()
+    assert [(s.num_tokens, s.offset) for s in ref.segments] == [
+        (7, 0), (12, ref.segments[0].nbytes), (11, ref.segments[0].nbytes + ref.segments[1].nbytes)]
+    assert_same(fetch_arrays(keeper.store, ref), stored_le(fields))
 
 
 def test_discarding_an_open_branch_deletes_its_segments_once(local_config, monkeypatch):
@@ -191,8 +218,10 @@ def test_discarding_an_open_branch_deletes_its_segments_once(local_config, monke
     branch = keeper.open_branch(P, branch_id="gone")
     branch.append(0, 7, rows_of(fields, 0, 7))
     branch.append(7, 8, rows_of(fields, 7, 8))
+    assert not keeper.store.exists(chunk_keys(node_key("gone.0"))[1])  # the writer life's object is not committed
     result = branch.discard(reason="episode abandoned")
-    assert result.deleted == [keeper.store.uri(node_key("gone.0")), keeper.store.uri(node_key("gone.1"))]
+    assert result.deleted == [keeper.store.uri(node_key("gone.0"))]  # its two segments' object, committed then
+    assert keeper.store.list_prefix("payloads") == []
     with pytest.raises(OpenBranchError, match=r"^branch gone: append rows \[8, 9\): the branch was discarded after 8 "
                                               r"tokens"):
         branch.append(8, 9, rows_of(fields, 8, 9))
@@ -202,9 +231,8 @@ def test_a_missing_segment_fails_the_read_naming_it(local_config, monkeypatch):
     monkeypatch.setattr(open_branch, "COALESCE_BYTES", 1)
     keeper = keeper_of(local_config)
     seg, _ = kept_both(keeper, fields_of(P, C, seed=9))
-    keeper.ledger.delete([seg.segments[2]], reason="test: lose one segment")
-    assert fetch_arrays(keeper.store, seg, 8)["routed_experts"].shape == (8, 3, 2)  # before the lost segment
-    with pytest.raises(ChunkNotFoundError, match=r"payloads/../seg\.2/c\.0 does not exist: chunk .*seg\.2 was "
+    keeper.ledger.delete([seg.segments[2]], reason="test: lose one segment")  # and its writer life's object
+    with pytest.raises(ChunkNotFoundError, match=r"payloads/../seg\.0/c\.0 does not exist: chunk .*seg\.0 was "
                                                  r"deleted by env_worker_0 .*\(test: lose one segment\)"):
         fetch_arrays(keeper.store, seg, 9)
 

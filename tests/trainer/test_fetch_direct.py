@@ -42,10 +42,10 @@ class RecordingStore(LocalStore):
         super().__init__(prefix, config)
         self.lock, self.into = threading.Lock(), {}
 
-    def get_into(self, key, buffers, each=None):
+    def get_into(self, key, buffers, each=None, offset=0):
         with self.lock:
-            self.into[key] = list(buffers)
-        return super().get_into(key, buffers, each)
+            self.into[key] = self.into.get(key, []) + list(buffers)
+        return super().get_into(key, buffers, each, offset)
 
 
 @pytest.fixture

@@ -53,7 +53,7 @@ def built(local_config, monkeypatch):
     keeper = Keeper(store, Ledger(store, "env_worker_0"), FIELDS, local_config)
     refs = {name: keep_segmented(keeper, b) for name, b in branches.items()}
     keeper.ledger.close()
-    layout = [[[Seq("a", 19), Seq("b", 9)], [Seq("c", 13)]],   # b cut through its third segment
+    layout = [[[Seq("a", 19), Seq("b", 9)], [Seq("c", 13)]],   # b cut through its second segment
               [[Seq("a", 19, borrowed=True), Seq("g", 11)], [Seq("e", 11)]]]
     return RecordingStore(store.prefix, local_config), build_step(store, 0, SEQ_LEN, layout, branches, refs, rng)
 
@@ -68,11 +68,15 @@ def test_segments_land_in_the_micro_batch_arrays_byte_for_byte(built):
         assert fetched.failed == set() and fetched.errors == []
         for index, mb in fetched.assembled.items():
             assert_same(flatten(mb.streams, mb.cu_seqlens, mb.fields), expected_micro_batch(step, dp, index))
+    store.into.clear()
     fetched = fetch_own(store, step_file, 0, FIELDS, max_concurrency=3)
     routing = fetched.assembled[0].fields["routed_experts"].padded
-    for seg in step.refs["a"].segments:  # a whole: every segment read into the micro batch's routing array
-        assert any(np.shares_memory(b, routing) for b in store.into[chunk_keys(seg.key)[0]])
-    assert chunk_keys(step.refs["b"].segments[2].key)[0] not in store.into  # b cut: its kept rows, by ranged reads
+    a, b = step.refs["a"], step.refs["b"]
+    assert a.nodes == (a.segments[0].key,) and b.nodes == (b.segments[0].key,)  # one object per writer life
+    a_read = store.into[chunk_keys(a.nodes[0])[0]]  # a whole: one read of its object, into the routing array
+    assert sum(x.nbytes for x in a_read) == a.nbytes and any(np.shares_memory(x, routing) for x in a_read)
+    b_read = store.into[chunk_keys(b.nodes[0])[0]]  # b cut at token 9: its first segment read into place, the
+    assert sum(x.nbytes for x in b_read) == b.segments[0].nbytes  # second (tokens [7, 11)) by a ranged read
 
 
 def test_a_lost_segment_fails_only_its_micro_batch(built):
@@ -92,9 +96,9 @@ def test_released_segments_are_deleted_once_and_the_audit_is_clean(built):
     for dp in (0, 1):
         trainer = Ledger(store, f"trainer_dp{dp}")
         result = trainer.delete(header.owned_refs(dp), reason=f"trainer dp_rank={dp} step 0")
-        assert sorted(result.deleted) == sorted(store.uri(s.key) for r in header.owned_refs(dp) for s in r.segments)
+        assert sorted(result.deleted) == sorted(store.uri(n) for r in header.owned_refs(dp) for n in r.nodes)
         trainer.record("release", step=0, dp_rank=dp)
         trainer.close()
     report = audit(store, finished=True)
-    assert (report.kept, report.shipped, report.borrowed, report.deleted, report.present) == (15, 15, 4, 15, 0)
+    assert (report.kept, report.shipped, report.borrowed, report.deleted, report.present) == (5, 5, 1, 5, 0)
     assert report.violations == [] and report.clean and report.outstanding == 0
