@@ -118,8 +118,8 @@ class RunScan:
     """Settled chunks counted by an audit summary: ``kept``, ``deleted``, ``shipped``, ``borrowed``."""
     releases_read: set[str] = field(default_factory=set)
     """Release record keys read (``claims``)."""
-    claims: dict[str, list[tuple[str, str]]] = field(default_factory=lambda: defaultdict(list))
-    """Node key -> ``(holder, reason)`` of every release record that claims it."""
+    claims: dict[str, list[tuple[str, str, str]]] = field(default_factory=lambda: defaultdict(list))
+    """Node key -> ``(holder, reason, session)`` of every release or delete batch record that claims it."""
     folded: set[str] = field(default_factory=set)
     """Nodes whose release claims are in ``tombstoned`` and ``double_claims``."""
     double_claims: list[dict] = field(default_factory=list)
@@ -239,17 +239,22 @@ def _read_releases(store: Store, scan: RunScan, keys: list[str], progress: Progr
             scan.bad_records.append(f"{store.uri(key)}: {type(record).__name__}: {record}")
             continue
         for branch_id in record.branch_ids:
-            scan.claims[node_key(branch_id)].append((record.holder, record.reason))
+            scan.claims[node_key(branch_id)].append((record.holder, record.reason, record.session))
 
 
 def _fold_releases(store: Store, scan: RunScan, nodes: set[str]) -> None:
     """Count the release claims of ``nodes`` as delete records (as ``_check_deletes`` checks a node's own): a node
-    that a delete record or another release record claims too is a double delete, once per extra claim. An
-    incremental audit folds only the nodes it checks (named or present), never settled ones."""
+    that a delete record or another release record claims too is a double delete, once per extra claim, unless
+    an earlier claim is the same actor's in another session (its earlier life: already released, as
+    ``Ledger.delete`` says at delete time). An incremental audit folds only the nodes it checks (named or present),
+    never settled ones."""
     for node in sorted(n for n in nodes if n in scan.claims and n not in scan.folded):
         claims = scan.claims[node]
-        first = "a delete record" if node in scan.tombstoned else "{} ({})".format(*claims[0])
-        for holder, reason in claims[0 if node in scan.tombstoned else 1:]:
+        first = "a delete record" if node in scan.tombstoned else "{} ({})".format(*claims[0][:2])
+        skip = 0 if node in scan.tombstoned else 1
+        for i, (holder, reason, session) in enumerate(claims[skip:], skip):
+            if any(h == holder and s != session for h, _, s in claims[:i]):
+                continue
             scan.double_claims.append({"event": "double_delete", "branch_id": branch_id_of(node),
                                        "uri": store.uri(node), "actor": holder, "reason": reason, "first": first})
         scan.tombstoned.add(node)

@@ -20,7 +20,7 @@ import crc32c
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from refpipe.storage.errors import DeleteRecordError, KeyNotFoundError, validation_problems
-from refpipe.storage.layout import node_key, release_prefix, tombstone_key
+from refpipe.storage.layout import BATCHES_PREFIX, node_key, release_prefix, tombstone_key
 from refpipe.storage.store import Store
 
 CRC_FIELD = "crc"
@@ -118,13 +118,15 @@ def read_delete_record(data: bytes, uri: str) -> DeleteRecord:
 
 
 class ReleaseRecord(BaseModel):
-    """One DP rank's release of its chunks of one step (``ledger/deletes/releases/step_<N:08d>/<actor>.json``):
-    the exactly-once claim of every chunk it lists, written once by ``Ledger.release`` (exclusive put) before
-    any of them is deleted, and read only through ``read_release_record``."""
+    """One claim of many chunks, written once (exclusive put) before any of them is deleted and read only through
+    ``read_release_record``: a DP rank's release of its chunks of one step on S3
+    (``ledger/deletes/releases/step_<N:08d>/<actor>.json``, ``Ledger.release``), or one ``Ledger.delete`` call's
+    batch on a filesystem (``storage.layout.batch_key``, ``storage.ledger_batch``; ``step`` None), which lists only
+    the chunks whose commit marker it removed once the call is done."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    step: int
+    step: int | None
     holder: str
     """The actor that released the chunks (``trainer_dp<r>``)."""
     reason: str
@@ -159,7 +161,8 @@ def delete_record_of(store: Store, branch_id: str,
     """The delete record of ``branch_id``'s chunk, the error that makes it unreadable, or None when there is none:
     how a missing chunk is explained (``storage.chunk_read`` after a not-found; the CLI's ``show``, ``verify``,
     ``inspect``). One ``Store.get``; given ``step`` (a step file naming the chunk), also the release records of
-    that step (one listing, one ``get`` each: at most one per DP rank).
+    that step (one listing, one ``get`` each: at most one per DP rank); then the delete batch records of a
+    filesystem (``storage.ledger_batch``: one listing, one ``get`` each until one lists the chunk).
     """
     key = tombstone_key(branch_id)
     try:
@@ -168,7 +171,8 @@ def delete_record_of(store: Store, branch_id: str,
         pass
     except DeleteRecordError as e:
         return e
-    for release in ([] if step is None else store.list_prefix(release_prefix(step))):
+    releases = [] if step is None else store.list_prefix(release_prefix(step))
+    for release in releases + store.list_prefix(BATCHES_PREFIX):
         try:
             record = read_release_record(store.get(release), store.uri(release))
         except KeyNotFoundError:
