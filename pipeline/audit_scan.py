@@ -44,6 +44,7 @@ from refpipe.storage.errors import (
     StepFileError,
 )
 from refpipe.storage.layout import (
+    BATCHES_PREFIX,
     DELETES_PREFIX,
     EVENTS_PREFIX,
     META_NAME,
@@ -118,6 +119,10 @@ class RunScan:
     """Settled chunks counted by an audit summary: ``kept``, ``deleted``, ``shipped``, ``borrowed``."""
     releases_read: set[str] = field(default_factory=set)
     """Release record keys read (``claims``)."""
+    settled_batches: set[str] = field(default_factory=set)
+    """Delete batch record keys an audit summary settled (every chunk listed settled): not read."""
+    batch_nodes: dict[str, set[str]] = field(default_factory=dict)
+    """Delete batch record key read -> the nodes it claims (``storage.ledger_batch``)."""
     claims: dict[str, list[tuple[str, str, str]]] = field(default_factory=lambda: defaultdict(list))
     """Node key -> ``(holder, reason, session)`` of every release or delete batch record that claims it."""
     folded: set[str] = field(default_factory=set)
@@ -186,6 +191,9 @@ def scan_run(store: Store, progress: Progress | None = None, seed: RunScan | Non
             scan.stray_keys.append(key)
     if seed is not None:
         _check_deletes(store, scan, set(scan.nodes) - _named(scan), progress)
+        if any(n not in scan.tombstoned and n not in scan.claims for n in set(scan.nodes) - _named(scan)):
+            scan.settled_batches.clear()  # a present chunk nothing names: a settled batch record may claim it
+            _read_releases(store, scan, _list(store, BATCHES_PREFIX, progress), progress)
         _fold_releases(store, scan, set(scan.nodes))
     _recheck_deletes(store, scan, progress)
     _scan_writers(store, scan, progress)
@@ -224,7 +232,7 @@ def _list_deletes(store: Store, scan: RunScan, progress: Progress | None) -> Non
 def _read_releases(store: Store, scan: RunScan, keys: list[str], progress: Progress | None) -> None:
     """Read the release records ``keys`` not read yet (and not of a settled step) into ``claims``; an unreadable
     record is a bad record (it may claim chunks)."""
-    new = [k for k in keys if k not in scan.releases_read
+    new = [k for k in keys if k not in scan.releases_read and k not in scan.settled_batches
            and (parsed := parse_release_key(k)) is not None and parsed[0] not in scan.settled_steps]
 
     def read(key: str) -> ReleaseRecord | DeleteRecordError | KeyNotFoundError:
@@ -240,6 +248,8 @@ def _read_releases(store: Store, scan: RunScan, keys: list[str], progress: Progr
             continue
         for branch_id in record.branch_ids:
             scan.claims[node_key(branch_id)].append((record.holder, record.reason, record.session))
+        if record.step is None:
+            scan.batch_nodes[key] = {node_key(b) for b in record.branch_ids}
 
 
 def _fold_releases(store: Store, scan: RunScan, nodes: set[str]) -> None:
