@@ -149,24 +149,32 @@ class Batches:
     def _first_claim(self, target: Target, reason: str, own: str) -> StorageError | EarlierLife:
         """Who removed the commit marker of ``target`` before this batch: ``DoubleDeleteError`` naming them,
         ``EarlierLife`` (this actor's earlier session), or ``UnknownRefError`` (nobody: never kept). Reads the
-        chunk's delete record, then the run's batch records other than ``own``, one at a time (a double delete is
-        rare: no index is kept for it)."""
+        chunk's delete record, then the run's batch records other than ``own`` (a double delete is rare: no index
+        is kept for it). Several listing it (racing deleters whose calls have not taken it off yet) are read again
+        with backoff (``max_retries`` times) until one is left; the first is named."""
         ledger, store = self.ledger, self.ledger.store
         problem = ledger._already_deleted(target, tombstone_key(target.branch_id), reason, None)
         if problem is not None:
             return problem
-        for key in store.list_prefix(BATCHES_PREFIX):
-            if key == own:
-                continue
-            try:
-                first = read_release_record(store.get(key), store.uri(key))
-            except KeyNotFoundError:
-                continue
-            except DeleteRecordError as e:
-                return double_delete_error(target.uri, first_holder="?", first_reason=str(e),
-                                           second_holder=ledger.actor, reason=reason)
-            if target.branch_id in first.branch_ids:
-                return _claimed_by(ledger, target, first, reason)
+        candidates = [key for key in store.list_prefix(BATCHES_PREFIX) if key != own]
+        for attempt in range(store.config.max_retries + 1):
+            listing: dict[str, ReleaseRecord] = {}
+            for key in candidates:
+                try:
+                    record = read_release_record(store.get(key), store.uri(key))
+                except KeyNotFoundError:
+                    continue
+                except DeleteRecordError as e:
+                    return double_delete_error(target.uri, first_holder="?", first_reason=str(e),
+                                               second_holder=ledger.actor, reason=reason)
+                if target.branch_id in record.branch_ids:
+                    listing[key] = record
+            if len(listing) <= 1 or attempt == store.config.max_retries:
+                break
+            candidates = list(listing)
+            store.backoff(attempt)
+        if listing:
+            return _claimed_by(ledger, target, next(iter(listing.values())), reason)
         return UnknownRefError(f"chunk {target.uri}: delete by {ledger.actor} ({reason}) refused: it was never kept "
                                f"(no commit marker, no delete record)")
 
