@@ -15,11 +15,10 @@ that dies mid-write leaves a temp file (a stray key), never a truncated record; 
 record's existence is the claim, its body only says who claimed it. The deleter that loses
 a claim reads the winner's record and reports an unreadable one (``Ledger.delete``).
 Release records (``ledger/deletes/releases/step_<N:08d>/<actor>.json``, ``Ledger.release`` on S3: one claim for a
-DP rank's chunks of one step) are read, one GET each (DP ranks x steps, not chunks; an incremental audit reads
-those of unsettled steps): every chunk one lists has a delete record. A chunk that two records claim (two
-release records, or a release record and a chunk's delete record) is a double delete (``double_claims``): the
-claims of a release and of another deleter do not see each other at delete time (``storage.ledger_release``).
-Keys under ``ledger/deletes/`` that are neither some branch's ``tombstone_key`` nor a ``release_key`` are stray keys.
+DP rank's chunks of one step) and a filesystem's delete batch records (``storage.ledger_batch``) are read, one GET
+each (an incremental audit reads those not settled): every chunk one lists has a delete record. A chunk that two
+records claim is a double delete (``double_claims``): the claims of a release and of another deleter do not see each
+other at delete time (``storage.ledger_release``). Other keys under ``ledger/deletes/`` are stray keys.
 """
 
 from __future__ import annotations
@@ -120,9 +119,9 @@ class RunScan:
     releases_read: set[str] = field(default_factory=set)
     """Release record keys read (``claims``)."""
     settled_batches: set[str] = field(default_factory=set)
-    """Delete batch record keys an audit summary settled (every chunk listed settled): not read."""
+    """Delete batch records an audit summary settled: not read."""
     batch_nodes: dict[str, set[str]] = field(default_factory=dict)
-    """Delete batch record key read -> the nodes it claims (``storage.ledger_batch``)."""
+    """Delete batch record read -> the nodes it claims."""
     claims: dict[str, list[tuple[str, str, str]]] = field(default_factory=lambda: defaultdict(list))
     """Node key -> ``(holder, reason, session)`` of every release or delete batch record that claims it."""
     folded: set[str] = field(default_factory=set)
@@ -217,15 +216,10 @@ def _scan_suspended(store: Store, scan: RunScan) -> None:
 
 
 def _list_deletes(store: Store, scan: RunScan, progress: Progress | None) -> None:
-    releases = []
-    for key in _list(store, DELETES_PREFIX, progress):
-        if node := parse_tombstone_key(key):
-            scan.tombstoned.add(node)
-        elif parse_release_key(key):
-            releases.append(key)
-        else:
-            scan.stray_keys.append(key)
-    _read_releases(store, scan, releases, progress)
+    keys = _list(store, DELETES_PREFIX, progress)
+    scan.tombstoned.update(node for key in keys if (node := parse_tombstone_key(key)))
+    scan.stray_keys += [key for key in keys if not parse_tombstone_key(key) and not parse_release_key(key)]
+    _read_releases(store, scan, [key for key in keys if parse_release_key(key)], progress)
     _fold_releases(store, scan, set(scan.claims))
 
 
@@ -254,19 +248,16 @@ def _read_releases(store: Store, scan: RunScan, keys: list[str], progress: Progr
 
 def _fold_releases(store: Store, scan: RunScan, nodes: set[str]) -> None:
     """Count the release claims of ``nodes`` as delete records (as ``_check_deletes`` checks a node's own): a node
-    that a delete record or another release record claims too is a double delete, once per extra claim, unless
-    an earlier claim is the same actor's in another session (its earlier life: already released, as
-    ``Ledger.delete`` says at delete time). An incremental audit folds only the nodes it checks (named or present),
-    never settled ones."""
+    that a delete record or another release record claims too is a double delete, once per extra claim, unless an
+    earlier claim is the same actor's in another session (its earlier life: already released, as at delete time).
+    An incremental audit folds only the nodes it checks (named or present), never settled ones."""
     for node in sorted(n for n in nodes if n in scan.claims and n not in scan.folded):
         claims = scan.claims[node]
         first = "a delete record" if node in scan.tombstoned else "{} ({})".format(*claims[0][:2])
-        skip = 0 if node in scan.tombstoned else 1
-        for i, (holder, reason, session) in enumerate(claims[skip:], skip):
-            if any(h == holder and s != session for h, _, s in claims[:i]):
-                continue
-            scan.double_claims.append({"event": "double_delete", "branch_id": branch_id_of(node),
-                                       "uri": store.uri(node), "actor": holder, "reason": reason, "first": first})
+        for i, (holder, reason, session) in enumerate(claims):
+            if (i or node in scan.tombstoned) and not any(h == holder and s != session for h, _, s in claims[:i]):
+                scan.double_claims.append({"event": "double_delete", "branch_id": branch_id_of(node),
+                                           "uri": store.uri(node), "actor": holder, "reason": reason, "first": first})
         scan.tombstoned.add(node)
         scan.folded.add(node)
 
