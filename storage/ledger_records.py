@@ -184,5 +184,18 @@ def delete_record_of(store: Store, branch_id: str,
     return None
 
 
-__all__ = ["CRC_FIELD", "DeleteRecord", "ReleaseRecord", "canonical_record", "delete_record_of", "encode_record",
-           "read_delete_record", "read_release_record", "read_segment"]
+def batch_claimed(store: Store, branch_ids: set[str]) -> set[str]:
+    """The chunks of ``branch_ids`` that a filesystem's delete batch record lists (``storage.ledger_batch``): one
+    listing and one ``get`` per batch record of the run, off the hot path (a resume's check of its replayed steps).
+    An unreadable record is skipped (the audit reports it)."""
+    claimed: set[str] = set()
+    for key in store.list_prefix(BATCHES_PREFIX):
+        try:
+            claimed.update(branch_ids.intersection(read_release_record(store.get(key), store.uri(key)).branch_ids))
+        except (KeyNotFoundError, DeleteRecordError):
+            continue
+    return claimed
+
+
+__all__ = ["CRC_FIELD", "DeleteRecord", "ReleaseRecord", "batch_claimed", "canonical_record", "delete_record_of",
+           "encode_record", "read_delete_record", "read_release_record", "read_segment"]
