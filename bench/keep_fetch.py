@@ -6,9 +6,9 @@ with ``--s3-endpoint URL`` / ``--s3-moto``, the same S3 bucket:
 
 - refpipe: ``Keeper.keep`` (validate, pack into one Zarr v3 chunk, 2 exclusive puts,
   a ledger event), ``fetch_arrays`` on 8 threads (whole chunks, checksum checked), and
-  ``Ledger.release`` of each round's branches as one trainer step would release them (a filesystem: per chunk
-  a commit-marker check and an exclusive delete record, then the removals; S3: one release record per round,
-  then batched ``DeleteObjects``).
+  ``Ledger.release`` of each round's branches as one trainer step would release them (a filesystem: one batch
+  record per round, then per chunk the unlink of its commit marker as its claim, of its chunk and of its
+  directory; S3: one release record per round, then batched ``DeleteObjects``).
 - raw: one file per field, written with ``open(path, "wb").write(array)``, read with
   ``open(path, "rb").read()`` + ``np.frombuffer`` on 8 threads, removed with ``os.remove``.
   On S3: one object per field through the same client (``S3Store.put``/``get``, one
@@ -25,9 +25,8 @@ favours neither; each phase starts after a ``sync`` (untimed).
 
 Counting, from the client side: filesystem calls through CPython audit events (``open``
 incl. ``os.open``, ``mkdir``, ``link``, ``rename``, ``remove``, ``rmdir``, ``listdir``,
-``scandir``; ``stat`` is not audited: refpipe's delete adds one per branch, the commit-marker
-check); entries created = ``O_CREAT`` opens, ``mkdir`` and ``link`` calls; refpipe's ``O_PATH`` opens of
-the directories on a key's way count as ``walk`` (``FsCounter``).
+``scandir``; ``stat`` is not audited); entries created = ``O_CREAT`` opens, ``mkdir`` and ``link`` calls;
+refpipe's ``O_PATH`` opens of the directories on a key's way count as ``walk`` (``FsCounter``).
 S3 requests through botocore's ``request-created`` event on each side's s3fs client.
 
 Last line: one JSON object with ``keep_time_ratio``, ``fetch_throughput_ratio``,

@@ -1,9 +1,8 @@
 """Reading a run for the audit: listings, step files, ledger segments, chunk writers (no writes).
 
-``scan_run`` lists ``payloads/``, ``ledger/deletes/``, ``steps/`` and ``ledger/events/``
-once each, reads every step file and ledger segment (in parallel, with progress), and
-reads ``zarr.json`` only for unshipped chunks whose writer neither a keep event nor a
-drawn branch id (``<actor>-<uuid4 hex>``, as ``Keeper.keep`` draws them) names.
+``scan_run`` lists ``payloads/``, ``ledger/deletes/``, ``steps/`` and ``ledger/events/`` once each, reads every
+step file and ledger segment (in parallel, with progress), and reads ``zarr.json`` only for unshipped chunks whose
+writer neither a keep event nor a drawn branch id (``<actor>-<uuid4 hex>``, as ``Keeper.keep`` draws them) names.
 Bad ledger records (``storage.ledger_records.read_segment``: not JSON, no event name, a crc32c that does not
 match, no line end, or fields of the wrong type) are collected by segment URI and line, never fatal
 to the scan; the audit counts them as a violation and the sweep refuses to delete on such a ledger.
@@ -15,11 +14,10 @@ that dies mid-write leaves a temp file (a stray key), never a truncated record; 
 record's existence is the claim, its body only says who claimed it. The deleter that loses
 a claim reads the winner's record and reports an unreadable one (``Ledger.delete``).
 Release records (``ledger/deletes/releases/step_<N:08d>/<actor>.json``, ``Ledger.release`` on S3: one claim for a
-DP rank's chunks of one step) are read, one GET each (DP ranks x steps, not chunks; an incremental audit reads
-those of unsettled steps): every chunk one lists has a delete record. A chunk that two records claim (two
-release records, or a release record and a chunk's delete record) is a double delete (``double_claims``): the
-claims of a release and of another deleter do not see each other at delete time (``storage.ledger_release``).
-Keys under ``ledger/deletes/`` that are neither some branch's ``tombstone_key`` nor a ``release_key`` are stray keys.
+DP rank's chunks of one step) and a filesystem's delete batch records (``storage.ledger_batch``) are read, one GET
+each (an incremental audit reads those not settled): every chunk one lists has a delete record. A chunk that two
+records claim is a double delete (``double_claims``): the claims of a release and of another deleter do not see each
+other at delete time (``storage.ledger_release``). Other keys under ``ledger/deletes/`` are stray keys.
 """
 
 from __future__ import annotations
@@ -44,6 +42,7 @@ from refpipe.storage.errors import (
     StepFileError,
 )
 from refpipe.storage.layout import (
+    BATCHES_PREFIX,
     DELETES_PREFIX,
     EVENTS_PREFIX,
     META_NAME,
@@ -64,7 +63,7 @@ from refpipe.storage.layout import (
 )
 from refpipe.storage.ledger_holds import HOLDS_PREFIX, parse_hold_key
 from refpipe.storage.ledger_open import read_suspended
-from refpipe.storage.ledger_records import ReleaseRecord, delete_record_of, read_release_record, read_segment
+from refpipe.storage.ledger_records import ReleaseRecord, delete_holder, read_release_record, read_segment
 from refpipe.storage.store import Store
 
 T = TypeVar("T")
@@ -118,8 +117,12 @@ class RunScan:
     """Settled chunks counted by an audit summary: ``kept``, ``deleted``, ``shipped``, ``borrowed``."""
     releases_read: set[str] = field(default_factory=set)
     """Release record keys read (``claims``)."""
-    claims: dict[str, list[tuple[str, str]]] = field(default_factory=lambda: defaultdict(list))
-    """Node key -> ``(holder, reason)`` of every release record that claims it."""
+    settled_batches: set[str] = field(default_factory=set)
+    """Delete batch records an audit summary settled: not read."""
+    batch_nodes: dict[str, set[str]] = field(default_factory=dict)
+    """Delete batch record read -> the nodes it claims."""
+    claims: dict[str, list[tuple[str, str, str]]] = field(default_factory=lambda: defaultdict(list))
+    """Node key -> ``(holder, reason, session)`` of every release or delete batch record that claims it."""
     folded: set[str] = field(default_factory=set)
     """Nodes whose release claims are in ``tombstoned`` and ``double_claims``."""
     double_claims: list[dict] = field(default_factory=list)
@@ -186,6 +189,9 @@ def scan_run(store: Store, progress: Progress | None = None, seed: RunScan | Non
             scan.stray_keys.append(key)
     if seed is not None:
         _check_deletes(store, scan, set(scan.nodes) - _named(scan), progress)
+        if any(n not in scan.tombstoned and n not in scan.claims for n in set(scan.nodes) - _named(scan)):
+            scan.settled_batches.clear()  # a present chunk nothing names: a settled batch record may claim it
+            _read_releases(store, scan, _list(store, BATCHES_PREFIX, progress), progress)
         _fold_releases(store, scan, set(scan.nodes))
     _recheck_deletes(store, scan, progress)
     _scan_writers(store, scan, progress)
@@ -209,22 +215,17 @@ def _scan_suspended(store: Store, scan: RunScan) -> None:
 
 
 def _list_deletes(store: Store, scan: RunScan, progress: Progress | None) -> None:
-    releases = []
-    for key in _list(store, DELETES_PREFIX, progress):
-        if node := parse_tombstone_key(key):
-            scan.tombstoned.add(node)
-        elif parse_release_key(key):
-            releases.append(key)
-        else:
-            scan.stray_keys.append(key)
-    _read_releases(store, scan, releases, progress)
+    keys = _list(store, DELETES_PREFIX, progress)
+    scan.tombstoned.update(node for key in keys if (node := parse_tombstone_key(key)))
+    scan.stray_keys += [key for key in keys if not parse_tombstone_key(key) and not parse_release_key(key)]
+    _read_releases(store, scan, [key for key in keys if parse_release_key(key)], progress)
     _fold_releases(store, scan, set(scan.claims))
 
 
 def _read_releases(store: Store, scan: RunScan, keys: list[str], progress: Progress | None) -> None:
     """Read the release records ``keys`` not read yet (and not of a settled step) into ``claims``; an unreadable
     record is a bad record (it may claim chunks)."""
-    new = [k for k in keys if k not in scan.releases_read
+    new = [k for k in keys if k not in scan.releases_read and k not in scan.settled_batches
            and (parsed := parse_release_key(k)) is not None and parsed[0] not in scan.settled_steps]
 
     def read(key: str) -> ReleaseRecord | DeleteRecordError | KeyNotFoundError:
@@ -239,30 +240,26 @@ def _read_releases(store: Store, scan: RunScan, keys: list[str], progress: Progr
             scan.bad_records.append(f"{store.uri(key)}: {type(record).__name__}: {record}")
             continue
         for branch_id in record.branch_ids:
-            scan.claims[node_key(branch_id)].append((record.holder, record.reason))
+            scan.claims[node_key(branch_id)].append((record.holder, record.reason, record.session))
+        if record.step is None:
+            scan.batch_nodes[key] = {node_key(b) for b in record.branch_ids}
 
 
 def _fold_releases(store: Store, scan: RunScan, nodes: set[str]) -> None:
     """Count the release claims of ``nodes`` as delete records (as ``_check_deletes`` checks a node's own): a node
-    that a delete record or another release record claims too is a double delete, once per extra claim. An
-    incremental audit folds only the nodes it checks (named or present), never settled ones."""
+    that a delete record or another release record claims too is a double delete, once per extra claim, unless an
+    earlier claim is the same actor's in another session (its earlier life: already released, as at delete time).
+    An incremental audit folds only the nodes it checks (named or present), never settled ones."""
     for node in sorted(n for n in nodes if n in scan.claims and n not in scan.folded):
         claims = scan.claims[node]
-        first, first_reason = _tombstone_holder(store, node) if node in scan.tombstoned else claims[0]
-        for holder, reason in claims[0 if node in scan.tombstoned else 1:]:
-            scan.double_claims.append({"event": "double_delete", "branch_id": branch_id_of(node),
-                                       "uri": store.uri(node), "actor": holder, "reason": reason, "first": first,
-                                       "first_reason": first_reason})
+        first, first_reason = delete_holder(store, branch_id_of(node)) if node in scan.tombstoned else claims[0][:2]
+        for i, (holder, reason, session) in enumerate(claims):
+            if (i or node in scan.tombstoned) and not any(h == holder and s != session for h, _, s in claims[:i]):
+                scan.double_claims.append({"event": "double_delete", "branch_id": branch_id_of(node),
+                                           "uri": store.uri(node), "actor": holder, "reason": reason, "first": first,
+                                           "first_reason": first_reason})
         scan.tombstoned.add(node)
         scan.folded.add(node)
-
-
-def _tombstone_holder(store: Store, node: str) -> tuple[str, str]:
-    """``(holder, reason)`` of a node's delete record (one read: a double claim only); ``("?", why)`` unreadable."""
-    record = delete_record_of(store, branch_id_of(node))
-    if record is None or isinstance(record, DeleteRecordError):
-        return "?", f"its delete record is gone or unreadable: {record}"
-    return record.holder, record.reason
 
 
 def _named(scan: RunScan) -> set[str]:

@@ -7,9 +7,11 @@ incremental audit (a plain put: two auditors racing each write a correct summary
   keeps, receives, releases, trained, retains, unfinished, double and unknown deletes, bad records). Segments are
   written once by an exclusive put and never change, so a fold stays true.
 - ``settled_steps`` and ``settled`` counts: a chunk is *settled* once its delete record exists and its
-  objects are gone; a step once every chunk it ships is settled. A settled chunk's state is final (branch ids
-  are never reused), so it only adds to the counts ``kept``, ``deleted``, ``shipped`` and ``borrowed``; its
-  keep, receive and retain entries are dropped and its step file is not read again.
+  objects are gone; a step once every chunk it ships is settled; ``settled_batches``: a filesystem's delete
+  batch records whose every chunk settled in the same audit (not read again, unless a present chunk that nothing
+  names needs its claim looked for; one settled over several audits is read each time). A settled chunk's state
+  is final (branch ids are never reused), so it only adds to the counts ``kept``, ``deleted``, ``shipped`` and
+  ``borrowed``; its keep, receive and retain entries are dropped and its step file is not read again.
 
 What an incremental audit still reads: the listings of ``steps/``, ``ledger/events/`` and ``payloads/``
 (payloads hold only chunks in flight), the step files and segments not covered, and one ``exists`` of the
@@ -48,6 +50,8 @@ class AuditSummary(BaseModel):
     """Ledger segment keys folded into the fields below."""
     settled_steps: list[int]
     """Steps whose every chunk is settled: their files are not read again."""
+    settled_batches: list[str] = []
+    """Delete batch records (``storage.ledger_batch``) whose every chunk settled in one audit: not read again."""
     settled: dict[str, int]
     """``kept``, ``deleted``, ``shipped``, ``borrowed``: chunks settled, counted once each."""
     sessions: dict[str, list[str]]
@@ -77,7 +81,8 @@ def load_summary(store: Store) -> AuditSummary | None:
 def seed_scan(summary: AuditSummary) -> RunScan:
     """A scan holding what ``summary`` covers, to fold the new step files and segments into."""
     scan = RunScan(settled=Counter(summary.settled), covered_segments=set(summary.segments),
-                   settled_steps=set(summary.settled_steps), keeps=dict(summary.keeps),
+                   settled_steps=set(summary.settled_steps), settled_batches=set(summary.settled_batches),
+                   keeps=dict(summary.keeps),
                    received=set(summary.received), released=dict(summary.released), trained=dict(summary.trained),
                    retained=set(summary.retained), unfinished=dict(summary.unfinished), problems=list(summary.problems),
                    bad_records=list(summary.bad_records), closed=set(summary.closed),
@@ -104,6 +109,7 @@ def settle(scan: RunScan) -> AuditSummary:
     settled.update(shipped=len(shipped), borrowed=len(borrowed))
     return AuditSummary(
         segments=sorted(scan.covered_segments), settled_steps=sorted(scan.settled_steps | set(closing)),
+        settled_batches=sorted(scan.settled_batches | {k for k, nodes in scan.batch_nodes.items() if nodes <= done}),
         settled={k: settled[k] for k in SETTLED_COUNTS},
         sessions={a: sorted(s) for a, s in sorted(scan.sessions.items())}, closed=sorted(scan.closed),
         opens=[(a, s, pid, host) for (a, s), (pid, host) in sorted(scan.opens.items())],

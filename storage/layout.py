@@ -44,6 +44,7 @@ STEPS_PREFIX = "steps"
 EVENTS_PREFIX = "ledger/events"
 DELETES_PREFIX = "ledger/deletes"
 RELEASES_PREFIX = f"{DELETES_PREFIX}/releases"
+BATCHES_PREFIX = f"{RELEASES_PREFIX}/batches"
 HEARTBEATS_PREFIX = "ledger/heartbeats"
 AUDIT_SUMMARY_KEY = "ledger/audit/summary.json"
 AUTHKEY_KEY = "envs/authkey"
@@ -65,6 +66,7 @@ _SHARD = r"[0-9a-f]{2}"
 _NODE = re.compile(rf"(?P<node>{PAYLOADS_PREFIX}/[^/]+/(?P<branch_id>[^/]+))/(?P<name>[^/]+)")
 _TOMBSTONE = re.compile(rf"{DELETES_PREFIX}/{_SHARD}/{_SHARD}/(?P<branch_id>{_ID})\.json")
 _RELEASE = re.compile(rf"{RELEASES_PREFIX}/step_(?P<step>\d{{8,}})/(?P<actor>{_ID})\.json")
+_BATCH = re.compile(rf"{BATCHES_PREFIX}/(?P<actor>{_ID})/(?P<session>\d+-\d+)/\d{{4,}}/(?P<n>\d{{8,}})\.json")
 _SEGMENT = re.compile(rf"{EVENTS_PREFIX}/(?P<actor>{_ID})/(?P<session>\d+-\d+)/\d{{4,}}/(?P<seq>\d+)\.jsonl")
 _FLAT_SEGMENT = re.compile(rf"{EVENTS_PREFIX}/(?P<actor>{_ID})/(?P<session>\d+-\d+)-(?P<seq>\d+)\.jsonl")
 SEGMENTS_PER_DIRECTORY = 1000
@@ -182,10 +184,24 @@ def release_key(step: int, actor: str) -> str:
     return f"{release_prefix(step)}/{check_id(actor, 'actor')}.json"
 
 
-def parse_release_key(key: str) -> tuple[int, str] | None:
-    """``(step, actor)`` of a release record's key (``release_key`` inverted); None for any other key."""
+def batch_key(actor: str, session: str, n: int) -> str:
+    """Key of the ``n``-th delete batch record of ``actor``'s ledger session ``session`` (``Ledger.delete`` on a
+    filesystem): ``ledger/deletes/releases/batches/<actor>/<session>/<n // 1000:04d>/<n:08d>.json``.
+
+    Raises:
+        ConfigError: not a valid actor name.
+    """
+    return f"{BATCHES_PREFIX}/{check_id(actor, 'actor')}/{session}/{n // 1000:04d}/{n:08d}.json"
+
+
+def parse_release_key(key: str) -> tuple[int | None, str] | None:
+    """``(step, actor)`` of a release record's key (``release_key`` inverted), ``(None, actor)`` of a delete batch
+    record's (``batch_key``); None for any other key."""
     m = _RELEASE.fullmatch(key)
-    return (int(m["step"]), m["actor"]) if m and release_key(int(m["step"]), m["actor"]) == key else None
+    if m and release_key(int(m["step"]), m["actor"]) == key:
+        return int(m["step"]), m["actor"]
+    m = _BATCH.fullmatch(key)
+    return (None, m["actor"]) if m and batch_key(m["actor"], m["session"], int(m["n"])) == key else None
 
 
 def session_id(pid: int, opened_ms: int) -> str:

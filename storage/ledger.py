@@ -8,8 +8,9 @@ buffered ``keep`` event; ships and borrows by the step file; deletes by the chun
 The delete record is the atomic claim: it is written with an exclusive put (``link(2)`` on a filesystem,
 ``If-None-Match: *`` on S3), so of any number of deleters of one chunk exactly one succeeds; the others
 read the winner's record, record a ``double_delete`` event and raise ``DoubleDeleteError`` naming both
-holders, deleting nothing else. On S3 a trainer's release (``Ledger.release``) claims a DP rank's chunks of one
-step with one release record instead (``storage.ledger_release``).
+holders, deleting nothing else. On a filesystem one batch record claims a call's plain chunks and each chunk's
+commit marker ``unlink`` decides it (``storage.ledger_batch``); on S3 a trainer's release (``Ledger.release``) claims
+a DP rank's chunks of one step with one release record (``storage.ledger_release``).
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
 
 from refpipe.storage.chunk_ref import PayloadRef
 from refpipe.storage.concurrency import bounded_map
@@ -34,6 +33,7 @@ from refpipe.storage.errors import (
     UnknownRefError,
 )
 from refpipe.storage.layout import branch_id_of, chunk_keys, meta_key, tombstone_key
+from refpipe.storage.ledger_batch import Batches, EarlierLife, Target, Unfinished
 from refpipe.storage.ledger_holds import release_holds
 from refpipe.storage.ledger_records import DeleteRecord, read_delete_record
 from refpipe.storage.ledger_release import Releases
@@ -43,36 +43,9 @@ from refpipe.storage.store import Store
 log = logging.getLogger(__name__)
 
 
-class _EarlierLife(NamedTuple):
-    """A claim found at a chunk's delete record written by this actor's earlier session."""
-
-    session: str
-
-
-class _Target(NamedTuple):
-    """One chunk to delete: its branch id, node URI, commit-marker key, and every key to remove."""
-
-    branch_id: str
-    uri: str
-    meta_key: str
-    keys: list[str]
-
-
-@dataclass
-class _Unfinished:
-    """A delete this holder started and has not finished: its target, reason and claim record (reused on retry)."""
-
-    target: _Target
-    reason: str
-    record: bytes
-    claim: str
-    claimed: bool = False
-    """The delete record is known to be this claim's (written, or read back)."""
-
-
-def _target(store: Store, chunk: PayloadRef) -> _Target:
+def _target(store: Store, chunk: PayloadRef) -> Target:
     data_key, meta_key = chunk_keys(chunk.key)
-    return _Target(chunk.branch_id, store.uri(chunk.key), meta_key, [meta_key, data_key])
+    return Target(chunk.branch_id, store.uri(chunk.key), meta_key, [meta_key, data_key])
 
 
 class Ledger(LedgerSession):
@@ -95,8 +68,9 @@ class Ledger(LedgerSession):
     """
 
     def __init__(self, store: Store, actor: str):
-        self._unfinished: dict[str, _Unfinished] = {}
+        self._unfinished: dict[str, Unfinished] = {}
         self._releases = Releases(self)
+        self._batches = Batches(self)
         super().__init__(store, actor)
 
     def close(self) -> None:
@@ -120,10 +94,12 @@ class Ledger(LedgerSession):
 
         Each ref's chunk is the one its branch id names in this run (``PayloadRef.key``, checked
         against its URI before any I/O); a segmented branch's chunks are its segments (``PayloadRef.chunks``),
-        each an outcome of its own. For each ref, in parallel: check
-        the commit marker (``zarr.json``), claim with an exclusive put of the delete record;
-        then the claimed chunks' objects are deleted (S3: batched ``DeleteObjects``),
-        commit marker first, so a fetch after a delete is ``ChunkNotFoundError``.
+        each an outcome of its own. On a filesystem (``Store.claims_by_unlink``): one batch record claims the call's
+        chunks (one exclusive put), then per chunk, in parallel, the ``unlink`` of its commit marker (``zarr.json``;
+        of concurrent deleters exactly one succeeds: the chunk's claim), of its chunk and of its directory
+        (``storage.ledger_batch``). Elsewhere, for each ref, in parallel: check the commit marker, claim with an
+        exclusive put of the chunk's delete record; then the claimed chunks' objects are deleted (S3: batched
+        ``DeleteObjects``), commit marker first. Either way a fetch after a delete is ``ChunkNotFoundError``.
 
         A store error that outlasts the store's retries never raises: that ref's outcome is
         ``failed`` (``DeleteResult.failed``), recorded as an ``unfinished_delete`` event and kept
@@ -156,12 +132,13 @@ class Ledger(LedgerSession):
                                      reason=reason)
         return self._delete_targets([t for (c, _), t in zip(chunks, targets) if not c.holders]
                                     + [_target(self.store, c) for c in doomed], reason, max_concurrency,
-                                    [(_target(self.store, c), e) for c, e in held])
+                                    [(_target(self.store, c), e) for c, e in held], batch=self.store.claims_by_unlink)
 
     def release(self, step: int, refs: Sequence[PayloadRef], *, reason: str, max_concurrency: int = 8) -> DeleteResult:
         """``delete`` of a DP rank's owned chunks of step ``step`` (the trainer's release; called once per step by
         the rank's actor): on a store whose claims are round trips (``Store.claims_per_release``: S3) one release
-        record claims them all and they are deleted in batches (``storage.ledger_release``); elsewhere ``delete``.
+        record claims them all and they are deleted in batches (``storage.ledger_release``); elsewhere ``delete``
+        (a filesystem: one batch record).
 
         Args:
             step: the step whose chunks these are (names the release record: one per actor and step).
@@ -194,7 +171,7 @@ class Ledger(LedgerSession):
         targets = []
         for node, keys in nodes.items():
             present = meta_key(node) if meta_key(node) in keys else sorted(keys)[0]  # damaged: no zarr.json
-            targets.append(_Target(branch_id_of(node), self.store.uri(node), present, list(keys)))
+            targets.append(Target(branch_id_of(node), self.store.uri(node), present, list(keys)))
         return self._delete_targets(targets, reason, max_concurrency)
 
     def remove_leftovers(self, nodes: Mapping[str, Sequence[str]], *, event: str,
@@ -223,34 +200,49 @@ class Ledger(LedgerSession):
         return {self.store.uri(node): next(failed[k] for k in keys if k in failed)
                 for node, keys in nodes.items() if any(k in failed for k in keys)}
 
-    def _delete_targets(self, targets: list[_Target], reason: str, max_concurrency: int,
-                        held: Sequence[tuple[_Target, StorageError]] = ()) -> DeleteResult:
+    def _delete_targets(self, targets: list[Target], reason: str, max_concurrency: int,
+                        held: Sequence[tuple[Target, StorageError]] = (), batch: bool = False) -> DeleteResult:
+        """Delete ``targets``, each claimed by its own delete record, or (``batch``: a store that
+        ``claims_by_unlink``) those not unfinished by one batch record (``storage.ledger_batch``)."""
         self.check_open(f"delete ({reason})")
         result = DeleteResult()
         for target, refused in held:  # a shared prefix's release refused (storage.ledger_holds)
             self._note(target, refused, reason, result)
         seen: set[str] = set()
-        firsts: list[_Target] = []
-        repeats: list[_Target] = []
+        firsts: list[Target] = []
+        repeats: list[Target] = []
         for t in targets:
             (repeats if t.branch_id in seen else firsts).append(t)
             seen.add(t.branch_id)
-        started = time.perf_counter()
-        claims = bounded_map(lambda t: self._claim(t, reason), firsts, max(1, max_concurrency))
-        self._add_seconds(time.perf_counter() - started)
-        doomed = [t for t, problem in zip(firsts, claims) if problem is None or isinstance(problem, _EarlierLife)]
-        earlier = {t.uri for t, problem in zip(firsts, claims) if isinstance(problem, _EarlierLife)}
-        for target, problem in zip(firsts, claims):
-            self._note(target, problem, reason, result)
-        self._remove(doomed, result, earlier)
+        singles = firsts
+        if batch:
+            with self._lock:
+                fresh = [t for t in firsts if t.branch_id not in self._unfinished]
+            if fresh:
+                self._batches.delete(fresh, reason, result)
+            singles = [t for t in firsts if t not in fresh]
+        self._delete_singles(singles, reason, max_concurrency, result)
         for target in repeats:  # the same chunk twice in one call: the second is a double delete
-            self._note(target, self._claim(target, reason), reason, result)
+            self._note(target, double_delete_error(target.uri, first_holder=self.actor, second_holder=self.actor,
+                                                   first_reason=f"{reason}, earlier in this call", reason=reason)
+                       if batch else self._claim(target, reason), reason, result)
         for target in firsts:
             if target.uri in result.failed:
                 self.record("unfinished_delete", branch_id=target.branch_id, uri=target.uri, reason=reason,
                             error=str(result.failed[target.uri]))
         self._report(result)
         return result
+
+    def _delete_singles(self, targets: list[Target], reason: str, max_concurrency: int, result: DeleteResult) -> None:
+        """Claim each of ``targets`` by its own delete record (in parallel), then delete the claimed ones."""
+        started = time.perf_counter()
+        claims = bounded_map(lambda t: self._claim(t, reason), targets, max(1, max_concurrency))
+        self._add_seconds(time.perf_counter() - started)
+        doomed = [t for t, problem in zip(targets, claims) if problem is None or isinstance(problem, EarlierLife)]
+        earlier = {t.uri for t, problem in zip(targets, claims) if isinstance(problem, EarlierLife)}
+        for target, problem in zip(targets, claims):
+            self._note(target, problem, reason, result)
+        self._remove(doomed, result, earlier)
 
     def _report(self, result: DeleteResult) -> None:
         """Flush a delete's problems and failures at once; raise its double and unknown deletes."""
@@ -267,10 +259,10 @@ class Ledger(LedgerSession):
         except StorageError as e:
             log.warning("ledger %s: delete events stay buffered for the next flush: %s", self.actor, e)
 
-    def _note(self, target: _Target, problem: StorageError | _EarlierLife | None, reason: str,
+    def _note(self, target: Target, problem: StorageError | EarlierLife | None, reason: str,
               result: DeleteResult) -> None:
         """Add a claim's problem to ``result`` (and the double and unknown deletes, and earlier lives, to the log)."""
-        if isinstance(problem, _EarlierLife):
+        if isinstance(problem, EarlierLife):
             self.record("already_released", branch_id=target.branch_id, uri=target.uri, reason=reason,
                         first_session=problem.session)
         elif isinstance(problem, DoubleDeleteError):
@@ -283,7 +275,7 @@ class Ledger(LedgerSession):
         elif problem is not None:
             result.failed[target.uri] = problem
 
-    def _remove(self, doomed: list[_Target], result: DeleteResult, earlier: set[str]) -> None:
+    def _remove(self, doomed: list[Target], result: DeleteResult, earlier: set[str]) -> None:
         """Delete the objects of claimed chunks (``earlier``: URIs an earlier life of this actor claimed); a chunk
         with a key the store could not delete stays unfinished."""
         failed: dict[str, StorageError] = {}
@@ -327,10 +319,10 @@ class Ledger(LedgerSession):
             result.failed.update(part.failed)
         return result
 
-    def _claim(self, target: _Target, reason: str) -> StorageError | _EarlierLife | None:
+    def _claim(self, target: Target, reason: str) -> StorageError | EarlierLife | None:
         """Claim one chunk: None when this holder holds the claim (this call's or its own earlier one), else the
         problem: ``DoubleDeleteError``, ``UnknownRefError``, the store error that left the claim unresolved, or
-        ``_EarlierLife`` when this actor's earlier session claimed it (its objects are still removed)."""
+        ``EarlierLife`` when this actor's earlier session claimed it (its objects are still removed)."""
         with self._lock:
             pending = self._unfinished.get(target.branch_id)
         if pending is not None and pending.claimed:
@@ -347,7 +339,7 @@ class Ledger(LedgerSession):
                 claim = uuid.uuid4().hex
                 record = DeleteRecord(branch_id=target.branch_id, uri=target.uri, holder=self.actor, reason=reason,
                                       t=round(time.time(), 3), session=self.session, claim=claim)
-                pending = _Unfinished(target, reason, record.model_dump_json().encode(), claim)
+                pending = Unfinished(target, reason, record.model_dump_json().encode(), claim)
                 with self._lock:
                     self._unfinished[target.branch_id] = pending
             try:
@@ -373,10 +365,10 @@ class Ledger(LedgerSession):
                 return True
         return False
 
-    def _already_deleted(self, target: _Target, tomb: str, reason: str,
-                         claim: str | None) -> DoubleDeleteError | _EarlierLife | None:
+    def _already_deleted(self, target: Target, tomb: str, reason: str,
+                         claim: str | None) -> DoubleDeleteError | EarlierLife | None:
         """The double delete found at ``tomb``; None when there is no delete record, or it is
-        this holder's own claim (its put was applied, and the answer lost); ``_EarlierLife`` when
+        this holder's own claim (its put was applied, and the answer lost); ``EarlierLife`` when
         this actor wrote it in an earlier session (a restarted holder releasing again what its
         earlier life had released)."""
         try:
@@ -391,7 +383,7 @@ class Ledger(LedgerSession):
             if claim is not None and first.claim == claim:
                 return None
             if first.holder == self.actor and first.session != self.session:
-                return _EarlierLife(first.session)
+                return EarlierLife(first.session)
             first_holder, first_reason = first.holder, first.reason
         return double_delete_error(target.uri, first_holder=first_holder, first_reason=first_reason,
                                    second_holder=self.actor, reason=reason)

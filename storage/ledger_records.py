@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from refpipe.storage.checksum import crc32c
 from refpipe.storage.errors import DeleteRecordError, KeyNotFoundError, validation_problems
-from refpipe.storage.layout import node_key, release_prefix, tombstone_key
+from refpipe.storage.layout import BATCHES_PREFIX, node_key, release_prefix, tombstone_key
 from refpipe.storage.store import Store
 
 CRC_FIELD = "crc"
@@ -118,13 +118,15 @@ def read_delete_record(data: bytes, uri: str) -> DeleteRecord:
 
 
 class ReleaseRecord(BaseModel):
-    """One DP rank's release of its chunks of one step (``ledger/deletes/releases/step_<N:08d>/<actor>.json``):
-    the exactly-once claim of every chunk it lists, written once by ``Ledger.release`` (exclusive put) before
-    any of them is deleted, and read only through ``read_release_record``."""
+    """One claim of many chunks, written once (exclusive put) before any of them is deleted and read only through
+    ``read_release_record``: a DP rank's release of its chunks of one step on S3
+    (``ledger/deletes/releases/step_<N:08d>/<actor>.json``, ``Ledger.release``), or one ``Ledger.delete`` call's
+    batch on a filesystem (``storage.layout.batch_key``, ``storage.ledger_batch``; ``step`` None), which lists only
+    the chunks whose commit marker it removed once the call is done."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    step: int
+    step: int | None
     holder: str
     """The actor that released the chunks (``trainer_dp<r>``)."""
     reason: str
@@ -159,7 +161,8 @@ def delete_record_of(store: Store, branch_id: str,
     """The delete record of ``branch_id``'s chunk, the error that makes it unreadable, or None when there is none:
     how a missing chunk is explained (``storage.chunk_read`` after a not-found; the CLI's ``show``, ``verify``,
     ``inspect``). One ``Store.get``; given ``step`` (a step file naming the chunk), also the release records of
-    that step (one listing, one ``get`` each: at most one per DP rank).
+    that step (one listing, one ``get`` each: at most one per DP rank); then the delete batch records of a
+    filesystem (``storage.ledger_batch``: one listing, one ``get`` each until one lists the chunk).
     """
     key = tombstone_key(branch_id)
     try:
@@ -168,7 +171,8 @@ def delete_record_of(store: Store, branch_id: str,
         pass
     except DeleteRecordError as e:
         return e
-    for release in ([] if step is None else store.list_prefix(release_prefix(step))):
+    releases = [] if step is None else store.list_prefix(release_prefix(step))
+    for release in releases + store.list_prefix(BATCHES_PREFIX):
         try:
             record = read_release_record(store.get(release), store.uri(release))
         except KeyNotFoundError:
@@ -180,5 +184,27 @@ def delete_record_of(store: Store, branch_id: str,
     return None
 
 
-__all__ = ["CRC_FIELD", "DeleteRecord", "ReleaseRecord", "canonical_record", "delete_record_of", "encode_record",
-           "read_delete_record", "read_release_record", "read_segment"]
+def delete_holder(store: Store, branch_id: str) -> tuple[str, str]:
+    """``(holder, reason)`` of the delete record of ``branch_id``'s chunk (``delete_record_of``: how a double claim
+    names its first deleter); ``("?", why)`` when it is gone or unreadable."""
+    record = delete_record_of(store, branch_id)
+    if record is None or isinstance(record, DeleteRecordError):
+        return "?", f"its delete record is gone or unreadable: {record}"
+    return record.holder, record.reason
+
+
+def batch_claimed(store: Store, branch_ids: set[str]) -> set[str]:
+    """The chunks of ``branch_ids`` that a filesystem's delete batch record lists (``storage.ledger_batch``): one
+    listing and one ``get`` per batch record of the run, off the hot path (a resume's check of its replayed steps).
+    An unreadable record is skipped (the audit reports it)."""
+    claimed: set[str] = set()
+    for key in store.list_prefix(BATCHES_PREFIX):
+        try:
+            claimed.update(branch_ids.intersection(read_release_record(store.get(key), store.uri(key)).branch_ids))
+        except (KeyNotFoundError, DeleteRecordError):
+            continue
+    return claimed
+
+
+__all__ = ["CRC_FIELD", "DeleteRecord", "ReleaseRecord", "batch_claimed", "canonical_record", "delete_holder",
+           "delete_record_of", "encode_record", "read_delete_record", "read_release_record", "read_segment"]

@@ -194,7 +194,7 @@ class Releases:
             for b, ref in refs.items():
                 self.ledger.record("already_released", branch_id=b, uri=self._uri(ref), reason=reason,
                                    first_session=first.session)
-            earlier = _Release(first.step, first.reason, b"", first.claim, refs, set(listed), claimed=True)
+            earlier = _Release(release.step, first.reason, b"", first.claim, refs, set(listed), claimed=True)
             self._remove(earlier, listed, result, already=True)
             return None, listed
         for b, ref in batch.items():

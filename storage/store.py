@@ -77,6 +77,11 @@ class Store(abc.ABC):
     appends = False
     """Whether ``write_at`` adds bytes to an existing object (a filesystem: ``pwrite``); S3 objects are whole."""
 
+    claims_by_unlink = False
+    """Whether removing a chunk's commit marker is itself an exclusive claim (``delete_claiming``: of any number of
+    deleters exactly one removes it, the others find it absent; a filesystem's ``unlink(2)``), so ``Ledger.delete``
+    claims a call's chunks with one batch record instead of one delete record per chunk."""
+
     def __init__(self, prefix: RunPrefix, config: StorageConfig):
         self.prefix = prefix
         self.config = config
@@ -254,6 +259,21 @@ class Store(abc.ABC):
             key, error = next(iter(failed.items()))
             raise DeleteKeysError(f"delete under {self.prefix.uri}: {len(failed)} of {len(keys)} keys not deleted; "
                                   f"first: {self.uri(key)}: {error}", failed)
+
+    def delete_claiming(self, chunks: Sequence[Sequence[str]]) -> list[tuple[bool, StorageError | None]]:
+        """Delete each chunk's keys (all in one directory), its first key (the commit marker) first and as the claim;
+        only on a store with ``claims_by_unlink``.
+
+        Returns:
+            Per chunk ``(claimed, error)``: ``claimed`` when this call removed its first key; ``error`` None (every
+            key deleted), ``KeyNotFoundError`` (the first key was absent: nothing of the chunk deleted), or the store
+            error that stopped it after the retries (claimed or not).
+
+        Raises:
+            OutsideRunError: a key is not a clean key under the run prefix (nothing deleted).
+            NotImplementedError: the store has no ``claims_by_unlink``.
+        """
+        raise NotImplementedError(f"{type(self).__name__}: removing a commit marker is no claim here")
 
     @abc.abstractmethod
     def _delete_keys(self, keys: list[str]) -> dict[str, StorageError]:

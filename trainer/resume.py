@@ -48,7 +48,7 @@ from refpipe.storage.layout import (
     tombstone_key,
     trainer_actor,
 )
-from refpipe.storage.ledger_records import read_segment
+from refpipe.storage.ledger_records import batch_claimed, read_segment
 from refpipe.storage.store import Store
 
 log = logging.getLogger(__name__)
@@ -176,8 +176,10 @@ def _highest_release(store: Store, dp_rank: int) -> int:
 
 
 def _some_chunk_deleted(store: Store, step: int) -> bool:
-    """Whether a release record of the step (``Ledger.release`` on S3) or a delete record of one of its chunks
-    exists."""
+    """Whether a release record of the step (``Ledger.release`` on S3), a delete record of one of its chunks, or a
+    filesystem's delete batch record listing one exists."""
     if store.list_prefix(release_prefix(step)):
         return True
-    return any(store.exists(tombstone_key(ref.branch_id)) for ref in StepFile.read(store, step).header.refs)
+    refs = StepFile.read(store, step).header.refs
+    return any(store.exists(tombstone_key(ref.branch_id)) for ref in refs) or \
+        bool(batch_claimed(store, {c.branch_id for ref in refs for c in ref.chunks}))

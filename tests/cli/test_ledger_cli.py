@@ -224,10 +224,11 @@ def test_stray_and_misnamed_delete_records_are_shown_and_a_truncated_one_still_c
 
 
 def test_sweep_finishes_the_unfinished_deletes_a_dead_trainer_recorded(local_config):
-    """A trainer rank trained step 0 and its release failed for both chunks: one claim was never written (the
-    delete records' directory refused it), the other chunk's objects could not be removed (its directory refused
-    the unlink). While the rank lives it holds both; after it is gone the audit lists both as unfinished deletes
-    (never as leaked, and step 0 no longer protects them), and ``refpipe sweep`` finishes them."""
+    """A trainer rank trained step 0 and its release failed for both chunks (their directories refused the unlink
+    of the commit marker, the claim on a filesystem), and so did its retry: one claim was never written (the delete
+    records' directory refused it), the other chunk's objects could not be removed. While the rank lives it holds
+    both; after it is gone the audit lists both as unfinished deletes (never as leaked, and step 0 no longer
+    protects them), and ``refpipe sweep`` finishes them."""
     from tests.helpers.fault_os import refusing
 
     store = open_store(local_config)
@@ -239,9 +240,11 @@ def test_sweep_finishes_the_unfinished_deletes_a_dead_trainer_recorded(local_con
     records = os.path.dirname(store.path(tombstone_key(unclaimed.branch_id)))
     os.makedirs(records)
     trainer = Ledger(store, "trainer_dp0")
-    with refusing(records), refusing(os.path.dirname(store.path(claimed.key + "/zarr.json"))):
+    with refusing(records), refusing(store.path(claimed.key)), refusing(store.path(unclaimed.key)):
         result = trainer.delete(refs, reason="trained step 0")
         assert [result.outcome(r.uri) for r in refs] == ["failed", "failed"]
+        again = trainer.finish_unfinished()  # each claimed by its own delete record now: one written, one refused
+        assert sorted(again.failed) == sorted(r.uri for r in refs)
         live = json.loads(invoke("audit", store.prefix.uri, "--json").stdout)
         assert live["outstanding_by_holder"] == {"trainer_dp0 (unfinished delete)": 1}
         assert (live["leaked"], live["unfinished_deletes"]) == (0, [claimed.uri])

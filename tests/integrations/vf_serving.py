@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import Callable
 
 import numpy as np
@@ -18,7 +17,7 @@ from verifiers.v1.types import SamplingConfig
 from verifiers.v1.utils.loaders import resolve_env_config
 
 from refpipe.integrations.verifiers_server import RefpipeEnvServer, RefpipeServeConfig
-from refpipe.storage.layout import tombstone_key
+from refpipe.storage.ledger_records import DeleteRecord, delete_record_of
 from refpipe.storage.store import Store
 
 TEMPERATURE = 0.7
@@ -98,9 +97,9 @@ def tombstones(store: Store, refs) -> dict[str, dict]:
     whose chunks all have one (KeyError-free: the others are absent)."""
     out = {}
     for ref in refs:
-        keys = [tombstone_key(c.branch_id) for c in ref.chunks]
-        if all(store.exists(k) for k in keys):
-            out[ref.branch_id] = json.loads(store.get(keys[0]))
+        records = [delete_record_of(store, c.branch_id) for c in ref.chunks]
+        if all(isinstance(r, DeleteRecord) for r in records):
+            out[ref.branch_id] = records[0].model_dump()
     return out
 
 

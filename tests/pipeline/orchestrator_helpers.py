@@ -8,7 +8,9 @@ from refpipe.pipeline.fields import FieldsConfig, spread_expert_rows
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.pipeline.samples import BranchResult, Episode
 from refpipe.storage.config import StorageConfig
+from refpipe.storage.layout import parse_release_key
 from refpipe.storage.ledger import Ledger
+from refpipe.storage.ledger_records import read_release_record
 from refpipe.storage.local_store import LocalStore
 from refpipe.storage.s3_store import S3Store
 from refpipe.storage.store import Store
@@ -74,5 +76,11 @@ def chunks(store: Store) -> set[str]:
 
 
 def tombstones(store: Store) -> set[str]:
-    """Branch ids with a delete record."""
-    return {k.split("/")[-1].removesuffix(".json") for k in store.list_prefix("ledger/deletes")}
+    """Branch ids with a delete record: their own, or a release or (a filesystem) delete batch record listing them."""
+    ids: set[str] = set()
+    for key in store.list_prefix("ledger/deletes"):
+        if parse_release_key(key):
+            ids.update(read_release_record(store.get(key), key).branch_ids)
+        else:
+            ids.add(key.split("/")[-1].removesuffix(".json"))
+    return ids

@@ -6,7 +6,7 @@ import pytest
 
 from refpipe.pipeline.audit import audit
 from refpipe.storage.backends import open_store
-from refpipe.storage.layout import AUDIT_SUMMARY_KEY, EVENTS_PREFIX, meta_key, step_key
+from refpipe.storage.layout import AUDIT_SUMMARY_KEY, BATCHES_PREFIX, EVENTS_PREFIX, meta_key, step_key
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.local_store import LocalStore
 from tests.pipeline.audit_helpers import keep, make_keeper, publish, train
@@ -64,6 +64,7 @@ def test_a_second_audit_reads_only_what_is_new_and_reports_what_a_full_audit_rep
     assert len(reads["exists"]) == 4  # the delete records of the 4 unsettled chunks only
 
     covered = set(store.list_prefix(EVENTS_PREFIX))  # the segments the summary covers
+    batches = set(store.list_prefix(BATCHES_PREFIX))  # the delete batch records of step 0, settled
     publish(store, 1, refs[4:], [0, 1, 0, 1])
     train(store, trainers, 1)
     for ledger in [keeper.ledger, *trainers]:
@@ -75,7 +76,9 @@ def test_a_second_audit_reads_only_what_is_new_and_reports_what_a_full_audit_rep
     assert third == audit(store, finished=True) and third.clean
     assert (third.kept, third.deleted, third.shipped, third.borrowed, third.present) == (8, 8, 8, 1, 0)
     assert len(new_segments) == 5  # env worker: close; each trainer: step 1's release, then close
-    assert reads["get"] == [AUDIT_SUMMARY_KEY, step_key(1), *new_segments] and len(reads["exists"]) == 4
+    new_batches = sorted(set(store.list_prefix(BATCHES_PREFIX)) - batches)  # step 1's release, one per DP rank
+    assert len(new_batches) == 2 and len(reads["exists"]) == 4
+    assert sorted(reads["get"]) == sorted([AUDIT_SUMMARY_KEY, step_key(1), *new_segments, *new_batches])
 
 def test_a_stale_or_broken_summary_is_ignored_and_a_reappearing_settled_chunk_is_an_unfinished_delete(run):
     store, keeper, trainers, refs = run

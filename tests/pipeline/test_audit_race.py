@@ -7,7 +7,6 @@ test body imports the rest), so each child starts in about a second.
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 from collections import Counter
 
@@ -17,8 +16,8 @@ from refpipe.storage.backends import open_store
 from refpipe.storage.chunk_ref import PayloadRef
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import DoubleDeleteError
-from refpipe.storage.layout import tombstone_key
 from refpipe.storage.ledger import Ledger
+from refpipe.storage.ledger_records import delete_record_of
 
 NUM_PROCESSES, NUM_CHUNKS = 8, 100
 
@@ -68,7 +67,7 @@ def test_eight_processes_delete_each_chunk_exactly_once(storage_config):
     assert all(d + dd == NUM_CHUNKS and u == 0 for d, dd, u in outcome.values())
     assert chunks(store) == set()
 
-    winners = Counter(json.loads(store.get(tombstone_key(r.branch_id)))["holder"] for r in refs)
+    winners = Counter(delete_record_of(store, r.branch_id).holder for r in refs)
     assert sum(winners.values()) == NUM_CHUNKS
     assert dict(winners) == {f"deleter_{i}": d for i, (d, _, _) in outcome.items() if d}
 

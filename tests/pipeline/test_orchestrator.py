@@ -11,8 +11,9 @@ import pytest
 from refpipe.pipeline.orchestrator import Orchestrator, OrchestratorConfig
 from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.backends import open_store
-from refpipe.storage.layout import step_key, tombstone_key
+from refpipe.storage.layout import step_key
 from refpipe.storage.ledger import Ledger
+from refpipe.storage.ledger_records import delete_record_of
 from tests.pipeline.orchestrator_helpers import FIELDS, chunks, counting_store, episode, make_keeper, tombstones
 
 CFG = OrchestratorConfig(seq_len=32, dp_world_size=2, groups_per_step=2, group_size=2, max_async_level=1)
@@ -31,9 +32,9 @@ def _env(config, cfg):
 
 
 def _reason(store, branch_id: str) -> str:
-    record = json.loads(store.get(tombstone_key(branch_id)))
-    assert record["holder"] == "orchestrator"
-    return record["reason"]
+    record = delete_record_of(store, branch_id)
+    assert record.holder == "orchestrator"
+    return record.reason
 
 
 def test_shipped_chunks_stay_and_the_step_references_them(env):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 
 import numpy as np
@@ -12,7 +11,8 @@ from refpipe.pipeline.orchestrator import Orchestrator, OrchestratorConfig
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import EpisodeError, KeyExistsError, OutsideRunError, PackingError
-from refpipe.storage.layout import step_key, tombstone_key
+from refpipe.storage.layout import step_key
+from refpipe.storage.ledger_records import delete_record_of
 from tests.pipeline.orchestrator_helpers import FIELDS, branch, chunks, counting_store, episode, make_keeper, tombstones
 
 CFG = OrchestratorConfig(seq_len=32, dp_world_size=2, groups_per_step=1, group_size=2)
@@ -57,8 +57,8 @@ def test_ref_token_counts_that_disagree_with_the_episode(env):
                                            r"completion tokens: expected 4 \+ 5"):
         orch.submit(replace(good, branches=[good.branches[0], shorter]))
     _assert_refused(orch, store, {"e0-b0", "e0-b1"}, {"e0-b0", "e0-b1"})
-    record = json.loads(store.get(tombstone_key("e0-b0")))
-    assert record["holder"] == "orchestrator" and record["reason"] == (
+    record = delete_record_of(store, "e0-b0")
+    assert record.holder == "orchestrator" and record.reason == (
         f"orchestrator refused: episode 'e0' (group 'g0', env 'reverse') branch 1: ref {shorter.ref.uri} holds 4 "
         f"prompt + 6 completion tokens: expected 4 + 5 (the branch's tokens)")
 

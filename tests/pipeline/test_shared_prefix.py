@@ -15,9 +15,10 @@ from refpipe.storage.backends import open_store
 from refpipe.storage.chunk_read import fetch_arrays
 from refpipe.storage.chunk_ref import PayloadRef
 from refpipe.storage.errors import DoubleDeleteError, OpenBranchError, UnknownRefError
-from refpipe.storage.layout import chunk_keys, node_key, tombstone_key
+from refpipe.storage.layout import chunk_keys, node_key
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.ledger_holds import released_holders
+from refpipe.storage.ledger_records import delete_record_of
 from tests.pipeline.test_keep import CFG, fields_of
 from tests.pipeline.test_open_branch import assert_same, rows_of
 
@@ -116,7 +117,7 @@ def test_holders_released_by_processes_at_once_delete_the_prefix_exactly_once(ke
     for p in procs:
         p.join(120)
     assert [p.exitcode for p in procs] == [0] * len(HOLDERS)
-    assert store.exists(tombstone_key("g-prompt")) and not store.exists(chunk_keys(prefix.key)[0])
+    assert delete_record_of(store, "g-prompt") is not None and not store.exists(chunk_keys(prefix.key)[0])
     report = audit(store, finished=True)
     assert (report.kept, report.deleted, report.present, report.double_deletes) == (5, 5, 0, 0)
     assert report.violations == [] and report.clean

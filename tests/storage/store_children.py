@@ -30,3 +30,18 @@ def use_in_child(store, queue) -> None:
     store.put("child/obj", b"from child " + str(os.getpid()).encode(), exclusive=True)
     rebuilt = store.fs is not inherited_fs and store._pid == os.getpid() if hasattr(store, "_fs") else None
     queue.put((got, rebuilt))
+
+
+def claim_then_hang(store, refs, ready) -> None:
+    """``Ledger.delete`` of ``refs`` as actor ``trainer_dp0`` that stops for good after its batch record is written,
+    before any commit marker is unlinked (the parent SIGKILLs it once ``ready`` is set)."""
+    import threading
+
+    from refpipe.storage.ledger import Ledger
+
+    def hang(chunks):
+        ready.set()
+        threading.Event().wait()
+
+    store.delete_claiming = hang
+    Ledger(store, "trainer_dp0").delete(refs, reason="trained step 3")

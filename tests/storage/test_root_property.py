@@ -16,8 +16,8 @@ from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.storage.backends import open_store
 from refpipe.storage.chunk_read import fetch_arrays
 from refpipe.storage.config import StorageConfig
-from refpipe.storage.layout import tombstone_key
 from refpipe.storage.ledger import Ledger
+from refpipe.storage.ledger_records import delete_record_of
 from refpipe.storage.uri import RunPrefix
 
 SEGMENT = st.text(st.sampled_from(list("ab#?%. :-_é") + ["\n", "\t", "\x7f", "😀"]), min_size=1, max_size=5)
@@ -64,4 +64,4 @@ def test_every_chunk_kept_under_an_accepted_root_is_fetched_and_deleted(path):
         ref = keeper.keep(Branch(1, 3, {"topk_ids": topk}, branch_id="b1"))
         assert fetch_arrays(store, ref, 2)["topk_ids"].tobytes() == topk[:1].tobytes()
         assert keeper.discard([ref]).deleted == [ref.uri]
-        assert store.list_prefix("payloads") == [] and store.exists(tombstone_key("b1"))
+        assert store.list_prefix("payloads") == [] and delete_record_of(store, "b1").holder == "env_worker_0"

@@ -19,7 +19,7 @@ from refpipe.pipeline.fields import spread_expert_rows
 from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
-from refpipe.storage.layout import chunk_keys, release_key, tombstone_key
+from refpipe.storage.layout import chunk_keys, release_key
 from refpipe.storage.ledger_records import delete_record_of
 from refpipe.trainer.fetch import fetch_own
 from tests.helpers.children import module_argv, module_env
@@ -237,7 +237,7 @@ def test_two_dp_ranks_of_two_peers_train_identical_bytes_and_survive_faults(tmp_
     assert set(store.list_prefix("payloads")) == {chunk_keys(r.key)[1] for r in built[4].header.refs} | {
         k for r in built[5].header.refs for k in chunk_keys(r.key)}
     for s in range(6):  # a tombstone for every chunk released, except g (never there to claim)
-        assert all(store.exists(tombstone_key(r.branch_id)) == (s < 4 and r.branch_id != "s1_g")
+        assert all((delete_record_of(store, r.branch_id) is not None) == (s < 4 and r.branch_id != "s1_g")
                    for r in built[s].header.refs), s
     assert _release_events(store) == [(s, dp, f"trainer_dp{dp}") for s in range(4) for dp in range(2)]
 
@@ -338,7 +338,7 @@ def test_the_pull_loop_through_a_data_loader_trains_and_fails_as_run_step_does(t
         assert results[(2, rank)][0]["error"] == "FetchError"
         assert results[(2, rank)][0]["message"].startswith("step 2: none of its 6 micro batches could be fetched")
     assert _release_events(store) == [(s, dp, f"trainer_dp{dp}") for s in range(2) for dp in range(2)]
-    assert all(store.exists(tombstone_key(r.branch_id)) == (s < 2 and r.branch_id != "s1_g")
+    assert all((delete_record_of(store, r.branch_id) is not None) == (s < 2 and r.branch_id != "s1_g")
                for s in range(3) for r in built[s].header.refs)
 
 
@@ -398,7 +398,8 @@ def test_a_restart_after_one_dp_rank_released_a_step_trains_none_of_it_again(tmp
     _check_trained(built[3], results, 3, 2, 1, set(), {})
     assert _release_events(store) == sorted([(0, 0, "trainer_dp0"), (0, 1, "trainer_dp1")] * 2 + [
         (s, dp, f"trainer_dp{dp}") for s in (1, 2, 3) for dp in range(2)])
-    assert all(store.exists(tombstone_key(r.branch_id)) == (s > 0) for s in range(4) for r in built[s].header.refs)
+    assert all((delete_record_of(store, r.branch_id) is not None) == (s > 0)
+               for s in range(4) for r in built[s].header.refs)
 
 
 def test_one_inconsistent_ref_drops_only_its_micro_batch_on_every_rank(tmp_path, local_config):
@@ -427,4 +428,4 @@ def test_one_inconsistent_ref_drops_only_its_micro_batch_on_every_rank(tmp_path,
     final = results[("finish", 0)]
     assert m0["deletes"] + m1["deletes"] + final["deletes"] == 2 * 11 and final["delete_problems"] == 0
     assert store.list_prefix("payloads") == []
-    assert all(store.exists(tombstone_key(r.branch_id)) for s in range(2) for r in built[s].header.refs)
+    assert all((delete_record_of(store, r.branch_id) is not None) for s in range(2) for r in built[s].header.refs)
