@@ -58,7 +58,8 @@ def test_a_delete_of_n_chunks_is_one_record_and_four_operations_per_chunk(local,
     keeper.delete(more[:1], reason="warm")
     with FsOps(local.prefix.path) as ops:
         keeper.delete(more[1:], reason="discarded")
-    assert ops.events() == ["open", "os.link"] + ["os.remove", "os.remove", "os.rmdir"] * 3
+    events = ops.events()  # the chunks' removals run on max_concurrent_deletes threads: their order varies
+    assert events[:2] == ["open", "os.link"] and sorted(events[2:]) == ["os.remove"] * 6 + ["os.rmdir"] * 3
     assert local.list_prefix("ledger/deletes") == [batch_key("env_worker_0", keeper.session, n) for n in (0, 1)] + \
         [batch_key("orchestrator", ledger.session, n) for n in (0, 1)]
     assert listed(local, batch_key("orchestrator", ledger.session, 1)) == [f"b{i:02d}" for i in range(1, 17)]
