@@ -19,6 +19,8 @@ _READ_PIECE_BYTES = 256 << 10
 """Bytes per ``preadv`` of ``readv_pieces``: small enough that a piece is still in the core's cache (1 MiB of L2
 here) when its callback reads it again (a crc32c there runs at ~25 GiB/s, from memory at ~3)."""
 _HAVE_PREADV = hasattr(os, "preadv")
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if _HAVE_PREADV else 1
+"""Most buffers one ``preadv`` takes (Linux: 1,024; more is ``EINVAL``)."""
 
 
 def fill(fd: int, buffers: Sequence[Bytes], token: str | None, durable: bool) -> None:
@@ -106,22 +108,24 @@ def _windows(views: list[memoryview], limit: int) -> list[list[tuple[int, memory
 
 
 def readv_all(fd: int, views: list[memoryview], size: int, offset: int = 0) -> int:
-    """Read up to ``size`` bytes from ``offset`` into ``views`` in order (``preadv``, resumed after short reads).
+    """Read up to ``size`` bytes from ``offset`` into ``views`` in order (``preadv`` of at most ``IOV_MAX`` views,
+    resumed after short reads).
 
     Returns bytes read: ``size``, or fewer at end of file. Without ``os.preadv``: one ``readinto`` per view.
     """
-    done = 0
-    while done < size and views:
+    views = list(views)  # its first unfilled view is replaced by its unfilled rest after a short read
+    done, first = 0, 0
+    while done < size and first < len(views):
         at = offset + done
-        n = os.preadv(fd, views, at) if _HAVE_PREADV else _preadinto(fd, views[0], at)
+        n = os.preadv(fd, views[first : first + _IOV_MAX], at) if _HAVE_PREADV else _preadinto(fd, views[first], at)
         if n == 0:
             break
         done += n
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views = views[1:]
-        if views and n:
-            views = [views[0][n:], *views[1:]]
+        while first < len(views) and n >= views[first].nbytes:
+            n -= views[first].nbytes
+            first += 1
+        if n:
+            views[first] = views[first][n:]
     return min(done, size)
 
 

@@ -45,7 +45,7 @@ class LocalStore(Store):
     (``XATTR_CREATE``) and writes it there: one new entry, one metadata operation. A ``durable`` put ``fsync``s the file
     before it gets its name (the directory entry itself is not synced). ``get`` is
     ``open``, ``pread``, ``close`` (plus an ``fstat`` for whole reads); ``get_into`` is ``open``,
-    ``fstat``, ``preadv`` (one call for all buffers, repeated only after a short read; with ``each``, one per
+    ``fstat``, ``preadv`` (one call per ``IOV_MAX`` buffers, repeated only after a short read; with ``each``, one per
     256 KiB piece, each piece handed to ``each`` while in cache), ``close``. ``delete_keys``
     unlinks in order per directory and removes branch directories it empties,
     directories in parallel; ``delete_claiming`` (``claims_by_unlink``) unlinks each chunk's commit marker first

@@ -3,13 +3,14 @@
 The segments of one writer life share one object (``pipeline.segment_write``), each at its ``offset``. A fetch
 groups the consecutive segments of one object that it reads whole and straight into the destinations (uncompressed,
 every array of the segment given a destination) into a run, and reads each run with one open and one ``preadv``
-(``Store.get_into`` from the run's first offset): each segment's arrays land in their rows of the destinations,
-its alignment padding and crc32c bytes in scratch, and its crc32c is computed piece by piece as the store fills the
-buffers and checked against the stored one and its ref's. Any other segment of such an object (the one a cut goes
-through, a compressed one, one with an array that has no destination) is read by its byte range and cut as a whole
-chunk is (``chunk_codec.decode_payload``: length and crc32c). A segment that is an object of its own (no ``offset``:
-a shared prefix, any segment on S3) is read by ``fetch_into``. Errors name the segment's object, and its bytes where
-it shares one; a missing object is ``ChunkNotFoundError`` as for any chunk (``chunk_read.read_found``).
+(``Store.get_into`` from the run's first offset, no per-piece call): each segment's arrays land in their rows of
+the destinations, its alignment padding and crc32c bytes in scratch (one array each per run); then each segment's
+crc32c is computed over the buffers it was read into and checked against the stored one and its ref's. Any other
+segment of such an object (the one a cut goes through, a compressed one, one with an array that has no destination)
+is read by its byte range and cut as a whole chunk is (``chunk_codec.decode_payload``: length and crc32c). A segment
+that is an object of its own (no ``offset``: a shared prefix, any segment on S3) is read by ``fetch_into``. Errors
+name the segment's object, and its bytes where it shares one; a missing object is ``ChunkNotFoundError`` as for any
+chunk (``chunk_read.read_found``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from refpipe.storage.chunk_read import (
 from refpipe.storage.chunk_ref import ALIGN_BYTES, PayloadRef, domain_rows
 from refpipe.storage.errors import RefError
 from refpipe.storage.layout import chunk_keys
-from refpipe.storage.store import Store
+from refpipe.storage.store import Store, byte_view
 
 
 class _Part(NamedTuple):
@@ -80,22 +81,24 @@ def _parts(ref: PayloadRef, n: int, out: Mapping[str, np.ndarray]) -> list[_Part
     parts, start = [], 0
     offsets = dict.fromkeys(out, 0)
     ragged = {name for name, spec in ref.arrays.items() if spec.domain.startswith("values:")}
+    placed = [(name, dest) for name, dest in out.items() if name not in ragged]
     for seg in ref.segments or (ref,):
         if start >= n and start:
             break
-        tokens = seg.num_tokens
+        arrays, prompt, tokens = seg.arrays, seg.num_prompt_tokens, seg.num_tokens
         k = min(tokens, n - start)
         dests, agree = {}, k == tokens  # agree: each destination's rows are its array's
-        for name, dest in out.items():
-            spec = seg.arrays.get(name)
-            if spec is not None and name not in ragged:
-                at, rows = offsets[name], domain_rows(spec.domain, seg.num_prompt_tokens, k)
+        for name, dest in placed:
+            spec = arrays.get(name)
+            if spec is not None:
+                at, rows = offsets[name], domain_rows(spec.domain, prompt, k)
                 dests[name], offsets[name] = dest[at : at + rows], at + rows
                 agree = agree and rows == spec.shape[0]
-        if seg is not ref and not (agree and len(dests) == len(seg.arrays)) and (problem := seg.rows_problem()):
+        whole = agree and len(dests) == len(arrays)
+        if seg is not ref and not whole and (problem := seg.rows_problem()):
             raise RefError(f"chunk {ref.uri}: segment {seg.branch_id}: {problem}: not read")
         direct = seg.offset is not None and k == tokens and seg.compression == "none" and (
-            len(dests) == len(seg.arrays) or 0 < _fresh_nbytes(seg, dests) <= _nbytes(dests))
+            len(dests) == len(arrays) or 0 < _fresh_nbytes(seg, dests) <= _nbytes(dests))
         parts.append(_Part(seg, k, dests, direct))
         start += tokens
     return parts
@@ -113,51 +116,52 @@ def _runs(parts: list[_Part]) -> list[list[_Part]]:
 
 
 def _read_run(store: Store, run: list[_Part], step: int | None) -> list[Fetched]:
-    """Read a run of direct parts of one object with one ``Store.get_into`` from its first offset; check each
-    segment's length and crc32c."""
+    """Read a run of direct parts of one object with one ``Store.get_into`` from its first offset, then check each
+    segment's length and crc32c (computed over the buffers it was read into, still in cache)."""
     first = run[0].seg
-    buffers, owner, fetched, stored = _run_buffers(run)
-    crcs = [0] * (len(run) + 1)  # each segment's, then a slot the stored crc32c bytes go to
-
-    def checksum(i: int, piece: memoryview) -> None:  # each piece right after its read, while in cache
-        j = owner[i]
-        crcs[j] = crc32c.crc32c(piece, crcs[j])
-
+    buffers, ends, fetched, stored = _run_buffers(run)
     data_key = chunk_keys(first.key)[0]
-    got = read_found(store, first, step, lambda: store.get_into(data_key, buffers, checksum, first.offset or 0))
-    del crcs[-1]
+    got = read_found(store, first, step, lambda: store.get_into(data_key, buffers, None, first.offset or 0))
+    crcs, start = [], 0
+    for end in ends:  # each segment's buffers, then its stored crc32c
+        crc = 0
+        for buffer in buffers[start:end]:
+            crc = crc32c.crc32c(buffer, crc)
+        crcs.append(crc)
+        start = end + 1
     if got < sum(part.seg.nbytes for part in run) or crcs != stored.tolist() \
             or crcs != [part.seg.checksum for part in run]:
         _check_run(store, run, got, crcs, stored)
     return [Fetched(arrays, True) for arrays in fetched]
 
 
-def _run_buffers(run: list[_Part]) -> tuple[list[np.ndarray], list[int], list[dict[str, np.ndarray]], np.ndarray]:
+def _run_buffers(run: list[_Part]) -> tuple[list[memoryview], list[int], list[dict[str, np.ndarray]], np.ndarray]:
     """The buffers a run is read into, in object order: each segment's arrays (its destinations, fresh arrays for the
-    rest) with scratch for alignment padding, then its stored crc32c; the segment each buffer belongs to (``len(run)``:
-    a stored crc32c); each segment's arrays; the stored crc32c (uint32, one per segment)."""
+    rest) with scratch for alignment padding (one array for the run), then its stored crc32c; where each segment's
+    stored crc32c is among them; each segment's arrays; the stored crc32c (uint32, one per segment)."""
     stored = np.empty(len(run), "<u4")
-    stored_bytes = stored.view(np.uint8)
-    buffers: list[np.ndarray] = []
-    owner: list[int] = []
-    fetched = []
+    trailers = byte_view(stored)
+    buffers: list[memoryview] = []
+    ends, fetched, pads = [], [], []  # pads: (index in buffers, bytes)
     for j, part in enumerate(run):
         end, arrays = 0, part.dests if len(part.dests) == len(part.seg.arrays) else part.arrays()
         for name in part.seg.arrays:  # in payload order, placed as ``layout_arrays`` places them
             if end % ALIGN_BYTES:  # alignment padding
-                buffers.append(np.empty(ALIGN_BYTES - end % ALIGN_BYTES, np.uint8))
-                owner.append(j)
+                pads.append((len(buffers), ALIGN_BYTES - end % ALIGN_BYTES))
+                buffers.append(trailers)
                 end += ALIGN_BYTES - end % ALIGN_BYTES
-            buffers.append(arrays[name].reshape(-1).view(np.uint8))
-            owner.append(j)
+            buffers.append(byte_view(arrays[name]))
             end += buffers[-1].nbytes
         if part.seg.nbytes - 4 > end:  # the payload's trailing padding
-            buffers.append(np.empty(part.seg.nbytes - 4 - end, np.uint8))
-            owner.append(j)
-        buffers.append(stored_bytes[4 * j : 4 * j + 4])
-        owner.append(len(run))
+            pads.append((len(buffers), part.seg.nbytes - 4 - end))
+            buffers.append(trailers)
+        ends.append(len(buffers))
+        buffers.append(trailers[4 * j : 4 * j + 4])
         fetched.append(arrays)
-    return buffers, owner, fetched, stored
+    scratch, at = memoryview(bytearray(sum(n for _, n in pads))), 0
+    for i, n in pads:
+        buffers[i], at = scratch[at : at + n], at + n
+    return buffers, ends, fetched, stored
 
 
 def _check_run(store: Store, run: list[_Part], got: int, crcs: list[int], stored: np.ndarray) -> None:

@@ -101,6 +101,16 @@ class StoreConformance:
         assert backend.store.get_into("short", buffers, lambda i, piece: pieces.append((i, bytes(piece)))) == 100
         assert pieces == [(0, DATA[:64])]  # the buffer the object ends in is not filled: no call for it
 
+    def test_get_into_more_buffers_than_one_preadv_takes(self, backend: Backend):
+        data = np.random.default_rng(2).integers(0, 256, 3_000, dtype=np.uint8)  # 1,500 buffers: IOV_MAX is 1,024
+        backend.store.put("many", data)
+        buffers = [np.empty(2, np.uint8) for _ in range(1_500)]
+        assert backend.store.get_into("many", buffers, offset=7) == 2_993
+        assert b"".join(b.tobytes() for b in buffers)[:2_993] == data[7:].tobytes()
+        pieces: list[bytes] = []
+        assert backend.store.get_into("many", buffers, lambda i, piece: pieces.append(bytes(piece))) == 3_000
+        assert b"".join(pieces) == data.tobytes()
+
     def test_get_into_large_object(self, backend: Backend):
         data = np.random.default_rng(1).integers(0, 256, 2_900_017, dtype=np.uint8)
         backend.store.put("big", data)
