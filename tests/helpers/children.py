@@ -8,6 +8,8 @@ is; the root comes before site-packages, where another distribution's top-level 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -25,3 +27,15 @@ def module_env(env: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))])
     return env
+
+
+def killed_at_first_line(args: list[str]) -> tuple[str, str, int]:
+    """Start ``args`` (``module_argv``), read its first stdout line (its crash point), SIGKILL it: ``(line, stderr,
+    returncode)``; the child is killed even when reading fails."""
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=module_env())
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        _, stderr = proc.communicate()
+    return line, stderr, proc.returncode

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 
 import pytest
 
@@ -18,7 +17,7 @@ from refpipe.storage.chunk_ref import PayloadRef
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.store import Store
-from tests.helpers.children import module_argv, module_env
+from tests.helpers.children import killed_at_first_line, module_argv
 from tests.pipeline.audit_helpers import chunks, snapshot, train
 
 SCRIPT = "tests.pipeline.audit_helpers"
@@ -33,14 +32,9 @@ def run_until_killed(config: StorageConfig, scenario: str) -> dict:
     """Run a scenario in its own process; once it reports ready, SIGKILL it. Returns its expectations."""
     args = module_argv(SCRIPT, scenario, config.root, config.run_id)
     args += [config.s3_endpoint_url] if config.s3_endpoint_url else []
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=module_env())
-    try:
-        line = proc.stdout.readline()
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        _, stderr = proc.communicate()
+    line, stderr, returncode = killed_at_first_line(args)
     assert line, f"scenario {scenario} died before its crash point:\n{stderr}"
-    assert proc.returncode == -signal.SIGKILL
+    assert returncode == -signal.SIGKILL
     return json.loads(line)
 
 

@@ -15,7 +15,7 @@ from refpipe.storage.chunk_read import fetch_arrays, fetch_into
 from refpipe.storage.chunk_ref import PayloadRef
 from refpipe.storage.errors import ChunkCorruptError, OpenBranchError, StorageError
 from refpipe.storage.layout import chunk_keys, node_key
-from tests.helpers.children import module_argv, module_env
+from tests.helpers.children import killed_at_first_line, module_argv
 from tests.pipeline.test_keep import CFG
 from tests.pipeline.test_open_branch import keeper_of
 
@@ -151,16 +151,8 @@ def test_a_close_whose_commit_marker_failed_closes_again_without_writing_rows_tw
 
 
 def test_a_life_cut_by_a_crash_is_named_by_the_audit_and_removed_once_by_the_sweep(local_config):
-    import signal
-    import subprocess
-
-    args = module_argv("tests.pipeline.test_segment_objects", local_config.root, local_config.run_id)
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=module_env())
-    try:
-        line = proc.stdout.readline()
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        _, stderr = proc.communicate()
+    line, stderr, _ = killed_at_first_line(module_argv("tests.pipeline.test_segment_objects", local_config.root,
+                                                        local_config.run_id))
     assert line == "appended\n", stderr
     store = keeper_of(local_config, CFG).store
     node = node_key("crash.0")
