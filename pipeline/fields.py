@@ -181,14 +181,16 @@ def validate_branch(
         ``P + C - 1`` by its padding rule.
 
     Raises:
-        FieldError: one line naming the branch, the field and (for values) the row and index: negative
-            token counts, an unknown or unconfigured field, a wrong dtype, trailing shape or row count (with
-            the setting that would accept it), or a value its checks refuse.
+        FieldError: one line naming the branch, the field and (for values) the row and index: ``fields`` not a
+            mapping, negative token counts, an unknown or unconfigured field, a wrong dtype, trailing shape or row
+            count (with the setting that would accept it), or a value its checks refuse.
     """
     for count_name, count in (("num_prompt_tokens", num_prompt_tokens),
                               ("num_completion_tokens", num_completion_tokens)):
         if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
             raise FieldError(f"{what}: {count_name}={count!r}: expected an integer >= 0")
+    if not isinstance(fields, Mapping):
+        raise FieldError(f"{what}: fields={type(fields).__name__}: expected a mapping of field name -> array")
     registry, dims = cfg.registry(), cfg.dims
     arrays: dict[str, np.ndarray] = {}
     specs: dict[str, ArraySpec] = {}

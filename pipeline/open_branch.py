@@ -106,14 +106,16 @@ class OpenBranch:
 
         Raises:
             OpenBranchError: the branch was closed, discarded or suspended (says which), or ``start`` is not
-                ``num_tokens`` or ``end <= start``
+                ``num_tokens`` or ``end <= start``, or either is not an integer (``int`` or ``numpy.integer``)
                 (nothing is buffered).
+            LedgerClosedError: the keeper's ledger session is closed (nothing is buffered).
             FieldError: the rows break their declarations, or a field's stored arrays differ from the first
                 append's (nothing is buffered; the branch stays open at ``num_tokens``).
             KeyExistsError: a segment id was already kept in this run.
         """
         what = f"branch {self.branch_id} (env worker {self.keeper.ledger.actor}) rows [{start}, {end})"
         self._check_open(f"append rows [{start}, {end})")
+        start, end = _position(start, "start", what), _position(end, "end", what)
         if start != self.num_tokens or not end > start:
             raise OpenBranchError(f"{what}: expected rows [{self.num_tokens}, end > {self.num_tokens}) (appends "
                                   f"follow each other: {self.num_tokens} tokens appended so far)")
@@ -174,7 +176,10 @@ class OpenBranch:
     def discard(self, *, reason: str = "open branch discarded by env server") -> DeleteResult:
         """Drop the buffered rows and delete the segments written so far (exactly once, via the ledger; a shared
         prefix is released by this branch); the branch is closed. Raises as ``Ledger.delete``, and StorageError
-        when the life's object cannot be committed first (``LifeWriter.end``; the branch stays open)."""
+        when the life's object cannot be committed first (``LifeWriter.end``; the branch stays open); an
+        OpenBranchError once the branch was closed, discarded or suspended (a suspended branch is discarded by the
+        process that resumes it: ``Keeper.resume_branch``, then ``discard``)."""
+        self._check_open("discard")
         self._life.end()  # only a committed object is claimed and deleted
         self._ended, self._pending = "discarded", {}
         result = self.keeper.ledger.release_chunks([(s, self.branch_id) for s in object_refs(self.segments)],
@@ -238,6 +243,7 @@ class OpenBranch:
             self.keeper.store.delete_keys([open_key(self.branch_id)])
 
     def _check_open(self, doing: str) -> None:
+        """Raise before ``doing`` unless this object is the branch's open writer and its ledger session is open."""
         if self._ended == "suspended":
             raise OpenBranchError(f"branch {self.branch_id}: {doing}: the branch was suspended after {self.num_tokens} "
                                   f"tokens: expected an open branch; resume it (Keeper.resume_branch"
@@ -245,9 +251,10 @@ class OpenBranch:
         if self._ended:
             raise OpenBranchError(f"branch {self.branch_id}: {doing}: the branch was {self._ended} after "
                                   f"{self.num_tokens} tokens: expected an open branch; open a new branch")
-        if self._closing and doing != "close":
+        if self._closing and doing not in ("close", "discard"):
             raise OpenBranchError(f"branch {self.branch_id}: {doing}: a close wrote the branch's last rows and "
                                   f"failed after; close again (or discard it)")
+        self.keeper.ledger.check_open(f"{doing} of open branch {self.branch_id}")
 
     def _check_specs(self, specs: Mapping[str, ArraySpec], what: str) -> None:
         """Every append stores the same arrays in the same dtypes as the first, and a shared prefix's among them."""
@@ -315,6 +322,13 @@ def keep_prefix(keeper: "Keeper", num_tokens: int, fields: Mapping[str, object],
     ref = keeper.write(prefix_id, arrays, specs, num_tokens, 0, holders=holders)
     keeper.ledger.flush()
     return ref
+
+
+def _position(value: object, name: str, what: str) -> int:
+    """A token position given to ``append``, as ``int`` (a ``numpy.integer`` would reach the ref's JSON)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise OpenBranchError(f"{what}: {name}={value!r}: expected an integer token position")
+    return int(value)
 
 
 def _checked_prefix(keeper: "Keeper", prefix: PayloadRef, branch_id: str, num_prompt_tokens: int) -> PayloadRef:

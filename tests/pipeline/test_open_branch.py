@@ -13,7 +13,14 @@ from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.storage.backends import open_store
 from refpipe.storage.chunk_read import fetch_arrays, fetch_into
 from refpipe.storage.chunk_ref import PayloadRef
-from refpipe.storage.errors import ChunkNotFoundError, FieldError, KeyExistsError, OpenBranchError, StorageError
+from refpipe.storage.errors import (
+    ChunkNotFoundError,
+    FieldError,
+    KeyExistsError,
+    LedgerClosedError,
+    OpenBranchError,
+    StorageError,
+)
 from refpipe.storage.layout import chunk_keys, node_key
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.store import byte_view
@@ -273,3 +280,51 @@ def test_a_branch_id_is_claimed_when_the_branch_is_opened(local_config):
     other.ledger.close()
     report = audit(keeper.store, finished=True)
     assert (report.kept, report.deleted, report.present) == (1, 1, 0) and report.clean
+
+
+def test_a_closed_or_suspended_branch_is_not_discarded_by_its_old_object(local_config, monkeypatch):
+    monkeypatch.setattr(open_branch, "COALESCE_BYTES", 1)
+    keeper = keeper_of(local_config)
+    fields = fields_of(P, C, seed=12)
+    done = keeper.open_branch(P, branch_id="done")
+    done.append(0, 7, rows_of(fields, 0, 7))
+    ref = done.close()
+    with pytest.raises(OpenBranchError, match=r"^branch done: discard: the branch was closed after 7 tokens"):
+        done.discard(reason="late discard")
+    assert_same(fetch_arrays(keeper.store, ref), fetch_arrays(keeper.store, keeper.keep(
+        Branch(P, 7 - P, rows_of(fields, 0, 7), branch_id="done-whole"))))  # nothing deleted
+    cut = keeper.open_branch(P, branch_id="cut")
+    cut.append(0, 7, rows_of(fields, 0, 7))
+    cut.suspend()
+    with pytest.raises(OpenBranchError, match=r"^branch cut: discard: the branch was suspended after 7 tokens: "
+                                              r"expected an open branch; resume it"):
+        cut.discard(reason="stale discard")
+    store = keeper.store
+    resumer = Keeper(store, Ledger(store, "env_worker_1"), CFG, local_config)
+    resumed = resumer.resume_branch("cut")  # another worker continues it: nothing was deleted
+    resumed.append(7, 9, rows_of(fields, 7, 9))
+    assert_same(fetch_arrays(store, resumed.close()), fetch_arrays(store, keeper.keep(
+        Branch(P, 9 - P, rows_of(fields, 0, 9), branch_id="cut-whole"))))
+
+
+def test_positions_are_integers_and_an_append_needs_an_open_ledger(local_config, monkeypatch):
+    monkeypatch.setattr(open_branch, "COALESCE_BYTES", 1)
+    keeper = keeper_of(local_config)
+    fields = fields_of(P, C, seed=13)
+    branch = keeper.open_branch(P, branch_id="np")
+    branch.append(np.int64(0), np.int64(7), rows_of(fields, 0, 7))  # numpy integers: taken as int
+    assert type(branch.num_tokens) is int and branch.num_tokens == 7
+    with pytest.raises(OpenBranchError, match=r"^branch np \(env worker env_worker_0\) rows \[7, 9.0\): end=9.0: "
+                                              r"expected an integer token position$"):
+        branch.append(7, 9.0, rows_of(fields, 7, 9))
+    with pytest.raises(FieldError, match=r"^branch np \(env worker env_worker_0\) rows \[7, 9\): fields=NoneType: "
+                                         r"expected a mapping of field name -> array$"):
+        branch.append(7, 9, None)
+    assert branch.num_tokens == 7
+    ref = branch.close()
+    assert ref.num_tokens == 7 and PayloadRef.model_validate_json(ref.model_dump_json()) == ref
+    late = keeper.open_branch(P, branch_id="late")
+    keeper.ledger.close()
+    with pytest.raises(LedgerClosedError, match=r"'append rows \[0, 5\) of open branch late' refused, nothing done"):
+        late.append(0, 5, rows_of(fields, 0, 5))
+    assert late.num_tokens == 0 and keeper.store.list_prefix(node_key("late.0")) == []
