@@ -174,9 +174,16 @@ class Batches:
             candidates = list(listing)
             store.backoff(attempt)
         if listing:
-            return _claimed_by(ledger, target, next(iter(listing.values())), reason)
+            return _claimed_by(ledger, target, _named_first(ledger, list(listing.values())), reason)
         return UnknownRefError(f"chunk {target.uri}: delete by {ledger.actor} ({reason}) refused: it was never kept "
                                f"(no commit marker, no delete record)")
+
+
+def _named_first(ledger: Ledger, records: list[ReleaseRecord]) -> ReleaseRecord:
+    """Of the records still listing a chunk (a killed deleter's keeps listing chunks it never removed), the one a
+    refusal names, in an order independent of listing order: this session's, else another actor's, else this
+    actor's earlier life's (an already released chunk: louder, never quieter)."""
+    return min(records, key=lambda r: (r.session != ledger.session, r.holder == ledger.actor))
 
 
 def _claimed_by(ledger: Ledger, target: Target, first: ReleaseRecord, reason: str) -> DoubleDeleteError | EarlierLife:

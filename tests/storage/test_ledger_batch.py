@@ -166,3 +166,23 @@ def test_a_claim_killed_before_its_unlinks_is_finished_once_by_the_actors_next_l
     # two lives of one actor claim the chunks: already released, not a double delete; the refused one is
     assert (report.deleted, report.double_deletes, report.unfinished_deletes) == (3, 1, [])
     assert local.list_prefix("payloads") == []
+
+
+def test_a_refusal_names_this_session_then_another_actor_then_an_earlier_life_whatever_the_listing_order(local):
+    from refpipe.storage.ledger_batch import _named_first
+    from refpipe.storage.ledger_records import ReleaseRecord
+
+    ledger = Ledger(local, "trainer_dp0")
+
+    def record(holder: str, session: str) -> ReleaseRecord:
+        return ReleaseRecord(step=None, holder=holder, reason=f"{holder} {session}", t=0.0, session=session,
+                             claim="c", branch_ids=["g0"])
+
+    earlier, other, own = record("trainer_dp0", "1-1"), record("trainer_dp1", "2-2"), record("trainer_dp0",
+                                                                                             ledger.session)
+    # a killed earlier life's record still lists the chunk; it sorted first when its pid did, and the refusal of
+    # this session's second delete became a quiet "already released"
+    assert _named_first(ledger, [earlier, own]) is own and _named_first(ledger, [own, earlier]) is own
+    assert _named_first(ledger, [earlier, other]) is other and _named_first(ledger, [other, earlier]) is other
+    assert _named_first(ledger, [earlier]) is earlier
+    ledger.close()
