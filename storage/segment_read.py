@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import NamedTuple
 
-import crc32c
 import numpy as np
 
+from refpipe.storage.checksum import crc32c
 from refpipe.storage.chunk_codec import check_checksum, check_length, decode_payload, view_array
 from refpipe.storage.chunk_read import (
     Fetched,
@@ -126,7 +126,7 @@ def _read_run(store: Store, run: list[_Part], step: int | None) -> list[Fetched]
     for end in ends:  # each segment's buffers, then its stored crc32c
         crc = 0
         for buffer in buffers[start:end]:
-            crc = crc32c.crc32c(buffer, crc)
+            crc = crc32c(buffer, crc)
         crcs.append(crc)
         start = end + 1
     if got < sum(part.seg.nbytes for part in run) or crcs != stored.tolist() \
