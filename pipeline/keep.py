@@ -79,7 +79,9 @@ class Keeper:
 
         Raises:
             KeyExistsError: ``chunk_id`` was already kept in this run.
+            LedgerClosedError: the ledger session is closed (nothing written).
         """
+        self.ledger.check_open(f"keep of {chunk_id}")  # before the chunk: a keep it cannot record is not written
         chunk = encode_chunk(chunk_id, arrays, specs, num_prompt_tokens=num_prompt_tokens,
                              num_completion_tokens=num_completion_tokens,
                              compression=self.storage.compression, zstd_level=self.storage.zstd_level,

@@ -328,3 +328,13 @@ def test_positions_are_integers_and_an_append_needs_an_open_ledger(local_config,
     with pytest.raises(LedgerClosedError, match=r"'append rows \[0, 5\) of open branch late' refused, nothing done"):
         late.append(0, 5, rows_of(fields, 0, 5))
     assert late.num_tokens == 0 and keeper.store.list_prefix(node_key("late.0")) == []
+
+
+def test_a_shared_prefix_is_not_written_once_its_ledger_session_is_closed(local_config):
+    keeper = keeper_of(local_config)
+    fields = fields_of(P, C, seed=14)
+    keeper.ledger.close()
+    with pytest.raises(LedgerClosedError, match=r"'keep of group-prompt' refused, nothing done"):
+        keeper.keep_prefix(P, {"routed_experts": fields["routed_experts"][:P]}, holders=["a"],
+                           prefix_id="group-prompt")
+    assert keeper.store.list_prefix("payloads") == []  # it wrote the chunk, then refused to record it
