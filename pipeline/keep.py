@@ -82,6 +82,7 @@ class Keeper:
             LedgerClosedError: the ledger session is closed (nothing written).
         """
         self.ledger.check_open(f"keep of {chunk_id}")  # before the chunk: a keep it cannot record is not written
+        num_prompt_tokens, num_completion_tokens = int(num_prompt_tokens), int(num_completion_tokens)  # numpy ints
         chunk = encode_chunk(chunk_id, arrays, specs, num_prompt_tokens=num_prompt_tokens,
                              num_completion_tokens=num_completion_tokens,
                              compression=self.storage.compression, zstd_level=self.storage.zstd_level,

@@ -134,6 +134,13 @@ def test_zero_completion_tokens_keep_empty_completion_fields(keeper):
     assert fetch_arrays(keeper.store, ref, 2)["routed_experts"].tobytes() == fields["routed_experts"][:2].tobytes()
 
 
+def test_numpy_integer_token_counts_are_kept_as_ints(keeper):
+    fields = fields_of()
+    ref = keeper.keep(Branch(np.int64(P), np.int32(C), fields, "np-counts"))  # a TypeError in the chunk's JSON
+    assert (type(ref.num_prompt_tokens), ref.num_prompt_tokens, ref.num_completion_tokens) == (int, P, C)
+    assert_fetch_equals(keeper, ref, fields)
+
+
 def test_read_only_non_contiguous_and_big_endian_inputs_are_valid(keeper):
     base = fields_of()
     wide = np.zeros((P + C, 3, 4), np.uint8)
