@@ -17,7 +17,11 @@ Last line: a JSON object: ``bytes_written_vs_unique_rows`` (bytes under ``payloa
 included / bytes of distinct rows), ``env_peak_rss_growth_vs_one_turn`` (peak RSS growth of this process while
 appending / one turn's rows of every live branch), ``keep_seconds_last_vs_first_turns`` (append seconds of the last
 10 turns / the first 10), ``fetch_segmented_vs_whole`` (fetch throughput of the segmented refs / the same rows kept
-whole, best round each), ``shared_prefix_copies`` (most chunks of one group holding prompt rows),
+whole, best round each), ``raw_read_segmented_vs_whole`` (the objects' bytes alone, read on the same threads with
+``os.open``/``os.preadv``/``close`` into one buffer per ref and crc32c'd, no refpipe code: CPU seconds of the whole
+refs' bytes / of the segmented refs', summed over the threads, best round each; thread CPU time, as the wall time of
+a 2-core machine shared with other work is too noisy for a ceiling: what the page cache and the objects' layout
+leave ``fetch_segmented_vs_whole``), ``shared_prefix_copies`` (most chunks of one group holding prompt rows),
 ``partial_rollouts_continued`` (branches suspended and finished after a restart, byte-identical to their rows kept
 whole) and ``audit_violations`` (``audit --finished`` after the release).
 """
@@ -40,13 +44,15 @@ from refpipe.pipeline.audit import audit
 from refpipe.pipeline.fields import FieldsConfig
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.storage.backends import open_store
+from refpipe.storage.checksum import crc32c
 from refpipe.storage.chunk_codec import read_attributes
 from refpipe.storage.chunk_read import fetch_into
 from refpipe.storage.chunk_ref import PayloadRef
 from refpipe.storage.concurrency import bounded_map
 from refpipe.storage.config import StorageConfig
+from refpipe.storage.layout import chunk_keys
 from refpipe.storage.ledger import Ledger
-from refpipe.storage.store import Store
+from refpipe.storage.store import Store, byte_view
 
 NUM_EXPERTS = 256
 
@@ -79,10 +85,39 @@ class PeakRss:
         self.thread.join()
 
 
-def fetch_all(store: Store, refs: dict[str, PayloadRef], buffers: dict[str, np.ndarray]) -> None:
-    """Read every ref into its buffer on ``max_concurrent_fetches`` threads, as a trainer rank does."""
-    bounded_map(lambda i: fetch_into(store, refs[i], None, {"routed_experts": buffers[i]}), list(refs),
-                store.config.max_concurrent_fetches)
+def fetch_all(store: Store, refs: dict[str, PayloadRef], buffers: dict[str, np.ndarray]) -> float:
+    """Read every ref into its buffer on ``max_concurrent_fetches`` threads, as a trainer rank does; return the CPU
+    seconds of those threads (user and system), summed."""
+    def fetch(i: str) -> float:
+        started = time.thread_time()
+        fetch_into(store, refs[i], None, {"routed_experts": buffers[i]})
+        return time.thread_time() - started
+
+    return sum(bounded_map(fetch, list(refs), store.config.max_concurrent_fetches))
+
+
+def object_runs(root: Path, ref: PayloadRef) -> list[tuple[Path, int, int]]:
+    """What a fetch of ``ref`` reads: (path, offset, bytes) of each object, its segments' bytes taken together."""
+    runs: dict[Path, list[int]] = {}
+    for s in ref.segments or (ref,):
+        run = runs.setdefault(root / chunk_keys(s.key)[0], [s.offset or 0, 0])
+        run[1] += s.nbytes
+    return [(path, offset, nbytes) for path, (offset, nbytes) in runs.items()]
+
+
+def read_raw(runs: list[tuple[Path, int, int]], buffer: np.ndarray) -> float:
+    """Read the runs into ``buffer`` in order (``open``, one ``preadv``, ``close`` each) and crc32c each; return the
+    CPU seconds of this thread (user and system) it took."""
+    started, view, at = time.thread_time(), byte_view(buffer), 0
+    for path, offset, nbytes in runs:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.preadv(fd, [view[at : at + nbytes]], offset)
+        finally:
+            os.close(fd)
+        crc32c(view[at : at + nbytes])
+        at += nbytes
+    return time.thread_time() - started
 
 
 def payload_bytes(root: Path) -> int:
@@ -140,14 +175,16 @@ def main() -> None:
         whole = np.concatenate([prompt, *(turn_rows(b, t) for t in range(a.turns))])
         wholes[i] = keeper.keep(Branch(p, a.turns * turn, {"routed_experts": whole}, branch_id=f"{i}-whole"))
     n = p + a.turns * turn
-    seconds = {"segmented": [], "whole": []}
+    seconds: dict[str, list[float]] = {"segmented": [], "whole": []}
+    cpu_seconds: dict[str, list[float]] = {"segmented": [], "whole": []}
+    raw_seconds: dict[str, list[float]] = {"segmented": [], "whole": []}
     continued = 0
     for r in range(a.rounds):
         for kind, chosen in (("segmented", refs), ("whole", wholes)) if r % 2 == 0 else \
                 (("whole", wholes), ("segmented", refs)):
             buffers = {i: np.empty((n, a.layers, a.top_k), np.uint8) for i in ids}
             started = time.perf_counter()
-            fetch_all(store, chosen, buffers)
+            cpu_seconds[kind].append(fetch_all(store, chosen, buffers))
             seconds[kind].append(time.perf_counter() - started)
             if r == 0 and kind == "segmented":
                 other = np.empty_like(buffers[ids[0]])
@@ -155,6 +192,12 @@ def main() -> None:
                     fetch_into(store, wholes[i], None, {"routed_experts": other})
                     continued += int(np.array_equal(buffers[i], other))
             del buffers
+        for kind, chosen in (("segmented", refs), ("whole", wholes)) if r % 2 == 0 else \
+                (("whole", wholes), ("segmented", refs)):
+            runs = [object_runs(Path(config.root) / config.run_id, ref) for ref in chosen.values()]
+            raw = [np.empty(sum(nbytes for _, _, nbytes in run), np.uint8) for run in runs]
+            raw_seconds[kind].append(sum(bounded_map(lambda j: read_raw(runs[j], raw[j]), range(len(runs)),
+                                                     config.max_concurrent_fetches)))
     trainer = Ledger(store, "trainer_dp0")
     trainer.delete(list(refs.values()) + list(wholes.values()), reason="bench: trained")
     for ledger in (keeper.ledger, trainer):
@@ -167,6 +210,7 @@ def main() -> None:
         "env_peak_rss_growth_vs_one_turn": round((rss.peak - rss.start) / one_turn, 3),
         "keep_seconds_last_vs_first_turns": round(last / first, 3),
         "fetch_segmented_vs_whole": round(min(seconds["whole"]) / min(seconds["segmented"]), 3),
+        "raw_read_segmented_vs_whole": round(min(raw_seconds["whole"]) / min(raw_seconds["segmented"]), 3),
         "shared_prefix_copies": copies,
         "partial_rollouts_continued": continued,
         "audit_violations": len(report.violations),
@@ -176,7 +220,9 @@ def main() -> None:
     print(f"written {written / 2**20:.1f} MiB for {unique / 2**20:.1f} MiB of distinct rows; RSS growth "
           f"{(rss.peak - rss.start) / 2**20:.1f} MiB for {one_turn / 2**20:.1f} MiB per turn of all branches")
     print(f"appends: first 10 turns {first:.3f} s, last 10 {last:.3f} s; fetch of {a.branches} refs: segmented "
-          f"{min(seconds['segmented']):.3f} s, whole {min(seconds['whole']):.3f} s (best of {a.rounds})")
+          f"{min(seconds['segmented']):.3f} s, whole {min(seconds['whole']):.3f} s (best of {a.rounds}), "
+          f"{min(cpu_seconds['segmented']):.3f} s and {min(cpu_seconds['whole']):.3f} s of CPU; their objects' bytes "
+          f"alone: {min(raw_seconds['segmented']):.3f} s and {min(raw_seconds['whole']):.3f} s of CPU")
     print(f"audit: {report.violations or 'clean'}")
     print(json.dumps(summary))
 
