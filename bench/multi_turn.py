@@ -17,13 +17,13 @@ Last line: a JSON object: ``bytes_written_vs_unique_rows`` (bytes under ``payloa
 included / bytes of distinct rows), ``env_peak_rss_growth_vs_one_turn`` (peak RSS growth of this process while
 appending / one turn's rows of every live branch), ``keep_seconds_last_vs_first_turns`` (append seconds of the last
 10 turns / the first 10), ``fetch_segmented_vs_whole`` (fetch throughput of the segmented refs / the same rows kept
-whole, best round each), ``raw_read_segmented_vs_whole`` (the objects' bytes alone, read on the same threads with
-``os.open``/``os.preadv``/``close`` into one buffer per ref and crc32c'd, no refpipe code: CPU seconds of the whole
-refs' bytes / of the segmented refs', summed over the threads, best round each; thread CPU time, as the wall time of
-a 2-core machine shared with other work is too noisy for a ceiling: what the page cache and the objects' layout
-leave ``fetch_segmented_vs_whole``), ``shared_prefix_copies`` (most chunks of one group holding prompt rows),
-``partial_rollouts_continued`` (branches suspended and finished after a restart, byte-identical to their rows kept
-whole) and ``audit_violations`` (``audit --finished`` after the release).
+whole, best round each), ``raw_read_segmented_vs_whole`` (the same for the objects' bytes alone, read on the same
+threads with ``os.open``/``os.preadv``/``close`` into one buffer per ref, touched before (no page faults), and
+crc32c'd, no refpipe code, in thread CPU seconds summed over the threads, best round each, as wall time on a 2-core
+machine shared with other work is too noisy for it: the ceiling the page cache and the objects' layout leave
+``fetch_segmented_vs_whole``; the fetches' CPU seconds are printed beside it), ``shared_prefix_copies`` (most chunks
+of one group holding prompt rows), ``partial_rollouts_continued`` (branches suspended and finished after a restart,
+byte-identical to their rows kept whole) and ``audit_violations`` (``audit --finished`` after the release).
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def main() -> None:
         for kind, chosen in (("segmented", refs), ("whole", wholes)) if r % 2 == 0 else \
                 (("whole", wholes), ("segmented", refs)):
             runs = [object_runs(Path(config.root) / config.run_id, ref) for ref in chosen.values()]
-            raw = [np.empty(sum(nbytes for _, _, nbytes in run), np.uint8) for run in runs]
+            raw = [np.ones(sum(nbytes for _, _, nbytes in run), np.uint8) for run in runs]  # touched: no page faults
             raw_seconds[kind].append(sum(bounded_map(lambda j: read_raw(runs[j], raw[j]), range(len(runs)),
                                                      config.max_concurrent_fetches)))
     trainer = Ledger(store, "trainer_dp0")
