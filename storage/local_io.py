@@ -16,8 +16,11 @@ _WRITE_PIECE_BYTES = 512 << 10
 """Bytes per ``write(2)``. On ext4 under Linux 6.18 one write of >= 2 MiB took ~3x as long as the same
 bytes in <= 1 MiB writes (measured for bench/keep_fetch.py); smaller pieces cost nothing elsewhere."""
 _READ_PIECE_BYTES = 256 << 10
-"""Bytes per ``preadv`` of ``readv_pieces``: small enough that a piece is still in the core's cache (1 MiB of L2
-here) when its callback reads it again (a crc32c there runs at ~25 GiB/s, from memory at ~3)."""
+"""Bytes per ``preadv`` of ``readv_pieces``: a piece is still in the core's cache (1 MiB of L2 here) when its
+callback reads it again. Measured on this project's 2-core AMD EPYC (303 MiB of 4.7 MiB chunks, CPU time, both
+trainer ranks at once; docs/benchmarks.md): 64 KiB pieces cost ~20% more than 128 KiB-1 MiB (twice the
+system calls), which cost alike within noise; a whole chunk read and then checksummed (from L3) costs about
+the same too."""
 _HAVE_PREADV = hasattr(os, "preadv")
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if _HAVE_PREADV else 1
 """Most buffers one ``preadv`` takes (Linux: 1,024; more is ``EINVAL``)."""

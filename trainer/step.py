@@ -1,4 +1,4 @@
-"""One trainer rank's per-step data path: load, fetch + assemble, agree, prefetch, stand in, train, release,
+"""One trainer rank's per-step data path: load, fetch + assemble, agree, stand in, prefetch, train, release,
 metrics."""
 
 from __future__ import annotations
@@ -59,11 +59,12 @@ class TrainerRank:
           a tensor the train callback kept keeps its memory); errors become failure flags;
        c. agree failures: all-reduce of the flags over the data group (collective);
           if no micro batch was fetched anywhere, every rank raises ``FetchError`` here;
-       d. prefetch: start fetching step + 1 (the next step a resume plan does not skip) in the
+       d. stand in for dropped micro batches (shape-only, no loss), then tensors;
+       e. prefetch: start fetching step + 1 (the next step a resume plan does not skip) in the
           background (``trainer.background.Prefetch``; at most one step ahead, so a rank holds at
           most two steps of arrays: this one and the next; its failures are agreed in step + 1's
-          (c), like any fetch's);
-       e. stand in for dropped micro batches (shape-only, no loss), then tensors;
+          (c), like any fetch's); started after (d), whose Python would otherwise wait for the GIL
+          behind the prefetch's fetch threads on the rank's main thread;
        f. train: the caller's callback (its collectives are its own);
        g. release: the ``mp_rank == 0`` rank hands the step to its ``trainer.release.ReleasePolicy``
           (``config.release``): now, or once a checkpoint covers it, it queues the deletes (or the
@@ -153,12 +154,12 @@ class TrainerRank:
         prepared = self.prefetch.take(step) or self.load_and_fetch(step)
         header, dp_rank = prepared.step_file.header, self.topology.dp_rank
         dropped = self.agree_failures(header, prepared.fetched)
-        if self.config.prefetch_next_step:
-            self.prefetch.start(next(s for s in itertools.count(step + 1) if s not in self._skipped))
         assembled = self.stand_in_dropped(prepared.step_file, prepared.fetched, dropped[dp_rank])
         hashes = ["" if mb.dropped else prepared.fetched.hashes[mb.index] for mb in assembled]
         batches = [to_torch(mb) for mb in assembled]
         del assembled
+        if self.config.prefetch_next_step:
+            self.prefetch.start(next(s for s in itertools.count(step + 1) if s not in self._skipped))
         wait_s = max(0.0, prepared.found_at - started)
         exposed_s = time.monotonic() - started - wait_s
 
@@ -220,7 +221,7 @@ class TrainerRank:
 
     def stand_in_dropped(self, step_file: StepFile, fetched: FetchedStep,
                          dropped: np.ndarray) -> list[AssembledMicroBatch]:
-        """(e) This DP rank's micro batches in order, each dropped one replaced by its shape-only stand-in.
+        """(d) This DP rank's micro batches in order, each dropped one replaced by its shape-only stand-in.
 
         A stand-in repeats the token-domain (routing) rows of the first micro batch that was not dropped, so every
         model-parallel peer builds the same one (peers agree on ``dropped``, not on what they fetched).
@@ -333,7 +334,7 @@ class TrainerRank:
         """Clean shutdown of this rank alone (no collective): stop the prefetch, finish the background release
         (``mp_rank == 0``: retry failed deletes once; still failing: logged, the sweep finishes them), close the
         ledger."""
-        self.prefetch.take(-1)
+        self.prefetch.close()
         if self.release is not None:
             self.release.shutdown()
             assert self.ledger is not None  # made with the release, on mp_rank 0
