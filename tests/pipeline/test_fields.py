@@ -267,3 +267,24 @@ def test_the_declarations_in_docs_fields_md_are_valid():
     assert [d.name for d in scope["fields"].declare] == ["teacher_logprobs", "token_rewards", "image_features"]
     table = RunFieldsConfig.model_validate(tomllib.loads(toml)["fields"])
     assert [d.name for d in table.declare] == ["teacher_logprobs", "image_features"] and table.vocab_size == 151936
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "int8"])
+def test_rows_of_eight_one_byte_ids_name_the_same_first_repeat_as_the_pairwise_check(dtype):
+    """The compiled check of eight one-byte ids per row agrees with the pairwise comparison row for row: random rows
+    with one repeat planted in every 7th row (any slot pair), also read unaligned and through a strided view."""
+    from refpipe.pipeline.field_checks import repeated_rows
+    rng = np.random.default_rng(1)
+    rows = np.stack([rng.permutation(256)[:8] for _ in range(700)]).astype(np.uint8).view(dtype)
+    assert repeated_rows(rows) is None
+    for at in range(3, 700, 7):
+        i, j = rng.choice(8, 2, replace=False)
+        bad = rows.copy()
+        bad[at:, j] = bad[at:, i]  # rows from ``at`` on repeat a value
+        unaligned = np.frombuffer(b"\0" + bad.tobytes(), dtype, offset=1).reshape(bad.shape)
+        strided = np.repeat(bad, 2, axis=0)[::2]
+        assert [repeated_rows(bad), repeated_rows(unaligned), repeated_rows(strided)] == [at, at, at]
+    padded = np.zeros((4, 16), dtype)  # eight ids as a slice of wider rows: not contiguous per row
+    padded[:, :8] = rows[:4]
+    padded[2, 5] = padded[2, 0]
+    assert repeated_rows(padded[:, :8]) == 2
