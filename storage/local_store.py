@@ -48,8 +48,8 @@ class LocalStore(Store):
     ``fstat``, ``preadv`` (one call per ``IOV_MAX`` buffers, repeated only after a short read; with ``each``, one per
     256 KiB piece, each piece handed to ``each`` while in cache), ``close``. ``delete_keys``
     unlinks in order per directory and removes branch directories it empties,
-    directories in parallel; ``delete_claiming`` (``claims_by_unlink``) unlinks each chunk's commit marker first
-    as its claim, chunks in parallel.
+    directories in parallel; ``claim_by_unlink`` (``claims_by_unlink``) unlinks chunks' commit markers as their
+    claims, in parallel.
     """
 
     claims_by_unlink = True
@@ -222,32 +222,28 @@ class LocalStore(Store):
         parts = bounded_map(lambda item: self._delete_in(*item), list(by_directory.items()), _DELETE_THREADS)
         return {key: error for part in parts for key, error in part.items()}
 
-    def delete_claiming(self, chunks: Sequence[Sequence[str]]) -> list[tuple[bool, StorageError | None]]:
-        checked = [[self.prefix.check_key(key) for key in keys] for keys in chunks]
-        return bounded_map(self._delete_chunk, checked, _DELETE_THREADS)
+    def claim_by_unlink(self, keys: Sequence[str]) -> list[StorageError | None]:
+        checked = [self.prefix.check_key(key) for key in keys]
+        return bounded_map(self._claim_one, checked, _DELETE_THREADS)
 
-    def _delete_chunk(self, keys: list[str]) -> tuple[bool, StorageError | None]:
-        """``delete_claiming`` of one chunk: ``unlink(2)`` of its first key is the claim (``ENOENT`` after an attempt
-        whose answer was lost is this call's removal), then the rest and its directory as ``_delete_in``."""
+    def _claim_one(self, key: str) -> StorageError | None:
+        """``claim_by_unlink`` of one key: ``unlink(2)``; ``ENOENT`` after an attempt whose answer was lost is this
+        call's removal."""
         attempts: list[str] = []
         try:
-            self._attempt("cannot delete", keys[0], functools.partial(self._unlink, keys[0], attempts))
+            self._attempt("cannot delete", key, functools.partial(self._unlink, key, attempts))
         except KeyNotFoundError as e:
-            if len(attempts) == 1:
-                return False, e
-        except OutsideRunError:
-            raise
+            return e if len(attempts) == 1 else None
         except StorageError as e:
-            return False, e
-        failed = self._delete_in(keys[0].rpartition("/")[0], keys[1:], removed=True)
-        return True, next(iter(failed.values()), None)
+            return e
+        return None
 
-    def _delete_in(self, directory: str, keys: list[str], removed: bool = False) -> dict[str, StorageError]:
+    def _delete_in(self, directory: str, keys: list[str]) -> dict[str, StorageError]:
         """Unlink ``keys`` (all in ``directory``) in order, then remove ``directory`` if this emptied a branch
-        directory (``payloads/<shard>/<branch_id>``; shards stay; ``removed``: a key of it was unlinked before).
+        directory (``payloads/<shard>/<branch_id>``; shards stay).
         Names are unlinked relative to the directory's fd: a symlink is removed itself, never followed. Returns the
         keys not deleted."""
-        failed = dict[str, StorageError]()
+        failed, removed = dict[str, StorageError](), False
         for key in keys:
             attempts: list[str] = []
             try:
