@@ -108,15 +108,18 @@ class Batches:
             ledger._add_seconds(time.perf_counter() - started)
         removed: list[Target] = []
         refused: list[Target] = []
-        for target, error in zip(targets, store.claim_by_unlink([t.meta_key for t in targets])):
-            if error is None:
-                removed.append(target)
-                result.deleted.append(target.uri)
-            elif isinstance(error, KeyNotFoundError):
-                refused.append(target)
-            else:
-                self._unresolved(target, reason, error, result)
-        ledger._reaper.free(removed, reason, record.claim)
+        for start in range(0, len(targets), _CLAIMS_PER_CALL):  # each slice queued before the next claims: fds
+            part, claimed = targets[start:start + _CLAIMS_PER_CALL], []  # held stay bounded (BACKLOG_CHUNKS)
+            for target, error in zip(part, store.claim_by_unlink([t.meta_key for t in part])):
+                if error is None:
+                    claimed.append(target)
+                    result.deleted.append(target.uri)
+                elif isinstance(error, KeyNotFoundError):
+                    refused.append(target)
+                else:
+                    self._unresolved(target, reason, error, result)
+            ledger._reaper.free(claimed, reason, record.claim)
+            removed += claimed
         if len(removed) < len(targets):
             self._rewrite(key, record.model_copy(update={"branch_ids": sorted(t.branch_id for t in removed)}))
         for target in refused:
@@ -177,6 +180,10 @@ class Batches:
             return _claimed_by(ledger, target, _named_first(ledger, list(listing.values())), reason)
         return UnknownRefError(f"chunk {target.uri}: delete by {ledger.actor} ({reason}) refused: it was never kept "
                                f"(no commit marker, no delete record)")
+
+
+_CLAIMS_PER_CALL = 128
+"""Markers claimed per ``Store.claim_by_unlink`` call; their fds are held until the reaper removes the chunks."""
 
 
 def _named_first(ledger: Ledger, records: list[ReleaseRecord]) -> ReleaseRecord:

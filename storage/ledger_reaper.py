@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import resource
 import threading
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -31,11 +32,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-BACKLOG_CHUNKS = 1024
+BACKLOG_CHUNKS = min(1024, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 8)
 """Claimed chunks queued for removal at most; a delete that would queue more waits until there is room, so the bytes
 of deleted chunks still on disk stay bounded (1,024 chunks: 1.5 GiB of 1.5 MiB routing chunks, about half a second of
 removals at the ~2,000 ``os.remove`` of such chunks per second measured here), while a step's release of up to a
-thousand chunks returns without waiting."""
+thousand chunks returns without waiting. Each queued chunk holds its claimed marker's fd (``local_dirs.HeldInodes``),
+so at most an eighth of this process's fd limit (as ``local_confined``'s directory handles)."""
 _BATCH_CHUNKS = 64
 """Chunks the reaper removes per ``Store.delete_keys`` call (their directories in parallel)."""
 

@@ -261,8 +261,8 @@ class Store(abc.ABC):
                                   f"first: {self.uri(key)}: {error}", failed)
 
     def claim_by_unlink(self, keys: Sequence[str]) -> list[StorageError | None]:
-        """Delete each key (a chunk's commit marker) as that chunk's claim, keys in parallel; only on a store with
-        ``claims_by_unlink``. The chunk's other keys are left to the caller (``storage.ledger_reaper``).
+        """Delete each key (a chunk's commit marker) as that chunk's claim; only on a store with ``claims_by_unlink``.
+        The chunk's other keys are left to the caller (``storage.ledger_reaper``), deleted with ``delete_keys``.
 
         Returns:
             Per key: None (this call removed it: the chunk is claimed), ``KeyNotFoundError`` (it was absent: not

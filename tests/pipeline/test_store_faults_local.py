@@ -225,6 +225,8 @@ def _kept_pair(store):
 def _assert_deleted(store, refs, *ledgers) -> None:
     """Both chunks deleted once each, each named by the record that claimed it (the call's batch record, or its own
     delete record when its claim was retried), and the finished run audits clean."""
+    for ledger in ledgers:
+        ledger.wait_freed()
     assert store.list_prefix("payloads") == []
     assert [delete_record_of(store, r.branch_id).holder for r in refs] == ["trainer_dp0"] * len(refs)
     _assert_audit_clean(store, *ledgers, deleted=len(refs))

@@ -142,6 +142,7 @@ def test_delete_is_exactly_once_and_a_second_delete_names_both_holders(store):
                                                 "from orchestrator \\(filtered\\)") as info:
         second.delete([refs[1], refs[2]], reason="filtered")
     assert info.value.result.deleted == [refs[2].uri]
+    second.wait_freed()
     [double] = info.value.result.double_deletes.values()
     assert (double.first_holder, double.second_holder) == ("trainer_dp3", "orchestrator")
     assert delete_record_of(store, "b1").holder == "trainer_dp3"
