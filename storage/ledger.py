@@ -101,7 +101,7 @@ class Ledger(LedgerSession):
         Each ref's chunk is the one its branch id names in this run (``PayloadRef.key``, checked against its URI
         before any I/O); a segmented branch's chunks are its segments (``PayloadRef.chunks``), each an outcome. On
         a filesystem (``Store.claims_by_unlink``): one batch record claims the call's chunks (one exclusive put),
-        then per chunk, in parallel, the ``unlink`` of its commit marker (``zarr.json``; of concurrent deleters
+        then per chunk, one after another, the ``unlink`` of its commit marker (``zarr.json``; of concurrent deleters
         exactly one succeeds: the chunk's claim) (``storage.ledger_batch``); the chunk (``c.0``) and its directory
         are removed after the call returns, by this ledger's background reaper (``storage.ledger_reaper``: a bounded
         backlog, this call waits while it is full; ``wait_freed`` and ``close`` wait until it is removed).

@@ -1,11 +1,12 @@
 """Freeing claimed chunks' bytes off the deleter's path on a filesystem: ``Reaper``, one background thread per ledger.
 
 On a filesystem (``Store.claims_by_unlink``) what decides a delete is done when ``Ledger.delete`` returns: the batch
-record and each chunk's commit-marker ``unlink`` (its claim, ``storage.ledger_batch``). What is left decides nothing:
-unlinking the chunk (``c.0``; ext4 frees its blocks and page cache, about 0.5 ms for 1.5 MiB, measured in
-``bench/peers.py``) and removing its directory. ``Ledger.delete`` hands those to the ledger's reaper, a daemon thread
-started when chunks are queued, and returns; the reaper removes what is queued in batches of up to
-``_BATCH_CHUNKS`` chunks (``Store.delete_keys``: directories in parallel) and ends when none is left.
+record and each chunk's commit-marker ``unlink`` (its claim, ``storage.ledger_batch``; the marker's inode held open,
+``local_dirs.HeldInodes``). What is left decides nothing: closing the held marker (ext4 frees its inode), unlinking
+the chunk (``c.0``; ext4 frees its blocks and page cache, about 0.5 ms for 1.5 MiB) and removing its directory.
+``Ledger.delete`` hands those to the ledger's reaper, a daemon thread started when chunks are queued, and returns;
+the reaper removes what is queued in batches of up to ``_BATCH_CHUNKS`` chunks (``Store.delete_keys``: directories
+in parallel) and ends when none is left.
 ``Ledger.wait_freed`` waits until the backlog is removed; ``Ledger.close`` does so before the session closes.
 
 Crash: a backlog lost with the process (SIGKILL, power loss) leaves chunks whose commit marker is gone and whose

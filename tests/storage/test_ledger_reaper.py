@@ -3,6 +3,7 @@ removed in the background, and a full backlog makes the next delete wait."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -65,4 +66,23 @@ def test_a_delete_returns_before_the_bytes_are_removed_and_wait_freed_waits_for_
     gate.set()
     waiter.join(60)
     assert not waiter.is_alive() and local.list_prefix("payloads") == []
+    ledger.close()
+
+
+def test_a_claim_holds_its_marker_open_until_the_reaper_removes_the_chunk(local, monkeypatch):
+    """The claim's unlink only removes the marker's name (its inode held by an O_PATH fd: ext4 frees it at the close);
+    the reaper closes the fds before it unlinks the chunks, and none stays open."""
+    refs = [kept(local, f"h{i}") for i in range(3)]
+    ledger = Ledger(local, "trainer_dp0")
+    gate = threading.Event()
+    delete_keys = local.delete_keys
+    monkeypatch.setattr(local, "delete_keys", lambda keys: (keys and gate.wait(60), delete_keys(keys)))
+    ledger.delete(refs, reason="trained step 1")
+    held = local._confined().held._fds
+    nodes = sorted(r.key for r in refs)
+    assert sorted(held) == nodes and [os.readlink(f"/proc/self/fd/{fd}") for n in nodes for fd in held[n]] == \
+        [f"{local.prefix.path}/{n}/zarr.json (deleted)" for n in nodes]
+    gate.set()
+    ledger.wait_freed()
+    assert held == {} and local.list_prefix("payloads") == []
     ledger.close()
