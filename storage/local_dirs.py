@@ -147,13 +147,11 @@ class HeldInodes:
         with self._lock:
             self._fds.setdefault(directory, []).append(fd)
 
-    def close(self, directory: str) -> None:
-        """Close the fds held for ``directory`` (their inodes are freed now when they have no name left)."""
+    def take(self, directory: str) -> list[int]:
+        """The fds held for ``directory``, now the caller's to close (their inodes freed then, with no name left)."""
         self._check_fork()
         with self._lock:
-            fds = self._fds.pop(directory, [])
-        for fd in fds:
-            os.close(fd)
+            return self._fds.pop(directory, [])
 
     def _check_fork(self) -> None:
         if self._pid != os.getpid():

@@ -260,7 +260,8 @@ class LocalStore(Store):
         directory (``payloads/<shard>/<branch_id>``; shards stay).
         Names are unlinked relative to the directory's fd: a symlink is removed itself, never followed. Returns the
         keys not deleted."""
-        self._confined().held.close(directory)  # a claimed marker's inode, freed here (off the claim's path)
+        for fd in self._confined().held.take(directory):  # a claimed marker's inode, freed here (off the claim's path)
+            os.close(fd)
         failed, removed = dict[str, StorageError](), False
         for key in keys:
             attempts: list[str] = []
