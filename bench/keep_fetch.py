@@ -8,7 +8,9 @@ with ``--s3-endpoint URL`` / ``--s3-moto``, the same S3 bucket:
   a ledger event), ``fetch_arrays`` on 8 threads (whole chunks, checksum checked), and
   ``Ledger.release`` of each round's branches as one trainer step would release them (a filesystem: one batch
   record per round, then per chunk the unlink of its commit marker as its claim, of its chunk and of its
-  directory; S3: one release record per round, then batched ``DeleteObjects``).
+  directory; S3: one release record per round, then batched ``DeleteObjects``). The delete is timed and counted
+  until the bytes are removed (``Ledger.wait_freed``: a filesystem's release returns once the chunks are claimed
+  and its reaper thread unlinks them after), so it compares with ``os.remove``.
 - raw: one file per field, written with ``open(path, "wb").write(array)``, read with
   ``open(path, "rb").read()`` + ``np.frombuffer`` on 8 threads, removed with ``os.remove``.
   On S3: one object per field through the same client (``S3Store.put``/``get``, one
@@ -289,6 +291,7 @@ class Refpipe:
 
     def delete(self, batch: list[int], names) -> None:
         self.ledger.release(self.releases, [self.refs[i] for i in batch], reason="bench")
+        self.ledger.wait_freed()  # until the bytes are removed, like os.remove
         self.releases += 1
 
 

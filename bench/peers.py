@@ -5,7 +5,11 @@ The peers' shape: ``--arrays`` (1,024) routing arrays ``routed_experts`` [4096, 
 a few bytes per put. Each system through its public API, in the same process:
 
 - refpipe: ``Keeper.keep`` of a routing-only branch (validate, one Zarr v3 chunk, a ledger event) on a local
-  directory, ``fetch_arrays`` on ``--threads`` threads, ``Ledger.delete`` of each round's refs.
+  directory, ``fetch_arrays`` on ``--threads`` threads, ``Ledger.delete`` of each round's refs, timed until it
+  returns: the chunks are claimed (batch record, commit-marker unlinks) and their bytes are removed after, by the
+  ledger's reaper thread (``storage.ledger_reaper``), as Ray frees after ``del``. ``Ledger.wait_freed`` after each
+  round's delete is timed apart (outside the free figure, before the next system's turn, so the reaper never runs
+  during another system's timing): ``frees_per_s_drained`` counts both, the rate until the bytes are gone.
 - raw: ``np.save`` of one ``.npy`` file per array in the same directory, ``np.load`` on ``--threads`` threads,
   ``os.remove``.
 - ray: ``ray.put`` into a local Ray's object store, ``ray.get`` of ``--get-batch`` refs at once with a copy
@@ -26,7 +30,9 @@ after a ``sync`` (untimed).
 Last line: one JSON object with ``keep_vs_ray_put``, ``fetch_vs_ray_get``, ``free_vs_ray_free``,
 ``keep_vs_transferqueue_put``, ``fetch_vs_transferqueue_get``, ``free_vs_transferqueue_clear``,
 ``keep_vs_np_save``, ``fetch_vs_np_load``, ``free_vs_os_remove`` (refpipe's throughput over the peer's), and
-the raw figures: ``put_gib_per_s``, ``get_gib_per_s``, ``frees_per_s`` and ``seconds`` per system.
+the raw figures: ``put_gib_per_s``, ``get_gib_per_s``, ``frees_per_s`` and ``seconds`` per system, and refpipe's
+``frees_per_s_drained``, ``free_drained_vs_transferqueue_clear`` and ``seconds.refpipe_drain`` (the waits for
+its reaper).
 Targets: keep ahead of Ray's put (``keep_vs_ray_put`` >= 1), frees ahead of TransferQueue's
 clear (``free_vs_transferqueue_clear`` >= 1).
 """
@@ -108,6 +114,9 @@ class Refpipe:
         if result.failed:
             raise RuntimeError(f"refpipe delete failed: {result.failed}")
 
+    def drain(self) -> None:
+        self.ledger.wait_freed()
+
     def close(self) -> None:
         self.ledger.close()
 
@@ -188,6 +197,10 @@ def run(args, sides: dict) -> Counter:
                 started = time.perf_counter()
                 _do(phase, sides[name], batch, a, args.get_batch)
                 seconds[name, phase] += time.perf_counter() - started
+                if phase == "free" and name == "refpipe":
+                    started = time.perf_counter()
+                    sides[name].drain()
+                    seconds[name, "drain"] += time.perf_counter() - started
     return seconds
 
 
@@ -223,11 +236,17 @@ def report(args, seconds: Counter, nbytes: int) -> dict:
     rate = {"put": put, "get": get, "free": free}
     summary.update({name: round(rate[phase]["refpipe"] / rate[phase][peer], 3)
                     for name, (phase, peer) in RATIOS.items()})
+    drained = n / (seconds["refpipe", "free"] + seconds["refpipe", "drain"])
+    print(f"refpipe frees until the bytes are removed (Ledger.wait_freed): {drained:.0f}/s, "
+          f"{seconds['refpipe', 'drain']:.3f} s waiting for the reaper")
     summary.update({
         "put_gib_per_s": {s: round(put[s], 3) for s in SIDES},
         "get_gib_per_s": {s: round(get[s], 3) for s in SIDES},
         "frees_per_s": {s: round(free[s], 1) for s in SIDES},
-        "seconds": {f"{s}_{p}": round(seconds[s, p], 3) for s in SIDES for p in PHASES},
+        "frees_per_s_drained": round(drained, 1),
+        "free_drained_vs_transferqueue_clear": round(drained / free["transferqueue"], 3),
+        "seconds": {**{f"{s}_{p}": round(seconds[s, p], 3) for s in SIDES for p in PHASES},
+                    "refpipe_drain": round(seconds["refpipe", "drain"], 3)},
     })
     return summary
 

@@ -13,7 +13,8 @@ class DeleteResult:
     """Outcome of one ``Ledger.delete`` or ``Ledger.release`` call: each ref in exactly one outcome (``outcome``)."""
 
     deleted: list[str] = field(default_factory=list)
-    """URIs this call deleted (claimed, by this call or by this holder's earlier unfinished call, and removed)."""
+    """URIs this call deleted: claimed (by this call or by this holder's earlier unfinished call), their bytes removed
+    or, on a filesystem, being removed by the ledger's background reaper (``Ledger.wait_freed``)."""
     double_deletes: dict[str, DoubleDeleteError] = field(default_factory=dict)
     """URI -> the error: chunks another holder (or this one, in an earlier finished delete, or earlier in this
     call) had already deleted."""

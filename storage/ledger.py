@@ -1,16 +1,16 @@
 """The reference ledger's deletes: exactly once, recorded, resumable after a store error.
 
-``Ledger`` is one actor's ledger session (``storage.ledger_session``: open, events, heartbeat, close) plus
-its deletes. Keeps are recorded twice: by the chunk itself (``zarr.json`` names the writer) and by a
-buffered ``keep`` event; ships and borrows by the step file; deletes by the chunk's delete record
+``Ledger`` is one actor's ledger session (``storage.ledger_session``: open, events, heartbeat, close) plus its
+deletes. Keeps are recorded twice: by the chunk itself (``zarr.json`` names the writer) and by a buffered ``keep``
+event; ships and borrows by the step file; deletes by the chunk's delete record
 (``ledger/deletes/<aa>/<bb>/<branch_id>.json``, a ``storage.ledger_records.DeleteRecord``).
 
 The delete record is the atomic claim: it is written with an exclusive put (``link(2)`` on a filesystem,
-``If-None-Match: *`` on S3), so of any number of deleters of one chunk exactly one succeeds; the others
-read the winner's record, record a ``double_delete`` event and raise ``DoubleDeleteError`` naming both
-holders, deleting nothing else. On a filesystem one batch record claims a call's plain chunks and each chunk's
-commit marker ``unlink`` decides it (``storage.ledger_batch``); on S3 a trainer's release (``Ledger.release``) claims
-a DP rank's chunks of one step with one release record (``storage.ledger_release``).
+``If-None-Match: *`` on S3), so of any number of deleters of one chunk exactly one succeeds; the others read the
+winner's record, record a ``double_delete`` event and raise ``DoubleDeleteError`` naming both holders, deleting
+nothing else. On a filesystem one batch record claims a call's plain chunks and each chunk's commit marker
+``unlink`` decides it (``storage.ledger_batch``), the bytes removed in the background (``storage.ledger_reaper``);
+on S3 a trainer's release claims a DP rank's chunks of a step with one release record (``storage.ledger_release``).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from refpipe.storage.errors import (
 from refpipe.storage.layout import branch_id_of, chunk_keys, meta_key, tombstone_key
 from refpipe.storage.ledger_batch import Batches, EarlierLife, Target, Unfinished
 from refpipe.storage.ledger_holds import release_holds
+from refpipe.storage.ledger_reaper import Reaper
 from refpipe.storage.ledger_records import DeleteRecord, read_delete_record
 from refpipe.storage.ledger_release import Releases
 from refpipe.storage.ledger_session import LedgerSession
@@ -51,17 +52,15 @@ def _target(store: Store, chunk: PayloadRef) -> Target:
 class Ledger(LedgerSession):
     """One actor's session of the ledger, with its exactly-once deletes.
 
-    Every process creates one ``Ledger`` per actor it plays, with a unique ``actor``
-    name (``env_worker_3``, ``orchestrator``, ``trainer_dp0``), after any fork, and
-    calls ``close`` at a clean shutdown. Construction opens the session (``LedgerSession``:
-    one put of the ``open`` event, one refused put that probes exclusivity, the heartbeat).
-    Events are buffered as ``LedgerSession`` says, and also flushed right after a delete
-    that found a problem.
+    Every process creates one ``Ledger`` per actor it plays, with a unique ``actor`` name (``env_worker_3``,
+    ``orchestrator``, ``trainer_dp0``), after any fork, and calls ``close`` at a clean shutdown. Construction opens
+    the session (``LedgerSession``: one put of the ``open`` event, one refused put that probes exclusivity, the
+    heartbeat). Events are buffered as ``LedgerSession`` says, and also flushed right after a delete that found a
+    problem. On a filesystem a background thread removes deleted chunks' bytes (``storage.ledger_reaper``).
 
     Args:
         store: the run's store.
-        actor: who this is (1-128 of ``[A-Za-z0-9._-]``); names the holder in delete
-            records and errors.
+        actor: who this is (1-128 of ``[A-Za-z0-9._-]``); names the holder in delete records and errors.
 
     Raises:
         As ``LedgerSession``.
@@ -71,17 +70,19 @@ class Ledger(LedgerSession):
         self._unfinished: dict[str, Unfinished] = {}
         self._releases = Releases(self)
         self._batches = Batches(self)
+        self._reaper = Reaper(self)
         super().__init__(store, actor)
 
     def close(self) -> None:
-        """Retry unfinished deletes once more, record a clean end of this session and flush; the last heartbeat
-        says closed.
+        """Wait until the bytes of every deleted chunk are removed (``wait_freed``), retry unfinished deletes once
+        more, record a clean end of this session and flush; the last heartbeat says closed.
 
-        What is still unfinished is left to ``refpipe sweep`` (the delete records exist, or the
-        chunks are leaked and claimed there). A second call does nothing.
+        What is still unfinished is left to ``refpipe sweep`` (the delete records exist, or the chunks are leaked
+        and claimed there). A second call does nothing.
         """
         if self.closed:
             return
+        self._reaper.wait()
         if self.unfinished:
             try:
                 self.finish_unfinished()
@@ -89,23 +90,30 @@ class Ledger(LedgerSession):
                 pass  # recorded as events; the audit reports them
         super().close()
 
+    def wait_freed(self) -> None:
+        """Return once every chunk this ledger's deletes claimed so far is removed (a filesystem's background removal,
+        ``storage.ledger_reaper``; elsewhere at once), a failed removal then in ``unfinished``; any thread calls it."""
+        self._reaper.wait()
+
     def delete(self, refs: Sequence[PayloadRef], *, reason: str, max_concurrency: int = 8) -> DeleteResult:
         """Delete chunks exactly once, recording who deleted each and why.
 
-        Each ref's chunk is the one its branch id names in this run (``PayloadRef.key``, checked
-        against its URI before any I/O); a segmented branch's chunks are its segments (``PayloadRef.chunks``),
-        each an outcome of its own. On a filesystem (``Store.claims_by_unlink``): one batch record claims the call's
-        chunks (one exclusive put), then per chunk, in parallel, the ``unlink`` of its commit marker (``zarr.json``;
-        of concurrent deleters exactly one succeeds: the chunk's claim), of its chunk and of its directory
-        (``storage.ledger_batch``). Elsewhere, for each ref, in parallel: check the commit marker, claim with an
-        exclusive put of the chunk's delete record; then the claimed chunks' objects are deleted (S3: batched
-        ``DeleteObjects``), commit marker first. Either way a fetch after a delete is ``ChunkNotFoundError``.
+        Each ref's chunk is the one its branch id names in this run (``PayloadRef.key``, checked against its URI
+        before any I/O); a segmented branch's chunks are its segments (``PayloadRef.chunks``), each an outcome. On
+        a filesystem (``Store.claims_by_unlink``): one batch record claims the call's chunks (one exclusive put),
+        then per chunk, one after another, the ``unlink`` of its commit marker (``zarr.json``; of concurrent deleters
+        exactly one succeeds: the chunk's claim) (``storage.ledger_batch``); the chunk (``c.0``) and its directory
+        are removed after the call returns, by this ledger's background reaper (``storage.ledger_reaper``: a bounded
+        backlog, this call waits while it is full; ``wait_freed`` and ``close`` wait until it is removed).
+        Elsewhere, for each ref, in parallel: check the commit marker, claim with an exclusive put of the chunk's
+        delete record; then the claimed chunks' objects are deleted (S3: batched ``DeleteObjects``), commit marker
+        first, before the call returns. A fetch after the bytes are removed is ``ChunkNotFoundError``.
 
-        A store error that outlasts the store's retries never raises: that ref's outcome is
-        ``failed`` (``DeleteResult.failed``), recorded as an ``unfinished_delete`` event and kept
-        by this ledger with its claim; ``delete`` of the same ref again, ``finish_unfinished`` and
-        ``close`` finish it with that claim (never a double delete of its own), and ``refpipe
-        sweep`` at the latest (the audit lists a claimed chunk still present as unfinished).
+        A store error that outlasts the store's retries never raises: that ref's outcome is ``failed``
+        (``DeleteResult.failed``; the reaper's failures come after the call returned ``deleted``), recorded as an
+        ``unfinished_delete`` event and kept by this ledger with its claim; ``delete`` of the same ref again,
+        ``finish_unfinished`` and ``close`` finish it with that claim (never a double delete of its own), and
+        ``refpipe sweep`` at the latest (the audit lists a claimed chunk still present as unfinished).
 
         Args:
             refs: chunks to delete.
@@ -114,8 +122,8 @@ class Ledger(LedgerSession):
 
         Raises:
             OutsideRunError: a ref's URI names another chunk than its branch id (nothing deleted).
-            DoubleDeleteError: some chunks were already deleted; every other chunk was
-                deleted. ``.result`` holds the full ``DeleteResult``.
+            DoubleDeleteError: some chunks were already deleted; every other chunk was deleted. ``.result`` holds
+                the full ``DeleteResult``.
             UnknownRefError: some refs were never kept (and none double-deleted); ``.result`` as above.
             LedgerClosedError: this session was closed (nothing deleted).
         """
@@ -178,9 +186,9 @@ class Ledger(LedgerSession):
                          reason: str) -> dict[str, StorageError]:
         """Delete keys of chunks that need no claim, recording one ``event`` per chunk.
 
-        For the sweep: chunks whose delete record exists but whose objects remain (a
-        deleter died mid-delete; ``event="finish_delete"``), and incomplete keeps (no
-        commit marker: never kept, so nothing to claim; ``event="remove_incomplete"``).
+        For the sweep: chunks whose delete record exists but whose objects remain (a deleter died mid-delete;
+        ``event="finish_delete"``), and incomplete keeps (no commit marker: never kept, so nothing to claim;
+        ``event="remove_incomplete"``).
 
         Args:
             nodes: node key -> every key listed under it.

@@ -5,9 +5,10 @@ deleters exactly one ``unlink(2)`` of ``zarr.json`` succeeds, the others get ``E
 ``Ledger.release``, which is ``delete`` there) claims the plain chunks of one call with one batch record
 (``storage.layout.batch_key``: ``ledger/deletes/releases/batches/<actor>/<session>/<bucket>/<n>.json``, a
 ``storage.ledger_records.ReleaseRecord`` with ``step`` None, exclusive put) listing them, then per chunk only
-unlinks the commit marker (the chunk's claim), the chunk and its directory (``Store.delete_claiming``). A chunk whose
-marker this call did not remove is taken off the record again (the record is rewritten once, at the end of the
-call), so each deleted chunk is listed by exactly the one record of the call that removed its marker.
+unlinks the commit marker (the chunk's claim, ``Store.claim_by_unlink``) and returns; the chunk and its directory are
+removed by the ledger's reaper in the background (``storage.ledger_reaper``). A chunk whose marker this call did not
+remove is taken off the record again (the record is rewritten once, at the end of the call), so each deleted chunk
+is listed by exactly the one record of the call that removed its marker.
 
 Exactly once, case by case:
 
@@ -19,10 +20,12 @@ Exactly once, case by case:
 - the same chunk twice in one call: the second is a double delete (``Ledger``);
 - a marker ``unlink`` that fails after the retries: the chunk is unresolved and not on the record; it is kept as an
   unfinished delete with a delete record of its own and retried through the per-chunk claim (``Ledger``);
-- a marker removed and a later key not: an unfinished delete this record already claims, retried without a claim;
-- the deleter dies after the batch record and before all markers are removed: the record claims present chunks,
-  which the audit lists as unfinished deletes and ``refpipe sweep`` removes once. A record that dies listing a
-  chunk another deleter removed (the rewrite not done) is a second claim: the audit reports a double delete.
+- a marker removed and a later key not (the reaper's removal failed): an unfinished delete this record already
+  claims, retried without a claim;
+- the deleter dies after the batch record and before the reaper removed every chunk (markers removed or not): the
+  record claims present chunks, which the audit lists as unfinished deletes and ``refpipe sweep`` (or the actor's
+  next life) removes once. A record that dies listing a chunk another deleter removed (the rewrite not done) is a
+  second claim: the audit reports a double delete.
 """
 
 from __future__ import annotations
@@ -86,7 +89,8 @@ class Batches:
 
     def delete(self, targets: list[Target], reason: str, result: DeleteResult) -> None:
         """Claim ``targets`` (distinct plain chunks, none an unfinished delete of this ledger) with one batch record
-        and delete them; outcomes go to ``result`` and problems to the ledger's events (``Ledger._note``)."""
+        and their markers' unlinks, and queue the claimed ones' removal (``Reaper.free``: blocks while its backlog is
+        full); outcomes go to ``result`` and problems to the ledger's events (``Ledger._note``)."""
         ledger, store = self.ledger, self.ledger.store
         with self._lock:
             key, self._next = batch_key(ledger.actor, ledger.session, self._next), self._next + 1
@@ -102,23 +106,22 @@ class Batches:
             return
         finally:
             ledger._add_seconds(time.perf_counter() - started)
-        removed: list[str] = []
+        removed: list[Target] = []
         refused: list[Target] = []
-        for target, (claimed, error) in zip(targets, store.delete_claiming([t.keys for t in targets])):
-            if claimed:
-                removed.append(target.branch_id)
+        for start in range(0, len(targets), _CLAIMS_PER_CALL):  # each slice queued before the next claims: fds
+            part, claimed = targets[start:start + _CLAIMS_PER_CALL], []  # held stay bounded (BACKLOG_CHUNKS)
+            for target, error in zip(part, store.claim_by_unlink([t.meta_key for t in part])):
                 if error is None:
+                    claimed.append(target)
                     result.deleted.append(target.uri)
-                    continue
-                result.failed[target.uri] = error  # the rest is retried without a claim: this record holds it
-                with ledger._lock:
-                    ledger._unfinished[target.branch_id] = Unfinished(target, reason, b"", record.claim, True)
-            elif isinstance(error, KeyNotFoundError):
-                refused.append(target)
-            else:
-                self._unresolved(target, reason, error or StorageError(target.uri), result)
+                elif isinstance(error, KeyNotFoundError):
+                    refused.append(target)
+                else:
+                    self._unresolved(target, reason, error, result)
+            ledger._reaper.free(claimed, reason, record.claim)
+            removed += claimed
         if len(removed) < len(targets):
-            self._rewrite(key, record.model_copy(update={"branch_ids": sorted(removed)}))
+            self._rewrite(key, record.model_copy(update={"branch_ids": sorted(t.branch_id for t in removed)}))
         for target in refused:
             problem = self._first_claim(target, reason, key)
             ledger._note(target, problem, reason, result)
@@ -177,6 +180,10 @@ class Batches:
             return _claimed_by(ledger, target, _named_first(ledger, list(listing.values())), reason)
         return UnknownRefError(f"chunk {target.uri}: delete by {ledger.actor} ({reason}) refused: it was never kept "
                                f"(no commit marker, no delete record)")
+
+
+_CLAIMS_PER_CALL = 128
+"""Markers claimed per ``Store.claim_by_unlink`` call; their fds are held until the reaper removes the chunks."""
 
 
 def _named_first(ledger: Ledger, records: list[ReleaseRecord]) -> ReleaseRecord:

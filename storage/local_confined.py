@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from refpipe.storage.errors import KeyNotFoundError, OutsideRunError, RunPathNotADirectoryError, StorageError
-from refpipe.storage.local_dirs import DirectoryHandles, path_of
+from refpipe.storage.local_dirs import DirectoryHandles, HeldInodes, path_of
 from refpipe.storage.uri import RunPrefix
 
 T = TypeVar("T")
@@ -39,6 +39,7 @@ class ConfinedPrefix:
     def __init__(self, prefix: RunPrefix):
         self.prefix = prefix
         self.handles = DirectoryHandles(_CACHED_DIRECTORIES)
+        self.held = HeldInodes()
 
     def open_read(self, key: str) -> int:
         """A read-only fd of ``key`` (``OutsideRunError`` through a symlink; other failures as raised).

@@ -78,7 +78,7 @@ class Store(abc.ABC):
     """Whether ``write_at`` adds bytes to an existing object (a filesystem: ``pwrite``); S3 objects are whole."""
 
     claims_by_unlink = False
-    """Whether removing a chunk's commit marker is itself an exclusive claim (``delete_claiming``: of any number of
+    """Whether removing a chunk's commit marker is itself an exclusive claim (``claim_by_unlink``: of any number of
     deleters exactly one removes it, the others find it absent; a filesystem's ``unlink(2)``), so ``Ledger.delete``
     claims a call's chunks with one batch record instead of one delete record per chunk."""
 
@@ -260,14 +260,13 @@ class Store(abc.ABC):
             raise DeleteKeysError(f"delete under {self.prefix.uri}: {len(failed)} of {len(keys)} keys not deleted; "
                                   f"first: {self.uri(key)}: {error}", failed)
 
-    def delete_claiming(self, chunks: Sequence[Sequence[str]]) -> list[tuple[bool, StorageError | None]]:
-        """Delete each chunk's keys (all in one directory), its first key (the commit marker) first and as the claim;
-        only on a store with ``claims_by_unlink``.
+    def claim_by_unlink(self, keys: Sequence[str]) -> list[StorageError | None]:
+        """Delete each key (a chunk's commit marker) as that chunk's claim; only on a store with ``claims_by_unlink``.
+        The chunk's other keys are left to the caller (``storage.ledger_reaper``), deleted with ``delete_keys``.
 
         Returns:
-            Per chunk ``(claimed, error)``: ``claimed`` when this call removed its first key; ``error`` None (every
-            key deleted), ``KeyNotFoundError`` (the first key was absent: nothing of the chunk deleted), or the store
-            error that stopped it after the retries (claimed or not).
+            Per key: None (this call removed it: the chunk is claimed), ``KeyNotFoundError`` (it was absent: not
+            claimed), or the store error that stopped it after the retries (claim unresolved).
 
         Raises:
             OutsideRunError: a key is not a clean key under the run prefix (nothing deleted).

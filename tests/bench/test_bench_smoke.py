@@ -42,7 +42,8 @@ SMOKE = {
     "peers.py": (["--arrays", "4", "--rounds", "2", "--threads", "2", "--get-batch", "2"],
                  {"keep_vs_ray_put", "fetch_vs_ray_get", "free_vs_ray_free", "keep_vs_transferqueue_put",
                   "fetch_vs_transferqueue_get", "free_vs_transferqueue_clear", "keep_vs_np_save", "fetch_vs_np_load",
-                  "free_vs_os_remove", "put_gib_per_s", "get_gib_per_s", "frees_per_s"}),
+                  "free_vs_os_remove", "put_gib_per_s", "get_gib_per_s", "frees_per_s", "frees_per_s_drained",
+                  "free_drained_vs_transferqueue_clear"}),
 }
 
 

@@ -193,11 +193,15 @@ def test_failed_run_leaves_nothing(local_config):
         async with serving(refpipe_config(local_config)) as (_, client):
             with pytest.raises(RuntimeError, match="env crashed after a trace completed"):
                 await run(client, 6, "fail", on_delta=on_delta)
-            return payload_nodes(store)  # the reply came after the deletes
+            claimed = tombstones(store, streamed)  # the reply came after the deletes (claimed)
+            async with asyncio.timeout(30):  # the server's reaper removes their bytes after
+                while payload_nodes(store):
+                    await asyncio.sleep(0.05)
+            return claimed
 
-    assert asyncio.run(go()) == set()
-    assert len(streamed) == 2
-    assert {r["reason"] for r in tombstones(store, streamed).values()} == {"run abandoned: failed: RuntimeError"}
+    claimed = asyncio.run(go())
+    assert len(streamed) == 2 and sorted(claimed) == sorted(r.branch_id for r in streamed)
+    assert {r["reason"] for r in claimed.values()} == {"run abandoned: failed: RuntimeError"}
     assert audit(store, finished=True).clean
 
 

@@ -60,6 +60,11 @@ class Refpipe:
     def stream(self) -> Stream:
         return Stream(lambda traces, send: RefDeltaStreamer(traces, send, RunKeeps(self.keeper), self.pool))
 
+    def nodes(self) -> set[str]:
+        """``payload_nodes`` once the ledger's reaper removed the deleted chunks' bytes."""
+        self.ledger.wait_freed()
+        return payload_nodes(self.store)
+
     def all_refs(self, episode):
         return [ref for t in episode.traces for ref in read_refs(t.info, t.id).values()]
 
@@ -124,7 +129,7 @@ def test_refs_replace_arrays_byte_for_byte(storage_config):
             assert same_bytes(got["sampling_mask.ids"], mask.ids)
             fetched += 1
     assert fetched == 4
-    assert payload_nodes(rp.store) == chunk_ids(rp.all_refs(ref_ep))
+    assert rp.nodes() == chunk_ids(rp.all_refs(ref_ep))
 
 
 def test_stream_size_before_and_after(local_config):
@@ -170,7 +175,7 @@ def test_repair_after_completion_rekeeps_and_deletes_stale_chunk(local_config):
     final = read_refs(stream.episode().traces[0].info, "late")
     assert sorted(final) == [5, 7]
     assert tombstones(rp.store, [stale])[stale.branch_id]["reason"] == "stale: trace late changed after keep"
-    assert payload_nodes(rp.store) == chunk_ids(final.values())
+    assert rp.nodes() == chunk_ids(final.values())
     for leaf, (prompt, routed, mask) in inline_arrays(trace).items():
         got = fetch_arrays(rp.store, final[leaf])
         assert same_bytes(got["routed_experts"], routed)
@@ -208,7 +213,7 @@ def test_discarded_attempt_deleted_once_and_stream_says_so(local_config):
     assert sorted(records) == sorted(r.branch_id for r in discarded)
     assert {r["holder"] for r in records.values()} == {"env_worker_0"}
     assert {r["reason"] for r in records.values()} == {"discarded attempt: trace attempt1 left the run (retried)"}
-    assert payload_nodes(rp.store) == chunk_ids(kept)
+    assert rp.nodes() == chunk_ids(kept)
     rp.ledger.delete(kept, reason="test: trained")
     rp.ledger.close()
     report = audit(rp.store, finished=True)
@@ -239,7 +244,7 @@ def test_cancelled_run_leaves_nothing(local_config):
 
     asyncio.run(cancel())
     refs = list(read_refs(stream.traces[0].info, "t").values())
-    assert len(refs) == 2 and payload_nodes(rp.store) == set()
+    assert len(refs) == 2 and rp.nodes() == set()
     assert {r["reason"] for r in tombstones(rp.store, refs).values()} == {"run abandoned: cancelled"}
     rp.ledger.close()
     assert audit(rp.store, finished=True).clean
@@ -264,7 +269,7 @@ def test_keep_failure_fails_the_run_and_deletes_what_was_kept(local_config):
     with pytest.raises(FieldError, match=r"field .routed_experts.: row .* value .*: expected >= 0, < num_experts=16"):
         asyncio.run(go())
     kept = list(read_refs(stream.traces[0].info, "good").values())
-    assert len(kept) == 2 and payload_nodes(rp.store) == set()
+    assert len(kept) == 2 and rp.nodes() == set()
     assert {r["reason"] for r in tombstones(rp.store, kept).values()} == {"run abandoned: failed: FieldError"}
     assert INFO_KEY not in stream.traces[1].info
 
@@ -283,7 +288,7 @@ def test_untrainable_traces_keep_nothing_and_stream_no_arrays(local_config):
     asyncio.run(go())
     assert byte_leaves(stream.deltas) == []
     assert INFO_KEY not in stream.episode().traces[0].info
-    assert payload_nodes(rp.store) == set()
+    assert rp.nodes() == set()
 
 
 def test_a_path_node_without_routing_is_refused_not_dropped_for_the_whole_branch():
@@ -363,7 +368,7 @@ def test_multi_turn_appends_store_the_whole_keep_rows_turn_by_turn(local_config,
     assert per_flush == [[("1", t1 - 1)], [("1", t2 - t1)], [("1", t3 - t2)], [("7", t4 - 1)], [("1", 1), ("7", 1)]]
     assert [s.num_tokens for s in refs[5].segments] == [t1 - 1, t2 - t1, t3 - t2, 1]
     assert [s.num_tokens for s in refs[7].segments] == [t4 - 1, 1]
-    assert payload_nodes(rp.store) == chunk_ids(refs.values()) == {r.branch_id for r in writes.refs}
+    assert rp.nodes() == chunk_ids(refs.values()) == {r.branch_id for r in writes.refs}
     segment_bytes = sum(r.nbytes for r in writes.refs)
     assert segment_bytes == sum(r.nbytes for r in refs.values())
 
@@ -419,7 +424,7 @@ def test_an_open_trace_that_leaves_the_run_leaves_nothing(local_config, monkeypa
     assert sorted(records) == sorted({s.branch_id for s in segments})  # one object per writer life
     assert {r["reason"] for r in records.values()} == {"discarded attempt: trace attempt1 left the run (retried)"}
     kept = list(read_refs(stream.episode().traces[0].info, "attempt2").values())
-    assert payload_nodes(rp.store) == chunk_ids(kept)
+    assert rp.nodes() == chunk_ids(kept)
     rp.ledger.delete(kept, reason="test: trained")
     rp.ledger.close()
     report = audit(rp.store, finished=True)
@@ -453,7 +458,7 @@ def test_a_cancelled_run_discards_its_open_branches(local_config, monkeypatch):
 
     asyncio.run(cancel())
     assert len(writes.refs) == 3 and INFO_KEY not in stream.traces[0].info  # three turns' segments, never closed
-    assert payload_nodes(rp.store) == set()
+    assert rp.nodes() == set()
     assert {r["reason"] for r in tombstones(rp.store, writes.refs).values()} == {"run abandoned: cancelled"}
     assert len(tombstones(rp.store, writes.refs)) == 1  # the three segments' object
     rp.ledger.close()
@@ -488,7 +493,7 @@ def test_a_turn_node_without_routing_fails_the_run_and_discards_its_open_branch(
         f"trace t9 leaf 3: path nodes (index, tokens, routing rows) [(2, {sizes[0]}, None)] lack routing rows that "
         "the other nodes carry: expected one routing row per token on every node (keeping the branch without "
         "routing would drop it for the whole branch)")
-    assert len(writes.refs) == 1 and payload_nodes(rp.store) == set()  # turn 1's segment, deleted
+    assert len(writes.refs) == 1 and rp.nodes() == set()  # turn 1's segment, deleted
     assert {r["reason"] for r in tombstones(rp.store, writes.refs).values()} == {"run abandoned: failed: FieldError"}
     rp.ledger.close()
     assert audit(rp.store, finished=True).clean

@@ -274,6 +274,7 @@ def test_deletes_racing_the_audit_raise_no_false_alarm(local_config):
         def list_prefix(self, key_prefix):
             if key_prefix == "payloads":
                 trainer.delete(refs[:1], reason="step 0")
+                trainer.wait_freed()  # removed before the listing (claimed only, it is listed present: outstanding)
             keys = super().list_prefix(key_prefix)
             if key_prefix == "payloads":
                 trainer.delete(refs[1:], reason="step 0")

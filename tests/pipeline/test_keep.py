@@ -202,6 +202,7 @@ def test_discard_deletes_exactly_once(keeper, storage_config):
     refs = [keeper.keep(Branch(P, C, fields_of(seed=i), f"b{i}")) for i in range(3)]
     result = keeper.discard(refs[:2], reason="episode dropped")
     assert result.deleted == [refs[0].uri, refs[1].uri]
+    keeper.ledger.wait_freed()
     payloads = [k for k in keeper.store.list_prefix("payloads")]
     assert payloads == [f"{node_key('b2')}/{DATA_NAME}", f"{node_key('b2')}/{META_NAME}"]
     with pytest.raises(DoubleDeleteError, match="already deleted by env_worker_0"):

@@ -44,6 +44,7 @@ def test_a_silly_renamed_chunk_is_no_object_of_the_run(local_config, monkeypatch
     reader = os.open(store.path(data_key), os.O_RDONLY)
     try:
         assert keeper.discard(refs).deleted == [r.uri for r in refs]
+        keeper.ledger.wait_freed()
         placeholder = nfs.renames[0][1]
         node_dir = os.open(store.path(node_key(refs[0].branch_id)), os.O_RDONLY | os.O_DIRECTORY)
         assert nfs.renames == [("c.0", placeholder)] and os.listdir(node_dir) == [placeholder]

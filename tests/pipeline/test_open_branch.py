@@ -170,6 +170,7 @@ def test_bad_use_is_a_typed_error_naming_the_input_and_nothing_leaks(local_confi
     assert_same(fetch_arrays(keeper.store, ref), stored_le(fields))
     result = keeper.discard([ref])
     assert result.deleted == [keeper.store.uri(node_key("bad.0"))]  # the one object of its writer life
+    keeper.ledger.wait_freed()
     assert not any(keeper.store.exists(k) for n in ref.nodes for k in chunk_keys(n))
     keeper.ledger.close()
     report = audit(keeper.store, finished=True)
@@ -228,6 +229,7 @@ def test_discarding_an_open_branch_deletes_its_segments_once(local_config, monke
     assert not keeper.store.exists(chunk_keys(node_key("gone.0"))[1])  # the writer life's object is not committed
     result = branch.discard(reason="episode abandoned")
     assert result.deleted == [keeper.store.uri(node_key("gone.0"))]  # its two segments' object, committed then
+    keeper.ledger.wait_freed()
     assert keeper.store.list_prefix("payloads") == []
     with pytest.raises(OpenBranchError, match=r"^branch gone: append rows \[8, 9\): the branch was discarded after 8 "
                                               r"tokens"):
@@ -239,6 +241,7 @@ def test_a_missing_segment_fails_the_read_naming_it(local_config, monkeypatch):
     keeper = keeper_of(local_config)
     seg, _ = kept_both(keeper, fields_of(P, C, seed=9))
     keeper.ledger.delete([seg.segments[2]], reason="test: lose one segment")  # and its writer life's object
+    keeper.ledger.wait_freed()
     with pytest.raises(ChunkNotFoundError, match=r"payloads/../seg\.0/c\.0 does not exist: chunk .*seg\.0 was "
                                                  r"deleted by env_worker_0 .*\(test: lose one segment\)"):
         fetch_arrays(keeper.store, seg, 9)

@@ -78,6 +78,8 @@ def test_the_prefix_is_deleted_once_after_its_last_holder_and_the_audit_explains
     for i, holder in enumerate(HOLDERS[:3]):
         result = trainers[i % 2].delete([refs[holder]], reason="released")
         assert result.deleted == [store.uri(node_key(f"{holder}.1"))]  # its one writer life's object
+    for trainer in trainers:
+        trainer.wait_freed()
     assert store.exists(chunk_keys(prefix.key)[0]) and released_holders(store, "g-prompt") == set(HOLDERS[:3])
     report = audit(store)
     assert report.outstanding_by_holder == {"env_worker_0": 1, "shared prefix (3 of 4 holders released)": 1}
@@ -85,6 +87,7 @@ def test_the_prefix_is_deleted_once_after_its_last_holder_and_the_audit_explains
                                                 r".*second by trainer_dp0 \(again\)"):
         trainers[0].delete([refs["g-b1"]], reason="again")
     result = trainers[1].delete([refs["g-b3"]], reason="released")
+    trainers[1].wait_freed()
     assert store.uri(prefix.key) in result.deleted and not store.exists(chunk_keys(prefix.key)[0])
     for ledger in [keeper.ledger, *trainers]:
         ledger.close()

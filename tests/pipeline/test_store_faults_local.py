@@ -35,7 +35,7 @@ from refpipe.storage.layout import (
     weights_key,
 )
 from refpipe.storage.ledger import Ledger
-from refpipe.storage.ledger_records import delete_record_of
+from refpipe.storage.ledger_records import delete_record_of, read_segment
 from tests.helpers.checkpoint import FILES, assert_loads_back, one_rank_world, save, trained
 from tests.helpers.fault_os import OsFault, OsFaults, read_only, refusing, tmpfs
 from tests.pipeline.audit_helpers import NUM_COMPLETION, NUM_PROMPT, keep, make_keeper, publish
@@ -63,6 +63,12 @@ def _fault(faults: OsFaults, function: str, name: str, code: str, after: bool = 
 def _assert_write_recovered(store, faults, function: str, name: str, code: str, after: bool) -> None:
     assert faults.hits == [(function, name, code)]
     assert (store.retries, store.idempotent_puts) == (1, 1 if after else 0)
+
+
+def _events(store, ledger: Ledger, event: str) -> list[dict]:
+    """``ledger``'s events named ``event`` on record (flushed)."""
+    keys = store.list_prefix(f"ledger/events/{ledger.actor}")
+    return [e for k in keys for _, e in read_segment(store.get(k)) if e["event"] == event]
 
 
 def _assert_audit_clean(store, *ledgers, deleted: int) -> None:
@@ -219,6 +225,8 @@ def _kept_pair(store):
 def _assert_deleted(store, refs, *ledgers) -> None:
     """Both chunks deleted once each, each named by the record that claimed it (the call's batch record, or its own
     delete record when its claim was retried), and the finished run audits clean."""
+    for ledger in ledgers:
+        ledger.wait_freed()
     assert store.list_prefix("payloads") == []
     assert [delete_record_of(store, r.branch_id).holder for r in refs] == ["trainer_dp0"] * len(refs)
     _assert_audit_clean(store, *ledgers, deleted=len(refs))
@@ -230,8 +238,10 @@ def test_delete_claim_put(run, code, after):
     refs, keeper = _kept_pair(store)
     name = "00000000.json"  # the call's batch record (storage.ledger_batch)
     _fault(faults, "link", name, code, after)
-    result = Ledger(store, "trainer_dp0").delete(refs, reason="trained")
+    trainer = Ledger(store, "trainer_dp0")
+    result = trainer.delete(refs, reason="trained")
     assert [result.outcome(r.uri) for r in refs] == ["deleted", "deleted"] and result.failed == {}
+    trainer.wait_freed()
     _assert_write_recovered(store, faults, "link", name, code, after)
     _assert_deleted(store, refs, keeper.ledger)
 
@@ -245,9 +255,11 @@ def test_delete_objects(run, code, after, function, name):
     store, faults = run
     refs, keeper = _kept_pair(store)
     _fault(faults, function, name, code, after)
-    result = Ledger(store, "trainer_dp0").delete(refs, reason="trained")
+    trainer = Ledger(store, "trainer_dp0")
+    result = trainer.delete(refs, reason="trained")
     assert result.deleted == [r.uri for r in refs] and result.failed == {}
-    assert faults.hits == [(function, name, code)] and store.retries == 1
+    trainer.wait_freed()  # the chunks' c.0 are unlinked by the reaper thread
+    assert faults.hits == [(function, name, code)] and store.retries == 1 and trainer.unfinished == []
     _assert_deleted(store, refs, keeper.ledger)
 
 
@@ -257,17 +269,20 @@ def test_an_applied_rmdir_answered_estale_is_done(run):
     store, faults = run
     refs, keeper = _kept_pair(store)
     _fault(faults, "rmdir", refs[0].branch_id, "ESTALE", after=True)
-    result = Ledger(store, "trainer_dp0").delete(refs, reason="trained")
+    trainer = Ledger(store, "trainer_dp0")
+    result = trainer.delete(refs, reason="trained")
     assert result.deleted == [r.uri for r in refs] and result.failed == {}
+    trainer.wait_freed()
     assert faults.hits == [("rmdir", refs[0].branch_id, "ESTALE")] and store.retries == 1
     shards = {node_key(r.branch_id).rpartition("/")[0] for r in refs}
     assert {shard: os.listdir(store.path(shard)) for shard in shards} == {shard: [] for shard in shards}
     _assert_deleted(store, refs, keeper.ledger)
 
 
-def test_a_refused_rmdir_fails_the_refs_of_that_directory_only(run):
-    """A shard directory that refuses removing names: the rmdir of the branch directory emptied in it fails for good,
-    and only the ref of that directory is ``failed`` (its objects are gone; the next delete finishes it)."""
+def test_a_refused_rmdir_makes_the_ref_of_that_directory_only_an_unfinished_delete(run, caplog):
+    """A shard directory that refuses removing names: the rmdir of the branch directory emptied in it (by the reaper,
+    after the call returned it deleted) fails for good, and only the ref of that directory is an unfinished delete,
+    recorded and logged (its objects are gone; ``finish_unfinished`` finishes it)."""
     store, faults = run
     keeper = make_keeper(store, store.config)
     refs = [keep(keeper, seed=s) for s in (3, 4)]
@@ -277,10 +292,17 @@ def test_a_refused_rmdir_fails_the_refs_of_that_directory_only(run):
     trainer = Ledger(store, "trainer_dp0")
     with refusing(store.path(shard)) as code:
         result = trainer.delete(refs, reason="trained")
+        trainer.wait_freed()
     node = store.uri(node_key(refs[0].branch_id))
-    assert [result.outcome(r.uri) for r in refs] == ["failed", "deleted"]
+    assert [result.outcome(r.uri) for r in refs] == ["deleted", "deleted"] and trainer.unfinished == [refs[0].uri]
     reason = os.strerror(getattr(errno, code))
-    assert str(result.failed[refs[0].uri]) == f"cannot remove directory {node}: {code} ({reason})"
+    error = f"cannot remove directory {node}: {code} ({reason})"
+    assert [(r.name, r.getMessage()) for r in caplog.records if r.name == "refpipe.storage.ledger_reaper"] == [
+        ("refpipe.storage.ledger_reaper", f"ledger trainer_dp0: chunk {refs[0].uri} is deleted (claimed) but its "
+         f"bytes could not be removed: {error}; this ledger retries at finish_unfinished and close, else `refpipe "
+         f"sweep` removes them")]
+    assert [(e["branch_id"], e["error"]) for e in _events(store, trainer, "unfinished_delete")] == \
+        [(refs[0].branch_id, error)]
     assert trainer.finish_unfinished().deleted == [refs[0].uri] and store.list_prefix("payloads") == []
 
 

@@ -43,5 +43,22 @@ def claim_then_hang(store, refs, ready) -> None:
         ready.set()
         threading.Event().wait()
 
-    store.delete_claiming = hang
+    store.claim_by_unlink = hang
     Ledger(store, "trainer_dp0").delete(refs, reason="trained step 3")
+
+
+def free_then_hang(store, refs, ready) -> None:
+    """``Ledger.delete`` of ``refs`` as actor ``trainer_dp0`` that returns (every commit marker unlinked: claimed),
+    while its reaper stops for good before removing any chunk (the parent SIGKILLs it once ``ready`` is set)."""
+    import threading
+
+    from refpipe.storage.ledger import Ledger
+
+    def hang(keys):
+        ready.set()
+        threading.Event().wait()
+
+    store.delete_keys = hang
+    result = Ledger(store, "trainer_dp0").delete(refs, reason="trained step 3")
+    assert result.deleted == [r.uri for r in refs]
+    threading.Event().wait()

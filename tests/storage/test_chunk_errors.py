@@ -266,7 +266,9 @@ def test_a_deleted_chunk_is_answered_at_once_naming_its_deleter(backend, num_tok
     ``.../c.0 does not exist (read 5 times)``. Deleted is final: one read, then the delete record's word."""
     store = backend.store
     ref = keep(backend)
-    Ledger(store, "trainer_dp3").delete([ref], reason="step 4 trained")
+    ledger = Ledger(store, "trainer_dp3")
+    ledger.delete([ref], reason="step 4 trained")
+    ledger.wait_freed()  # a filesystem's reaper removes the chunk after the call returns
     record = delete_record_of(store, ref.branch_id)  # its own delete record, or (a filesystem) the batch record
     when = datetime.datetime.fromtimestamp(record.t, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
     retries = store.retries

@@ -129,6 +129,7 @@ def test_delete_is_exactly_once_and_a_second_delete_names_both_holders(store):
     first = Ledger(store, "trainer_dp3")
     result = first.delete(refs[:2], reason="step 7")
     assert result.deleted == [refs[0].uri, refs[1].uri] and not result.double_deletes and not result.unknown
+    first.wait_freed()  # a filesystem removes the chunks' bytes after the call returns
     record = delete_record_of(store, "b0")  # its own delete record, or (a filesystem) the call's batch record
     assert (record.holder, record.reason, record.uri) == ("trainer_dp3", "step 7", refs[0].uri)
     with pytest.raises(ChunkNotFoundError):
@@ -141,6 +142,7 @@ def test_delete_is_exactly_once_and_a_second_delete_names_both_holders(store):
                                                 "from orchestrator \\(filtered\\)") as info:
         second.delete([refs[1], refs[2]], reason="filtered")
     assert info.value.result.deleted == [refs[2].uri]
+    second.wait_freed()
     [double] = info.value.result.double_deletes.values()
     assert (double.first_holder, double.second_holder) == ("trainer_dp3", "orchestrator")
     assert delete_record_of(store, "b1").holder == "trainer_dp3"
@@ -251,6 +253,7 @@ def test_an_actors_earlier_life_delete_is_already_released_anothers_is_a_double_
     refs = [kept(store, f"b{i}") for i in range(3)]
     first_life = Ledger(store, "trainer_dp0")
     first_life.delete(refs[:2], reason="trained step 0")
+    first_life.wait_freed()
     store.put(f"{store.prefix.key_of(refs[1].uri)}/c.0", b"left behind")  # died between claim and delete
     first_session = first_life.session
     del first_life  # the first life is gone (its session is dead), so the actor may start again

@@ -19,7 +19,7 @@ from refpipe.storage.ledger import Ledger
 from refpipe.storage.ledger_records import delete_record_of, read_release_record
 from refpipe.storage.local_store import LocalStore
 from tests.storage.storage_helpers import FsOps
-from tests.storage.store_children import claim_then_hang
+from tests.storage.store_children import claim_then_hang, free_then_hang
 from tests.storage.test_ledger import kept
 
 
@@ -38,28 +38,33 @@ def listed(store: LocalStore, key: str) -> list[str]:
     return read_release_record(store.get(key), key).branch_ids
 
 
-def test_a_delete_of_n_chunks_is_one_record_and_four_operations_per_chunk(local, local_config):
+def test_a_delete_of_n_chunks_is_one_record_and_five_operations_per_chunk(local, local_config):
     refs = [kept(local, f"b{i:02d}") for i in range(17)]
     more = [kept(local, f"m{i}") for i in range(4)]
     deleter = _open(local_config)  # another process's store: no directory handle of the branches
     ledger = Ledger(deleter, "orchestrator")
     ledger.delete(refs[:1], reason="warm")  # the session's batch directories, made once
+    ledger.wait_freed()
     with FsOps(local.prefix.path) as ops:
         result = ledger.delete(refs[1:], reason="filtered")
+        ledger.wait_freed()  # c.0 and the directories are removed by the reaper thread
     assert result.deleted == [r.uri for r in refs[1:]]
     counts = {e: ops.events().count(e) for e in set(ops.events())}
     shards = {local.prefix.key_of(r.uri).rpartition("/")[0] for r in refs[1:]} - \
         {local.prefix.key_of(refs[0].uri).rpartition("/")[0]}  # payload shards this store has not opened yet
-    # the record: O_TMPFILE + linkat; per chunk: the O_PATH open of its directory, unlink zarr.json (the claim),
-    # unlink c.0, rmdir (and the first O_PATH open of each shard)
-    assert counts == {"open": 1 + 16 + len(shards), "os.link": 1, "os.remove": 2 * 16, "os.rmdir": 16}
-    assert len(ops.ops) == 2 + 4 * 16 + len(shards)
+    # the record: O_TMPFILE + linkat; per chunk: the O_PATH open of its directory, the O_PATH open of zarr.json
+    # (holding its inode) and its unlink (the claim), unlink c.0, rmdir (and the first O_PATH open of each shard)
+    assert counts == {"open": 1 + 2 * 16 + len(shards), "os.link": 1, "os.remove": 2 * 16, "os.rmdir": 16}
+    assert len(ops.ops) == 2 + 5 * 16 + len(shards)
     keeper = Ledger(local, "env_worker_0")  # the process that kept them: their directory handles are open
     keeper.delete(more[:1], reason="warm")
+    keeper.wait_freed()
     with FsOps(local.prefix.path) as ops:
         keeper.delete(more[1:], reason="discarded")
+        keeper.wait_freed()
     events = ops.events()  # the chunks' removals run on max_concurrent_deletes threads: their order varies
-    assert events[:2] == ["open", "os.link"] and sorted(events[2:]) == ["os.remove"] * 6 + ["os.rmdir"] * 3
+    assert events[:2] == ["open", "os.link"] and sorted(events[2:]) == ["open"] * 3 + ["os.remove"] * 6 + \
+        ["os.rmdir"] * 3
     assert local.list_prefix("ledger/deletes") == [batch_key("env_worker_0", keeper.session, n) for n in (0, 1)] + \
         [batch_key("orchestrator", ledger.session, n) for n in (0, 1)]
     assert listed(local, batch_key("orchestrator", ledger.session, 1)) == [f"b{i:02d}" for i in range(1, 17)]
@@ -129,10 +134,10 @@ def test_two_processes_racing_on_the_same_chunks_delete_each_once(local, local_c
     assert (report.kept, report.deleted, report.double_deletes, report.leaked) == (40, 40, 40, 0)
 
 
-def _killed_after_claim(store: LocalStore, refs) -> None:
+def _killed_after_claim(store: LocalStore, refs, child_body=claim_then_hang) -> None:
     ctx = multiprocessing.get_context("fork")
     ready = ctx.Event()
-    child = ctx.Process(target=claim_then_hang, args=(store, refs, ready))
+    child = ctx.Process(target=child_body, args=(store, refs, ready))
     child.start()
     assert ready.wait(60)
     os.kill(child.pid, signal.SIGKILL)
@@ -165,6 +170,39 @@ def test_a_claim_killed_before_its_unlinks_is_finished_once_by_the_actors_next_l
     report = audit(local, stopped=True)
     # two lives of one actor claim the chunks: already released, not a double delete; the refused one is
     assert (report.deleted, report.double_deletes, report.unfinished_deletes) == (3, 1, [])
+    assert local.list_prefix("payloads") == []
+
+
+def _killed_with_removals_queued(store: LocalStore, refs) -> None:
+    """A real process whose ``Ledger.delete`` returned (markers unlinked) is SIGKILLed before its reaper removed any
+    chunk: each chunk is left without ``zarr.json`` and with its ``c.0``, claimed by the batch record."""
+    _killed_after_claim(store, refs, free_then_hang)
+    [key] = store.list_prefix(BATCHES_PREFIX)
+    assert listed(store, key) == [r.branch_id for r in refs]
+    assert store.list_prefix("payloads") == sorted(f"{store.prefix.key_of(r.uri)}/c.0" for r in refs)
+
+
+def test_removals_queued_when_the_deleter_is_killed_are_finished_once_by_the_sweep(local):
+    refs = [kept(local, f"q{i}") for i in range(3)]
+    _killed_with_removals_queued(local, refs)
+    report = audit(local, stopped=True)
+    assert sorted(report.unfinished_deletes) == sorted(r.uri for r in refs) and report.leaked == 0
+    result = sweep(local, stopped=True)
+    assert (sorted(result.finished_deletes), result.deleted) == (sorted(r.uri for r in refs), [])
+    report = audit(local, stopped=True)
+    assert (report.deleted, report.double_deletes, report.unfinished_deletes) == (3, 0, []) and report.clean
+    assert local.list_prefix("payloads") == []
+
+
+def test_removals_queued_when_the_deleter_is_killed_are_finished_once_by_the_actors_next_life(local):
+    refs = [kept(local, f"r{i}") for i in range(3)]
+    _killed_with_removals_queued(local, refs)
+    resumed = Ledger(local, "trainer_dp0")
+    result = resumed.delete(refs, reason="trained step 3, resumed")
+    assert (result.deleted, result.already_released) == ([], [r.uri for r in refs])
+    resumed.close()
+    report = audit(local, stopped=True)
+    assert (report.deleted, report.double_deletes, report.unfinished_deletes) == (3, 0, []) and report.clean
     assert local.list_prefix("payloads") == []
 
 

@@ -59,9 +59,11 @@ def test_every_chunk_kept_under_an_accepted_root_is_fetched_and_deleted(path):
         config = StorageConfig(root=f"{base}/{path}", run_id="run_1")
         assert os.path.abspath(config.root).startswith(f"{tmp}/")
         store = open_store(config)
-        keeper = Keeper(store, Ledger(store, "env_worker_0"), FIELDS, config)
+        ledger = Ledger(store, "env_worker_0")
+        keeper = Keeper(store, ledger, FIELDS, config)
         topk = np.arange(6, dtype=np.int32).reshape(3, 2)
         ref = keeper.keep(Branch(1, 3, {"topk_ids": topk}, branch_id="b1"))
         assert fetch_arrays(store, ref, 2)["topk_ids"].tobytes() == topk[:1].tobytes()
         assert keeper.discard([ref]).deleted == [ref.uri]
+        ledger.wait_freed()
         assert store.list_prefix("payloads") == [] and delete_record_of(store, "b1").holder == "env_worker_0"
