@@ -21,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-VERSIONS = ("numpy", "zarr", "crc32c", "xxhash", "fsspec", "s3fs", "torch")
+VERSIONS = ("numpy", "numba", "zarr", "fastcrc", "xxhash", "fsspec", "s3fs", "torch")
 
 
 def machine() -> dict:
