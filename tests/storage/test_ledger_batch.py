@@ -145,11 +145,8 @@ def _killed_after_claim(store: LocalStore, refs, child_body=claim_then_hang) -> 
     assert child.exitcode == -signal.SIGKILL
 
 
-def test_a_claim_killed_before_its_unlinks_is_finished_once_by_the_sweep(local):
-    refs = [kept(local, f"f{i}") for i in range(3)]
-    _killed_after_claim(local, refs)
-    [key] = local.list_prefix(BATCHES_PREFIX)
-    assert parse_release_key(key) == (None, "trainer_dp0") and listed(local, key) == ["f0", "f1", "f2"]
+def _finished_once_by_the_sweep(local: LocalStore, refs) -> None:
+    """The audit lists ``refs`` (3 chunks) as unfinished deletes, the sweep finishes each once, the audit is clean."""
     report = audit(local, stopped=True)
     assert sorted(report.unfinished_deletes) == sorted(r.uri for r in refs) and report.leaked == 0
     result = sweep(local, stopped=True)
@@ -157,6 +154,14 @@ def test_a_claim_killed_before_its_unlinks_is_finished_once_by_the_sweep(local):
     report = audit(local, stopped=True)
     assert (report.deleted, report.double_deletes, report.unfinished_deletes) == (3, 0, []) and report.clean
     assert local.list_prefix("payloads") == []
+
+
+def test_a_claim_killed_before_its_unlinks_is_finished_once_by_the_sweep(local):
+    refs = [kept(local, f"f{i}") for i in range(3)]
+    _killed_after_claim(local, refs)
+    [key] = local.list_prefix(BATCHES_PREFIX)
+    assert parse_release_key(key) == (None, "trainer_dp0") and listed(local, key) == ["f0", "f1", "f2"]
+    _finished_once_by_the_sweep(local, refs)
 
 
 def test_a_claim_killed_before_its_unlinks_is_finished_once_by_the_actors_next_life(local):
@@ -185,13 +190,7 @@ def _killed_with_removals_queued(store: LocalStore, refs) -> None:
 def test_removals_queued_when_the_deleter_is_killed_are_finished_once_by_the_sweep(local):
     refs = [kept(local, f"q{i}") for i in range(3)]
     _killed_with_removals_queued(local, refs)
-    report = audit(local, stopped=True)
-    assert sorted(report.unfinished_deletes) == sorted(r.uri for r in refs) and report.leaked == 0
-    result = sweep(local, stopped=True)
-    assert (sorted(result.finished_deletes), result.deleted) == (sorted(r.uri for r in refs), [])
-    report = audit(local, stopped=True)
-    assert (report.deleted, report.double_deletes, report.unfinished_deletes) == (3, 0, []) and report.clean
-    assert local.list_prefix("payloads") == []
+    _finished_once_by_the_sweep(local, refs)
 
 
 def test_removals_queued_when_the_deleter_is_killed_are_finished_once_by_the_actors_next_life(local):
