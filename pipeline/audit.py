@@ -13,7 +13,9 @@ The audit merges four sources under the run prefix, read-only (``pipeline.audit_
 Who accounts for a present chunk (its holder), in this order:
 
 1. a delete record exists: nobody; the deleter died between claim and delete
-   (``unfinished_deletes``; the sweep removes the leftovers). No delete record, but an
+   (``unfinished_deletes``; the sweep removes the leftovers), unless a live session's delete batch
+   claimed it: that actor (``<actor> (deleted, bytes being removed)``: its ledger's reaper removes
+   them). No delete record, but an
    ``unfinished_delete`` event (a holder decided to delete it and its claim put failed, so
    the claim was never written): that holder while its session is live
    (``<actor> (unfinished delete)``: it retries with its own claim), else nobody
@@ -78,6 +80,7 @@ RETAINED = "retained"
 AWAITING_CHECKPOINT = "trained, awaiting checkpoint"
 REPLAY = "after the newest checkpoint: a resume replays it"
 UNFINISHED = "unfinished delete"
+FREEING = "deleted, bytes being removed"
 SUSPENDED = "suspended"
 
 
@@ -219,6 +222,12 @@ def _replayed(store: Store, scan: RunScan, protected: dict[str, str]) -> dict[st
             for node in nodes if node not in protected}
 
 
+def _freeing(node: str, scan: RunScan, live: set[tuple[str, str]]) -> str | None:
+    """The actor of a live session whose delete batch claimed ``node`` (its ledger's reaper removes the bytes after
+    the delete returned: ``storage.ledger_reaper``), or None."""
+    return next((holder for holder, _, session in scan.claims.get(node, ()) if (holder, session) in live), None)
+
+
 def _holder(node: str, keys: list[str], scan: RunScan, live: set[tuple[str, str]], shipped: dict[str, int],
             protected: dict[str, str]) -> str | None:
     """Who accounts for a present, undeleted chunk (module doc, rules 2-6); None: leaked."""
@@ -263,7 +272,10 @@ def judge(scan: RunScan, store: Store, *, stopped: bool = False, finished: bool 
     for node, keys in sorted(scan.nodes.items()):
         claimant = scan.unfinished.get(node)
         if node in scan.tombstoned:
-            unfinished.append(node)
+            if freeing := _freeing(node, scan, live):  # claimed by a live deleter, its reaper removing the bytes
+                holders[f"{freeing} ({FREEING})"] += 1
+            else:
+                unfinished.append(node)
         elif node in replayed:  # whatever a ledger record says (an unfinished_delete)
             holders[replayed[node]] += 1
         elif claimant and claimant not in live:

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from refpipe.pipeline.audit import audit
 from refpipe.storage import ledger_reaper
 from refpipe.storage.backends import open_store
 from refpipe.storage.layout import chunk_keys
@@ -85,4 +86,23 @@ def test_a_claim_holds_its_marker_open_until_the_reaper_removes_the_chunk(local,
     gate.set()
     ledger.wait_freed()
     assert held == {} and local.list_prefix("payloads") == []
+    ledger.close()
+
+
+def test_a_live_audit_counts_chunks_the_reaper_is_removing_as_the_deleters_not_unfinished(local, monkeypatch):
+    """While the deleter's session is live its claimed chunks are its reaper's to remove: no violation, no sweep's
+    business; once the session counts as dead (``stopped``) they are unfinished deletes the sweep finishes."""
+    refs = [kept(local, f"u{i}") for i in range(3)]
+    ledger = Ledger(local, "trainer_dp0")
+    gate = threading.Event()
+    delete_keys = local.delete_keys
+    monkeypatch.setattr(local, "delete_keys", lambda keys: (keys and gate.wait(60), delete_keys(keys)))
+    ledger.delete(refs, reason="trained step 1")
+    live = audit(local)
+    assert (live.unfinished_deletes, live.outstanding_by_holder, live.clean) == (
+        [], {"trainer_dp0 (deleted, bytes being removed)": 3}, True)
+    assert sorted(audit(local, stopped=True).unfinished_deletes) == sorted(r.uri for r in refs)
+    gate.set()
+    ledger.wait_freed()
+    assert (audit(local).outstanding_by_holder, local.list_prefix("payloads")) == ({}, [])
     ledger.close()
