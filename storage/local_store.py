@@ -185,7 +185,7 @@ class LocalStore(Store):
 
     def _put_named(self, dir_fd: int, name: str, buffers: Sequence[Bytes], token: str | None, durable: bool) -> None:
         """``token`` None: write a temp name and rename it over ``name``; else set the token and link it exclusively."""
-        tmp = f"{name}.tmp-{uuid.uuid4().hex[:12]}"
+        tmp = f"{name}.tmp-{uuid.uuid4().hex[:12]}"  # _PUT_TEMP: never listed
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=dir_fd)
         try:
             fill(fd, buffers, token, durable)
@@ -358,7 +358,8 @@ class LocalStore(Store):
     def _walk(self, key_prefix: str, strict: bool = False) -> Iterator[tuple[str, str]]:
         """``(key, path)`` of every file under ``key_prefix/`` (``""``: the whole run), unordered; a symlinked
         directory below the prefix is not descended into (``os.fwalk``), a symlink to a file is listed
-        (every access to it is refused); an NFS client's placeholder (``_NFS_PLACEHOLDER``) is not. ``strict``: a
+        (every access to it is refused); an NFS client's placeholder (``_NFS_PLACEHOLDER``) and a put's temp file
+        (``_PUT_TEMP``) are not. ``strict``: a
         directory that cannot be read raises its ``OSError`` (a vanished one is skipped)."""
         base = f"{self.prefix.path}/{self.prefix.check_key(key_prefix)}" if key_prefix else self.prefix.path
         try:
@@ -377,7 +378,7 @@ class LocalStore(Store):
             for directory, _, files, _ in os.fwalk(".", dir_fd=top, onerror=_raise_unless_gone if strict else None):
                 rel = os.path.normpath(os.path.join(key_prefix, directory))
                 for name in files:
-                    if not _NFS_PLACEHOLDER.fullmatch(name):
+                    if not _NFS_PLACEHOLDER.fullmatch(name) and not _PUT_TEMP.fullmatch(name):
                         yield (name if rel == "." else f"{rel}/{name}"), f"{base}/{directory}/{name}"
         finally:
             os.close(top)
@@ -419,6 +420,11 @@ _NFS_PLACEHOLDER = re.compile(r"\.nfs[0-9A-Fa-f]+")
 """What an NFS client renames a file to when it is unlinked while a process holds it open (the "silly rename",
 ``.nfs<hex>`` in the same directory; unlinking it is ``EBUSY`` until the last close, when the client removes it
 itself): no object of the run, never listed, so no audit counts it and no sweep unlinks it."""
+_PUT_TEMP = re.compile(r".+\.tmp-[0-9a-f]{12}")
+"""The temp file of a put in flight (``_put_named``: ``<name>.tmp-<12 hex>``, renamed or linked over ``<name>`` once
+written): no object of the run, never listed, so a listing's reader never reads a put's partial bytes (a record
+being rewritten while a refused delete looks up its first deleter). One a killed put left stays until the run's
+directory is removed."""
 _HAVE_TMPFILE = hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")
 _DELETE_THREADS = 8
 _WRITE_FLAGS = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
