@@ -12,12 +12,10 @@ directory) and retried through ``Store.retrying`` when transient (a Lustre or NF
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import functools
 import os
 import re
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -25,7 +23,16 @@ from refpipe.storage.concurrency import bounded_map
 from refpipe.storage.errors import KeyNotFoundError, OutsideRunError, RunPathNotADirectoryError, StorageError
 from refpipe.storage.local_confined import ConfinedPrefix
 from refpipe.storage.local_errors import classify
-from refpipe.storage.local_io import TOKEN_XATTR, fill, pwrite_all, read_all, readv_all, readv_pieces
+from refpipe.storage.local_io import pwrite_all, read_all, readv_all, readv_pieces
+from refpipe.storage.local_put import (
+    HAVE_TMPFILE,
+    PUT_TEMP,
+    WRITE_FLAGS,
+    put_in_place,
+    put_named,
+    put_unnamed,
+    token_of,
+)
 from refpipe.storage.store import Bytes, ReadPiece, Store, byte_view
 
 T = TypeVar("T")
@@ -101,7 +108,7 @@ class LocalStore(Store):
     def write_at(self, key: str, buffers: Sequence[Bytes], offset: int) -> None:
         def write() -> None:
             def op(dir_fd: int, name: str) -> None:
-                fd = os.open(name, _WRITE_FLAGS | os.O_NONBLOCK, dir_fd=dir_fd)  # no create; a FIFO never blocks
+                fd = os.open(name, WRITE_FLAGS | os.O_NONBLOCK, dir_fd=dir_fd)  # no create; a FIFO never blocks
                 try:
                     pwrite_all(fd, buffers, offset)
                 finally:
@@ -127,86 +134,23 @@ class LocalStore(Store):
              in_place: bool) -> None:
         def op(dir_fd: int, name: str) -> None:
             if token is not None and in_place:
-                self._put_in_place(dir_fd, name, buffers, token, durable)
-            elif token is not None and _HAVE_TMPFILE:
-                self._put_unnamed(dir_fd, name, buffers, token, durable)
+                if put_in_place(dir_fd, name, buffers, token, durable):
+                    self.found_own_attempt()
+            elif token is not None and HAVE_TMPFILE:
+                put_unnamed(dir_fd, name, buffers, token, durable)
             else:
-                self._put_named(dir_fd, name, buffers, token, durable)
+                put_named(dir_fd, name, buffers, token, durable)
 
         try:
             self._confined().at(key, op, create=True)
         except OSError as e:
             raise classify("cannot write", self.uri(key), e) from e
 
-    def _put_in_place(self, dir_fd: int, name: str, buffers: Sequence[Bytes], token: str, durable: bool) -> None:
-        """Create ``name`` (``O_EXCL``), claim it by setting the write token with ``XATTR_CREATE`` (atomic: one
-        claimant wins), then write the bytes. An existing empty file is claimed the same way when it has no token
-        yet (an earlier attempt's create whose answer was lost, or a create a concurrent put has not claimed yet:
-        whichever claims first writes, the other gets ``EEXIST``), and a file of this call's token is written again
-        from its start (an earlier attempt cut short); anything else is ``EEXIST``, unchanged. A failed write
-        unlinks the file (best effort) before the error propagates."""
-        created = True
-        try:
-            fd = os.open(name, _WRITE_FLAGS | os.O_CREAT | os.O_EXCL, 0o666, dir_fd=dir_fd)
-        except FileExistsError:
-            try:  # O_NONBLOCK: a FIFO there never blocks
-                fd = os.open(name, _WRITE_FLAGS | os.O_NONBLOCK, dir_fd=dir_fd)
-            except OSError:
-                raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), name) from None
-            created = False
-        try:
-            if not _claim(fd, token, created):
-                raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), name)
-            if not created:
-                os.ftruncate(fd, 0)
-                self.found_own_attempt()
-            fill(fd, buffers, None, durable)
-        except FileExistsError:
-            raise
-        except BaseException:
-            with contextlib.suppress(OSError):  # this call's file: nobody else writes it
-                os.unlink(name, dir_fd=dir_fd)
-            raise
-        finally:
-            os.close(fd)
-
-    def _put_unnamed(self, dir_fd: int, name: str, buffers: Sequence[Bytes], token: str, durable: bool) -> None:
-        try:
-            fd = os.open(".", os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o666, dir_fd=dir_fd)
-        except OSError as e:
-            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
-                raise
-            return self._put_named(dir_fd, name, buffers, token, durable)  # no O_TMPFILE on this filesystem
-        try:
-            fill(fd, buffers, token, durable)
-            os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dir_fd)  # linkat(AT_SYMLINK_FOLLOW) of the unnamed file
-        finally:
-            os.close(fd)
-
-    def _put_named(self, dir_fd: int, name: str, buffers: Sequence[Bytes], token: str | None, durable: bool) -> None:
-        """``token`` None: write a temp name and rename it over ``name``; else set the token and link it exclusively."""
-        tmp = f"{name}.tmp-{uuid.uuid4().hex[:12]}"  # _PUT_TEMP: never listed
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=dir_fd)
-        try:
-            fill(fd, buffers, token, durable)
-        except BaseException:
-            os.unlink(tmp, dir_fd=dir_fd)
-            raise
-        finally:
-            os.close(fd)
-        if token is None:
-            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-            return
-        try:
-            os.link(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
-        finally:
-            os.unlink(tmp, dir_fd=dir_fd)
-
     def _token(self, key: str) -> str | None:
         def read() -> str | None:
             fd = self._confined().open_read(key)
             try:
-                return _token_of(fd)
+                return token_of(fd)
             finally:
                 os.close(fd)
 
@@ -359,7 +303,7 @@ class LocalStore(Store):
         """``(key, path)`` of every file under ``key_prefix/`` (``""``: the whole run), unordered; a symlinked
         directory below the prefix is not descended into (``os.fwalk``), a symlink to a file is listed
         (every access to it is refused); an NFS client's placeholder (``_NFS_PLACEHOLDER``) and a put's temp file
-        (``_PUT_TEMP``) are not. ``strict``: a
+        (``local_put.PUT_TEMP``) are not. ``strict``: a
         directory that cannot be read raises its ``OSError`` (a vanished one is skipped)."""
         base = f"{self.prefix.path}/{self.prefix.check_key(key_prefix)}" if key_prefix else self.prefix.path
         try:
@@ -378,37 +322,10 @@ class LocalStore(Store):
             for directory, _, files, _ in os.fwalk(".", dir_fd=top, onerror=_raise_unless_gone if strict else None):
                 rel = os.path.normpath(os.path.join(key_prefix, directory))
                 for name in files:
-                    if not _NFS_PLACEHOLDER.fullmatch(name) and not _PUT_TEMP.fullmatch(name):
+                    if not _NFS_PLACEHOLDER.fullmatch(name) and not PUT_TEMP.fullmatch(name):
                         yield (name if rel == "." else f"{rel}/{name}"), f"{base}/{directory}/{name}"
         finally:
             os.close(top)
-
-
-def _claim(fd: int, token: str, created: bool) -> bool:
-    """Whether this put owns the open file: its write token is ``token``, set earlier, or set now (``XATTR_CREATE``:
-    only where none is set) on a file this attempt ``created`` or an empty one. Without user xattrs: only a file
-    this attempt created."""
-    try:
-        if not created and os.fstat(fd).st_size:
-            return _token_of(fd) == token
-        os.setxattr(fd, TOKEN_XATTR, token.encode(), os.XATTR_CREATE)
-        return True
-    except OSError as e:
-        if e.errno == errno.EEXIST:
-            return _token_of(fd) == token
-        if e.errno == errno.ENOTSUP:
-            return created
-        raise
-
-
-def _token_of(fd: int) -> str | None:
-    """The write token of an open file (``TOKEN_XATTR``), or None (none set, or no user xattrs here)."""
-    try:
-        return os.getxattr(fd, TOKEN_XATTR).decode()
-    except OSError as e:
-        if e.errno not in (errno.ENODATA, errno.ENOTSUP):
-            raise
-        return None
 
 
 def _raise_unless_gone(e: OSError) -> None:
@@ -420,11 +337,4 @@ _NFS_PLACEHOLDER = re.compile(r"\.nfs[0-9A-Fa-f]+")
 """What an NFS client renames a file to when it is unlinked while a process holds it open (the "silly rename",
 ``.nfs<hex>`` in the same directory; unlinking it is ``EBUSY`` until the last close, when the client removes it
 itself): no object of the run, never listed, so no audit counts it and no sweep unlinks it."""
-_PUT_TEMP = re.compile(r".+\.tmp-[0-9a-f]{12}")
-"""The temp file of a put in flight (``_put_named``: ``<name>.tmp-<12 hex>``, renamed or linked over ``<name>`` once
-written): no object of the run, never listed, so a listing's reader never reads a put's partial bytes (a record
-being rewritten while a refused delete looks up its first deleter). One a killed put left stays until the run's
-directory is removed."""
-_HAVE_TMPFILE = hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")
 _DELETE_THREADS = 8
-_WRITE_FLAGS = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC

@@ -8,8 +8,8 @@ that need it skip with a message where it is missing.
 Injected (``OsFaults``): ``EIO``, ``ESTALE``, ``ETIMEDOUT``, ``EAGAIN`` are what a Lustre or NFS client raises while
 its server is unreachable; no real way to make them exists on one machine without a network filesystem server (a
 FUSE filesystem would need libfuse bindings the test environment does not have). ``OsFaults`` stands in for the
-``os`` module as ``refpipe.storage.local_store`` and ``local_confined`` see it and fails one system call whose name
-argument matches:
+``os`` module as ``refpipe.storage.local_store``, ``local_put`` and ``local_confined`` see it and fails one system
+call whose name argument matches:
 ``before`` it runs (the request never reached the server) or ``after`` it ran (the server applied it; its answer
 was lost, which a client's retransmission after a timeout turns into ``EEXIST`` or ``ENOENT``).
 
@@ -50,8 +50,8 @@ class OsFault:
 
 class OsFaults:
     """A stand-in for the ``os`` module that fails chosen calls (install with ``monkeypatch.setattr(module, "os",
-    faults)`` for ``local_store`` and ``local_confined``). ``hits``: ``(function, name, errno name)`` of every fault
-    raised, in order."""
+    faults)`` for ``local_store``, ``local_put`` and ``local_confined``). ``hits``: ``(function, name, errno name)``
+    of every fault raised, in order."""
 
     def __init__(self):
         self.faults: list[OsFault] = []

@@ -19,7 +19,7 @@ import pytest
 
 from refpipe.pipeline.audit import audit
 from refpipe.pipeline.sweep import SweepResult, sweep
-from refpipe.storage import local_confined, local_store
+from refpipe.storage import local_confined, local_put, local_store
 from refpipe.storage.backends import open_store
 from refpipe.storage.layout import chunk_keys, node_key
 from refpipe.storage.ledger import Ledger
@@ -34,7 +34,7 @@ def _events(store, actor: str) -> list[str]:
 
 def test_a_silly_renamed_chunk_is_no_object_of_the_run(local_config, monkeypatch):
     nfs = NfsClient()
-    for module in (local_store, local_confined):
+    for module in (local_store, local_put, local_confined):
         monkeypatch.setattr(module, "os", nfs)
     store = open_store(local_config.model_copy(update={"max_retries": 2, "retry_backoff_s": 0.001}))
     keeper = make_keeper(store, store.config)

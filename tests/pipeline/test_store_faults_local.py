@@ -21,7 +21,7 @@ from refpipe.job.weights import publish_weights
 from refpipe.pipeline.audit import audit
 from refpipe.pipeline.keep import Branch
 from refpipe.pipeline.step_file import StepFile
-from refpipe.storage import local_confined, local_store
+from refpipe.storage import local_confined, local_put, local_store
 from refpipe.storage.backends import open_store
 from refpipe.storage.chunk_read import fetch_arrays
 from refpipe.storage.errors import KeyExistsError, StorageError, TransientStorageError
@@ -50,7 +50,7 @@ WRITE_IDS = [f"{code}_{'after' if after else 'before'}" for code, after in WRITE
 def run(local_config, monkeypatch):
     """``(store, faults)``: a fresh local run whose system calls go through ``faults``."""
     faults = OsFaults()
-    for module in (local_store, local_confined):
+    for module in (local_store, local_put, local_confined):
         monkeypatch.setattr(module, "os", faults)
     store = open_store(local_config.model_copy(update={"max_retries": 2, "retry_backoff_s": 0.001}))
     return store, faults

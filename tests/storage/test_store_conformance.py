@@ -428,7 +428,7 @@ class TestLocalStoreWithoutTmpfile(TestLocalStore):
 
     @pytest.fixture
     def backend(self, local_config, monkeypatch) -> Backend:
-        monkeypatch.setattr(store_module, "_HAVE_TMPFILE", False)
+        monkeypatch.setattr(store_module, "HAVE_TMPFILE", False)
         return make_backend("local", local_config)
 
     def test_exclusive_put_creates_one_entry_and_no_temp_name(self, backend: Backend):
