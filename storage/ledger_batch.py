@@ -45,7 +45,7 @@ from refpipe.storage.errors import (
     UnknownRefError,
 )
 from refpipe.storage.layout import BATCHES_PREFIX, batch_key, tombstone_key
-from refpipe.storage.ledger_records import DeleteRecord, ReleaseRecord, read_release_record
+from refpipe.storage.ledger_records import DeleteRecord, ReleaseRecord, read_release_record, release_record_keys
 
 if TYPE_CHECKING:
     from refpipe.storage.ledger import Ledger
@@ -159,7 +159,7 @@ class Batches:
         problem = ledger._already_deleted(target, tombstone_key(target.branch_id), reason, None)
         if problem is not None:
             return problem
-        candidates = [key for key in store.list_prefix(BATCHES_PREFIX) if key != own]
+        candidates = [key for key in release_record_keys(store, BATCHES_PREFIX) if key != own]
         for attempt in range(store.config.max_retries + 1):
             listing: dict[str, ReleaseRecord] = {}
             for key in candidates:

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from refpipe.storage.checksum import crc32c
 from refpipe.storage.errors import DeleteRecordError, KeyNotFoundError, validation_problems
-from refpipe.storage.layout import BATCHES_PREFIX, node_key, release_prefix, tombstone_key
+from refpipe.storage.layout import BATCHES_PREFIX, node_key, parse_release_key, release_prefix, tombstone_key
 from refpipe.storage.store import Store
 
 CRC_FIELD = "crc"
@@ -171,8 +171,8 @@ def delete_record_of(store: Store, branch_id: str,
         pass
     except DeleteRecordError as e:
         return e
-    releases = [] if step is None else store.list_prefix(release_prefix(step))
-    for release in releases + store.list_prefix(BATCHES_PREFIX):
+    releases = [] if step is None else release_record_keys(store, release_prefix(step))
+    for release in releases + release_record_keys(store, BATCHES_PREFIX):
         try:
             record = read_release_record(store.get(release), store.uri(release))
         except KeyNotFoundError:
@@ -182,6 +182,14 @@ def delete_record_of(store: Store, branch_id: str,
         if branch_id in record.branch_ids:
             return record.delete_record(store, branch_id)
     return None
+
+
+def release_record_keys(store: Store, prefix: str) -> list[str]:
+    """The keys of the release and delete batch records listed under ``prefix`` (``layout.parse_release_key``), sorted.
+    Another key there is none: on a filesystem, the temp file of a record being rewritten (``Store.put``: a temp
+    name renamed over the record once written), whose bytes may still be partial; the audit lists it as a stray
+    key."""
+    return [key for key in store.list_prefix(prefix) if parse_release_key(key)]
 
 
 def delete_holder(store: Store, branch_id: str) -> tuple[str, str]:
@@ -198,7 +206,7 @@ def batch_claimed(store: Store, branch_ids: set[str]) -> set[str]:
     listing and one ``get`` per batch record of the run, off the hot path (a resume's check of its replayed steps).
     An unreadable record is skipped (the audit reports it)."""
     claimed: set[str] = set()
-    for key in store.list_prefix(BATCHES_PREFIX):
+    for key in release_record_keys(store, BATCHES_PREFIX):
         try:
             claimed.update(branch_ids.intersection(read_release_record(store.get(key), store.uri(key)).branch_ids))
         except (KeyNotFoundError, DeleteRecordError):
@@ -207,4 +215,5 @@ def batch_claimed(store: Store, branch_ids: set[str]) -> set[str]:
 
 
 __all__ = ["CRC_FIELD", "DeleteRecord", "ReleaseRecord", "batch_claimed", "canonical_record", "delete_holder",
-           "delete_record_of", "encode_record", "read_delete_record", "read_release_record", "read_segment"]
+           "delete_record_of", "encode_record", "read_delete_record", "read_release_record", "read_segment",
+           "release_record_keys"]

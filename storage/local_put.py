@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import re
 import uuid
 from collections.abc import Sequence
 
@@ -24,11 +23,6 @@ from refpipe.storage.store import Bytes
 
 WRITE_FLAGS = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 
-PUT_TEMP = re.compile(r".+\.tmp-[0-9a-f]{12}")
-"""The temp file of a put in flight (``put_named``: ``<name>.tmp-<12 hex>``, renamed or linked over ``<name>`` once
-written): no object of the run, never listed, so a listing's reader never reads a put's partial bytes (a record
-being rewritten while a refused delete looks up its first deleter). One a killed put left stays until the run's
-directory is removed."""
 HAVE_TMPFILE = hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")
 
 
@@ -81,7 +75,7 @@ def put_unnamed(dir_fd: int, name: str, buffers: Sequence[Bytes], token: str, du
 
 def put_named(dir_fd: int, name: str, buffers: Sequence[Bytes], token: str | None, durable: bool) -> None:
     """``token`` None: write a temp name and rename it over ``name``; else set the token and link it exclusively."""
-    tmp = f"{name}.tmp-{uuid.uuid4().hex[:12]}"  # PUT_TEMP: never listed
+    tmp = f"{name}.tmp-{uuid.uuid4().hex[:12]}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=dir_fd)
     try:
         fill(fd, buffers, token, durable)
@@ -126,4 +120,4 @@ def token_of(fd: int) -> str | None:
         return None
 
 
-__all__ = ["HAVE_TMPFILE", "PUT_TEMP", "WRITE_FLAGS", "put_in_place", "put_named", "put_unnamed", "token_of"]
+__all__ = ["HAVE_TMPFILE", "WRITE_FLAGS", "put_in_place", "put_named", "put_unnamed", "token_of"]

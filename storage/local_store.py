@@ -26,7 +26,6 @@ from refpipe.storage.local_errors import classify
 from refpipe.storage.local_io import pwrite_all, read_all, readv_all, readv_pieces
 from refpipe.storage.local_put import (
     HAVE_TMPFILE,
-    PUT_TEMP,
     WRITE_FLAGS,
     put_in_place,
     put_named,
@@ -302,8 +301,7 @@ class LocalStore(Store):
     def _walk(self, key_prefix: str, strict: bool = False) -> Iterator[tuple[str, str]]:
         """``(key, path)`` of every file under ``key_prefix/`` (``""``: the whole run), unordered; a symlinked
         directory below the prefix is not descended into (``os.fwalk``), a symlink to a file is listed
-        (every access to it is refused); an NFS client's placeholder (``_NFS_PLACEHOLDER``) and a put's temp file
-        (``local_put.PUT_TEMP``) are not. ``strict``: a
+        (every access to it is refused); an NFS client's placeholder (``_NFS_PLACEHOLDER``) is not. ``strict``: a
         directory that cannot be read raises its ``OSError`` (a vanished one is skipped)."""
         base = f"{self.prefix.path}/{self.prefix.check_key(key_prefix)}" if key_prefix else self.prefix.path
         try:
@@ -322,7 +320,7 @@ class LocalStore(Store):
             for directory, _, files, _ in os.fwalk(".", dir_fd=top, onerror=_raise_unless_gone if strict else None):
                 rel = os.path.normpath(os.path.join(key_prefix, directory))
                 for name in files:
-                    if not _NFS_PLACEHOLDER.fullmatch(name) and not PUT_TEMP.fullmatch(name):
+                    if not _NFS_PLACEHOLDER.fullmatch(name):
                         yield (name if rel == "." else f"{rel}/{name}"), f"{base}/{directory}/{name}"
         finally:
             os.close(top)

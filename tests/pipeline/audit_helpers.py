@@ -94,6 +94,7 @@ def train(store: Store, ledgers: list[Ledger], step: int) -> None:
         fetch_step(store, step, rank)
     for rank, ledger in enumerate(ledgers):
         release_step(store, ledger, step, rank)
+        ledger.wait_freed()  # the bytes removed: what follows sees the run at rest
 
 
 def chunks(store: Store) -> set[str]:

@@ -227,17 +227,17 @@ def test_a_refusal_names_this_session_then_another_actor_then_an_earlier_life_wh
 
 def test_a_refusal_names_the_first_deleter_while_another_batch_record_is_being_rewritten(local):
     """A batch record's rewrite (a plain put: a temp file, then a rename) in flight in another process: its temp file,
-    created but not yet written, is no key; the refusal reads the records and names the first deleter."""
+    created but not yet written, is no record; the refusal reads the records and names the first deleter."""
     refs = [kept(local, f"c{i}") for i in range(2)]
     first, second = Ledger(local, "deleter_1"), Ledger(local, "deleter_2")
     first.delete(refs[:1], reason="race 1")
-    in_flight = f"{local.prefix.path}/{batch_key('deleter_3', 'p1-1', 0)}.tmp-0123456789ab"
+    in_flight = f"{local.prefix.path}/{batch_key('deleter_0', 'p1-1', 0)}.tmp-0123456789ab"
     os.makedirs(os.path.dirname(in_flight), exist_ok=True)
     open(in_flight, "wb").close()
     with pytest.raises(DoubleDeleteError) as info:
         second.delete(refs, reason="race 2")
     assert [(e.first_holder, e.first_reason, e.second_holder) for e in info.value.result.double_deletes.values()] == [
         ("deleter_1", "race 1", "deleter_2")]
-    assert [k for k in local.list_prefix(BATCHES_PREFIX) if ".tmp-" in k] == []
+    assert delete_record_of(local, refs[0].branch_id).holder == "deleter_1"
     for ledger in (first, second):
         ledger.close()
