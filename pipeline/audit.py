@@ -3,7 +3,8 @@
 The audit merges four sources under the run prefix, read-only (``pipeline.audit_scan``):
 
 - the listing of ``payloads/``: present chunks; a chunk node with ``zarr.json`` is
-  committed, one without is an incomplete keep (its writer died mid-keep, or is mid-keep);
+  committed, one without is an incomplete keep (its writer died mid-keep, or is mid-keep); one with ``zarr.json``
+  but no ``c.0`` and no delete record lost its rows outside the ledger (missing);
 - the listing of ``ledger/deletes/``: delete records (tombstones), and release records (each read: every
   chunk it lists is deleted; a chunk two records claim is a double delete);
 - the step files (``steps/``): what was shipped, to which DP rank owner, borrowed or not;
@@ -68,7 +69,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, computed_field
 from rich.progress import Progress
 
-from refpipe.pipeline.audit_scan import RunScan, StaleSummaryError, committed, scan_run
+from refpipe.pipeline.audit_scan import RunScan, StaleSummaryError, committed, lost_data, scan_run
 from refpipe.pipeline.audit_summary import load_summary, seed_scan, settle, write_summary
 from refpipe.storage.checkpoints import newest_checkpoint
 from refpipe.storage.errors import KeyNotFoundError, RunStillRunningError
@@ -103,7 +104,7 @@ class AuditReport(BaseModel):
     deleted: int
     """Delete records (each chunk at most one); listed, not read (``pipeline.audit_scan``)."""
     present: int
-    """Chunk nodes under ``payloads/`` (committed or not)."""
+    """Chunk nodes under ``payloads/`` (committed or not), but those whose data is gone (``missing``)."""
     outstanding: int
     """Present chunks a live holder accounts for (retained chunks are not outstanding)."""
     outstanding_by_holder: dict[str, int]
@@ -127,7 +128,8 @@ class AuditReport(BaseModel):
     delete_problems: list[str]
     """One line per ``double_delete``/``unknown_delete`` event."""
     missing: list[str]
-    """Chunks a keep event or an untrained step file names, neither present nor deleted by the ledger."""
+    """Chunks a keep event or an untrained step file names, neither present nor deleted by the ledger; and committed
+    chunks whose data (``c.0``) is gone without a delete record (their rows are lost)."""
     unreadable_step_files: list[str]
     bad_records: list[str]
     """``<segment URI> line <n>: <error>`` of every ledger record that cannot be read: not JSON, no event name,
@@ -268,10 +270,12 @@ def judge(scan: RunScan, store: Store, *, stopped: bool = False, finished: bool 
     if not finished and not abandoned:  # a later step may continue a suspended open branch
         protected |= {n: f"open branch {b} ({SUSPENDED})" for n, b in scan.open_nodes.items() if n not in protected}
     holders: Counter[str] = Counter()
-    leaked, unfinished, retained_chunks = [], [], []
+    leaked, unfinished, retained_chunks, lost = [], [], [], []
     for node, keys in sorted(scan.nodes.items()):
         claimant = scan.unfinished.get(node)
-        if node in scan.tombstoned:
+        if node not in scan.tombstoned and lost_data(keys):  # its rows are gone: missing, whoever held it
+            lost.append(node)
+        elif node in scan.tombstoned:
             if freeing := _freeing(node, scan, live):  # claimed by a live deleter, its reaper removing the bytes
                 holders[f"{freeing} ({FREEING})"] += 1
             else:
@@ -290,7 +294,7 @@ def judge(scan: RunScan, store: Store, *, stopped: bool = False, finished: bool 
             leaked.append(node)
     retained = holders.pop(RETAINED, 0)
     expected = set(scan.keeps) | set(protected)
-    missing = sorted(n for n in expected if n not in scan.nodes and n not in scan.tombstoned)
+    missing = sorted([n for n in expected if n not in scan.nodes and n not in scan.tombstoned] + lost)
     problems = scan.problems + scan.double_claims
     doubles = [p for p in problems if p.get("event") == "double_delete"]
     uri = store.uri
@@ -299,7 +303,7 @@ def judge(scan: RunScan, store: Store, *, stopped: bool = False, finished: bool 
         run_uri=store.prefix.uri, stopped=stopped, finished=finished,
         kept=sum(committed(k) for n, k in scan.nodes.items() if n not in scan.tombstoned) + len(scan.tombstoned)
         + settled["kept"], shipped=len(shipped) + settled["shipped"], borrowed=len(borrowed) + settled["borrowed"],
-        deleted=len(scan.tombstoned) + settled["deleted"], present=len(scan.nodes),
+        deleted=len(scan.tombstoned) + settled["deleted"], present=len(scan.nodes) - len(lost),
         outstanding=sum(holders.values()), outstanding_by_holder=dict(sorted(holders.items())), retained=retained,
         retained_chunks=[uri(n) for n in retained_chunks],
         leaked=len(leaked), leaked_chunks=[uri(n) for n in leaked],

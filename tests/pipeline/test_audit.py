@@ -230,6 +230,20 @@ def test_a_chunk_deleted_outside_the_ledger_is_missing(run):
     assert report.violations == ["2 chunks missing without a delete record"]
 
 
+def test_a_committed_chunk_whose_data_was_deleted_outside_the_ledger_is_missing(run):
+    """Its commit marker stays, its ``c.0`` is gone (removed by hand, a filesystem's repair): the rows are lost."""
+    store, keeper, orchestrator, trainers = run
+    refs = [keep(keeper, seed) for seed in range(3)]
+    keeper.ledger.flush()
+    publish(store, 0, refs[1:], [0, 1])
+    for ref in refs[:2]:
+        store.delete_keys([f"{store.prefix.key_of(ref.uri)}/c.0"])
+    report = audit(store, stopped=True)
+    assert sorted(report.missing) == sorted(r.uri for r in refs[:2])
+    assert (report.present, report.leaked_chunks, report.outstanding) == (1, [], 1)
+    assert report.violations == ["2 chunks missing without a delete record"]
+
+
 def test_double_and_unknown_deletes_are_violations(run):
     store, keeper, orchestrator, trainers = run
     ref = keep(keeper, 0)
