@@ -33,7 +33,9 @@ Layout of a micro batch with ``T`` real tokens in ``S`` sequences, padded to ``s
 Whatever a ref says is checked before anything trains from it: its stored dtypes and domains against
 the declarations (``trainer.plan.plan_micro_batch``) and every row's values against the declared bounds
 (``finish_micro_batch``: ids below ``num_experts``, finite logprobs, ...); a micro batch failing either
-raises ``FieldError``, which a trainer rank counts as a dropped micro batch on every rank.
+raises ``FieldError``, which a trainer rank counts as a dropped micro batch on every rank. A trainer rank checks
+each chunk's arrays whole right after their read, while they are in cache (``clean_fetched``); assembly then checks
+again only the rows of arrays that failed there, so a micro batch fails exactly when its own rows break a bound.
 
 Which sequences have rows: a sequence without a ref has none (empty rows); a borrowed
 padding dummy has its ref's token-domain (routing) rows only; any other sequence has the
@@ -42,7 +44,7 @@ rows of its ref's first ``num_tokens`` tokens, for each field its ref carries.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -139,7 +141,8 @@ def assemble_micro_batch(
 
 
 def finish_micro_batch(plan: MicroBatchPlan, streams: Mapping[str, np.ndarray],
-                       arrays: Mapping[int, Mapping[str, np.ndarray]]) -> AssembledMicroBatch:
+                       arrays: Mapping[int, Mapping[str, np.ndarray]],
+                       clean: Mapping[int, Collection[str]] | None = None) -> AssembledMicroBatch:
     """Complete a planned micro batch: copy rows not already read into their targets, pad, lay out.
 
     Args:
@@ -147,6 +150,8 @@ def finish_micro_batch(plan: MicroBatchPlan, streams: Mapping[str, np.ndarray],
         streams: name -> [T] as ``StepFile.streams`` returns them.
         arrays: ref index -> fetched arrays, as for ``assemble_micro_batch``; targets marked read
             (``MicroBatchPlan.mark_read``) are not copied again.
+        clean: ref index -> names of its fetched arrays whose every row passed its bounds (``clean_fetched`` of
+            exactly those arrays): their rows are not checked again; default: every row is checked here.
 
     Raises:
         FieldError: a sequence with loss tokens lacks a field of ``FieldsConfig.required``; a
@@ -155,14 +160,15 @@ def finish_micro_batch(plan: MicroBatchPlan, streams: Mapping[str, np.ndarray],
     """
     mb, what = plan.mb, f"micro batch dp_rank={plan.mb.dp_rank} index={plan.mb.index}"
     _check_required(plan, streams["loss_mask"], what)
-    registry = plan.fields.registry()
+    registry, clean = plan.fields.registry(), clean or {}
     for s, (seq, targets) in enumerate(zip(mb.sequences, plan.targets)):
         for name, dest in targets.items():
             assert seq.ref is not None  # a sequence with targets has a ref
             where = f"{what}: ref {seq.ref} ({plan.refs[seq.ref].uri})"
             src = dest if (s, name) in plan.filled else _cut(_fetched(arrays, seq, plan.refs, what), name,
                                                               len(dest), dest.shape[1:], where)
-            _check_fetched(src, registry[name], plan.fields, f"{where}: field {name!r}")
+            if name not in clean.get(seq.ref, ()):
+                _check_fetched(src, registry[name], plan.fields, f"{where}: field {name!r}")
             if src is not dest:
                 dest[...] = src
     out: dict[str, FieldBatch] = {}
@@ -175,7 +181,7 @@ def finish_micro_batch(plan: MicroBatchPlan, streams: Mapping[str, np.ndarray],
             out[fdef.name] = FieldBatch(padded[: mb.num_tokens], cu, padded=padded)
             continue
         if fdef.ragged:
-            values, counts = _ragged_values(fdef, plan, arrays, what)
+            values, counts = _ragged_values(fdef, plan, arrays, clean, what)
         else:
             values, counts = plan.buffers[fdef.name], None  # every laid-out field that is not ragged has one
         out[fdef.name] = FieldBatch(values, cu, counts=counts,
@@ -234,6 +240,24 @@ def real_token_rows(mb: AssembledMicroBatch) -> dict[str, np.ndarray]:
     return {name: batch.values for name, batch in mb.fields.items() if batch.padded is not None}
 
 
+def clean_fetched(arrays: Mapping[str, np.ndarray], fields: FieldsConfig) -> frozenset[str]:
+    """Names of one chunk's fetched arrays (stored name -> array, as ``storage.chunk_read.fetch_into`` returns them)
+    whose every value passes its field's declared bounds (``pipeline.field_checks.check_bounds``: the fetch-time
+    checks; a ragged field's ids), for ``finish_micro_batch``'s ``clean``.
+
+    Called by a trainer rank's fetch thread right after the chunk's read, while its bytes are in cache. An array
+    left out is checked again by ``finish_micro_batch`` over the rows each micro batch keeps of it, which names the
+    first bad value there, or finds none in a shorter cut.
+    """
+    out = []
+    for fdef in fields.registry().values():
+        name = fdef.names()[-1]
+        a = arrays.get(name)
+        if a is not None and check_bounds(a, fdef.checks, fields.dims, fdef.shape) is None:
+            out.append(name)
+    return frozenset(out)
+
+
 def _check_fetched(a: np.ndarray, fdef: FieldDecl, cfg: FieldsConfig, what: str) -> None:
     """Raise ``FieldError`` if fetched rows break their declared bounds (before they are cast or trained)."""
     problem = check_bounds(a, fdef.checks, cfg.dims, fdef.shape)
@@ -269,7 +293,7 @@ def _fetched(arrays: Mapping[int, Mapping[str, np.ndarray]], seq: SequenceRecord
 
 
 def _ragged_values(fdef: FieldDecl, plan: MicroBatchPlan, arrays: Mapping[int, Mapping[str, np.ndarray]],
-                   what: str) -> tuple[np.ndarray, np.ndarray]:
+                   clean: Mapping[int, Collection[str]], what: str) -> tuple[np.ndarray, np.ndarray]:
     """``(ids, counts)`` of a ragged field: every sequence's kept rows concatenated in packing order."""
     ids, counts = [], []
     cu = plan.cu_rows[fdef.name]
@@ -282,7 +306,8 @@ def _ragged_values(fdef: FieldDecl, plan: MicroBatchPlan, arrays: Mapping[int, M
         where = f"{what}: ref {seq.ref} ({plan.refs[seq.ref].uri})"
         counts.append(_cut(got, counts_name, num_rows, (), where))
         ids.append(_cut(got, ids_name, int(counts[-1].sum(dtype=np.int64)), (), where))
-        _check_fetched(ids[-1], fdef, plan.fields, f"{where}: field {ids_name!r}")
+        if ids_name not in clean.get(seq.ref, ()):
+            _check_fetched(ids[-1], fdef, plan.fields, f"{where}: field {ids_name!r}")
     empty = np.empty(0, np.dtype(fdef.dtypes[0]))
     return (np.concatenate(ids) if ids else empty), (np.concatenate(counts) if counts else empty.copy())
 
