@@ -185,8 +185,8 @@ def finish_micro_batch(plan: MicroBatchPlan, streams: Mapping[str, np.ndarray],
         else:
             values, counts = plan.buffers[fdef.name], None  # every laid-out field that is not ragged has one
         out[fdef.name] = FieldBatch(values, cu, counts=counts,
-                                    row_ids=field_row_ids(fdef.domain, mb, plan.refs, cu, plan.seq_len))
-    return AssembledMicroBatch(mb, plan.seq_len, pad_streams(streams, plan.seq_len),
+                                    row_ids=field_row_ids(fdef.domain, mb, plan.refs, cu, plan.seq_len, plan.empty))
+    return AssembledMicroBatch(mb, plan.seq_len, pad_streams(streams, plan.seq_len, plan.empty),
                                padded_cu_seqlens(mb, plan.seq_len), out)
 
 
