@@ -241,19 +241,21 @@ def real_token_rows(mb: AssembledMicroBatch) -> dict[str, np.ndarray]:
 
 
 def clean_fetched(arrays: Mapping[str, np.ndarray], fields: FieldsConfig) -> frozenset[str]:
-    """Names of one chunk's fetched arrays (stored name -> array, as ``storage.chunk_read.fetch_into`` returns them)
-    whose every value passes its field's declared bounds (``pipeline.field_checks.check_bounds``: the fetch-time
-    checks; a ragged field's ids), for ``finish_micro_batch``'s ``clean``.
+    """Names of one chunk's fetched arrays (stored name -> array in the chunk's order, as
+    ``storage.chunk_read.fetch_into`` returns them) whose every value passes its field's declared bounds
+    (``pipeline.field_checks.check_bounds``: the fetch-time checks; a ragged field's ids), for
+    ``finish_micro_batch``'s ``clean``.
 
-    Called by a trainer rank's fetch thread right after the chunk's read, while its bytes are in cache. An array
-    left out is checked again by ``finish_micro_batch`` over the rows each micro batch keeps of it, which names the
-    first bad value there, or finds none in a shorter cut.
+    Called by a trainer rank's fetch thread right after the chunk's read, while its bytes are in cache: the last
+    array read first (the core's own cache holds the chunk's end). An array left out is checked again by
+    ``finish_micro_batch`` over the rows each micro batch keeps of it, which names the first bad value there, or
+    finds none in a shorter cut.
     """
+    declared = {fdef.names()[-1]: fdef for fdef in fields.registry().values()}
     out = []
-    for fdef in fields.registry().values():
-        name = fdef.names()[-1]
-        a = arrays.get(name)
-        if a is not None and check_bounds(a, fdef.checks, fields.dims, fdef.shape) is None:
+    for name in reversed(list(arrays)):
+        fdef = declared.get(name)
+        if fdef is not None and check_bounds(arrays[name], fdef.checks, fields.dims, fdef.shape) is None:
             out.append(name)
     return frozenset(out)
 
@@ -270,15 +272,14 @@ def _check_required(plan: MicroBatchPlan, loss_mask: np.ndarray, what: str) -> N
 
     A borrowed padding dummy has no loss tokens; it only needs token-domain rows, which it borrows.
     """
-    starts = plan.mb.cu_seqlens()
+    if not plan.fields.required:
+        return
+    registry, starts = plan.fields.registry(), plan.mb.cu_seqlens()
     for s, seq in enumerate(plan.mb.sequences):
-        loss_tokens = int(loss_mask[starts[s] : starts[s + 1]].sum())
-        if not loss_tokens:
-            continue
         stored = () if seq.ref is None else plan.refs[seq.ref].arrays
-        registry = plan.fields.registry()
         missing = [name for name in plan.fields.required if registry[name].names()[0] not in stored]
-        if missing:
+        loss_tokens = int(np.count_nonzero(loss_mask[starts[s] : starts[s + 1]])) if missing else 0
+        if loss_tokens:
             raise FieldError(f"{what}: sequence {s} (env {seq.env_name!r}, ref {seq.ref}) trains {loss_tokens} "
                              f"loss tokens without required fields {missing} (FieldsConfig.required)")
 

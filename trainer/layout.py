@@ -38,8 +38,11 @@ def pad_streams(streams: Mapping[str, np.ndarray], seq_len: int,
 def padded_cu_seqlens(mb: MicroBatchRecord, seq_len: int) -> np.ndarray:
     """int32 ``mb.cu_seqlens()`` with ``seq_len`` appended when the micro batch is padded."""
     cu = mb.cu_seqlens()
-    return np.append(cu, np.int32(seq_len)).astype(np.int32) if mb.num_tokens < seq_len else cu
-
+    if mb.num_tokens >= seq_len:
+        return cu
+    out = np.empty(len(cu) + 1, np.int32)
+    out[:-1], out[-1] = cu, seq_len
+    return out
 
 
 def padding_rows_of(fdef: FieldDecl, num_rows: int, cfg: FieldsConfig, dtype: np.dtype,
