@@ -172,6 +172,7 @@ def finish_micro_batch(plan: MicroBatchPlan, streams: Mapping[str, np.ndarray],
             if src is not dest:
                 dest[...] = src
     out: dict[str, FieldBatch] = {}
+    made: dict[tuple[str, bytes], np.ndarray] = {}
     for fdef in laid_out(mb, plan.fields):
         cu = plan.cu_rows[fdef.name]
         if fdef.domain == "tokens":
@@ -184,8 +185,7 @@ def finish_micro_batch(plan: MicroBatchPlan, streams: Mapping[str, np.ndarray],
             values, counts = _ragged_values(fdef, plan, arrays, clean, what)
         else:
             values, counts = plan.buffers[fdef.name], None  # every laid-out field that is not ragged has one
-        out[fdef.name] = FieldBatch(values, cu, counts=counts,
-                                    row_ids=field_row_ids(fdef.domain, mb, plan.refs, cu, plan.seq_len, plan.empty))
+        out[fdef.name] = FieldBatch(values, cu, counts=counts, row_ids=_row_ids(plan, fdef.domain, cu, made))
     return AssembledMicroBatch(mb, plan.seq_len, pad_streams(streams, plan.seq_len, plan.empty),
                                padded_cu_seqlens(mb, plan.seq_len), out)
 
@@ -265,6 +265,20 @@ def _check_fetched(a: np.ndarray, fdef: FieldDecl, cfg: FieldsConfig, what: str)
     problem = check_bounds(a, fdef.checks, cfg.dims, fdef.shape)
     if problem:
         raise FieldError(f"{what}: {problem} (a foreign or damaged chunk: the micro batch is not trained)")
+
+
+def _row_ids(plan: MicroBatchPlan, domain: str, cu: np.ndarray,
+             made: dict[tuple[str, bytes], np.ndarray]) -> np.ndarray:
+    """``field_row_ids`` of a field of ``plan``'s micro batch, in its own array: laid out once per domain and rows per
+    sequence (``made``: the ones laid out already; a ref's completion fields share them) and copied for the others."""
+    key = (domain, cu.tobytes())
+    first = made.get(key)
+    if first is None:
+        made[key] = field_row_ids(domain, plan.mb, plan.refs, cu, plan.seq_len, plan.empty)
+        return made[key]
+    row_ids = plan.empty(first.shape, first.dtype)
+    row_ids[...] = first
+    return row_ids
 
 
 def _check_required(plan: MicroBatchPlan, loss_mask: np.ndarray, what: str) -> None:
