@@ -193,6 +193,7 @@ def test_streams_and_row_ids_are_allocated_where_the_plans_arrays_are(local):
     assert sorted(row_ids) == ["sample_support", "sampling_mask", "topk_ids", "topk_logprobs"]
     allocated = {id(a) for a in made}
     assert all(id(a) in allocated for a in [*mb.streams.values(), *row_ids.values()])
+    assert len({a.ctypes.data for a in row_ids.values()}) == len(row_ids)  # equal, but each field's own array
     assert len(made) == 4 + len(mb.streams) + len(row_ids)  # routing, topk_ids, topk_logprobs, sample_support
     assert_same(flatten(mb.streams, mb.cu_seqlens, mb.fields), expected_micro_batch(step, 0, 0))
 
