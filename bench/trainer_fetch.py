@@ -10,7 +10,8 @@ Three worlds of 2 ranks, one after the other (each its own processes, so peak RS
 
 ``limit``  on step 0, ``--rounds`` paired rounds, both ranks at once (barriers between phases):
            the physical limit -- ``os.preadv`` of the rank's chunk files into buffers allocated
-           (and touched) once, on ``StorageConfig.max_concurrent_fetches`` threads, no checksum,
+           (and touched) once, on the threads ``TrainerRank.fetch`` runs on (``TrainerRank.fetch_threads``:
+           ``StorageConfig.max_concurrent_fetches``, at most one per CPU from this local store), no checksum,
            no layout -- then refpipe: ``TrainerRank.fetch`` (same threads; each micro batch
            assembled into its padded layout and hashed as its chunks arrive, into the rank's
            ``BufferPool``: from the second round on, the previous round's memory) +
@@ -155,7 +156,7 @@ def peak_rss_mib() -> float:
     return peak_rss_bytes() / 2**20
 
 
-def limit_world(trainer, store, storage: StorageConfig, rounds: int) -> dict:
+def limit_world(trainer, store, rounds: int) -> dict:
     """Paired rounds on step 0: the physical limit, then refpipe's fetch + assembly (no deletes)."""
     import torch.distributed as dist
 
@@ -170,10 +171,10 @@ def limit_world(trainer, store, storage: StorageConfig, rounds: int) -> dict:
     for _ in range(rounds):
         dist.barrier()
         with timed(limit_s):
-            limit_nbytes = read_limit(paths, buffers, storage.max_concurrent_fetches)
+            limit_nbytes = read_limit(paths, buffers, trainer.fetch_threads)
         dist.barrier()
         with timed(verified_s):
-            read_limit(paths, buffers, storage.max_concurrent_fetches, checksum=True)
+            read_limit(paths, buffers, trainer.fetch_threads, checksum=True)
         dist.barrier()
         with timed(ours_s):
             fetched = trainer.fetch(step_file)
@@ -207,7 +208,7 @@ def rank_main(spec: dict, rank: int) -> None:
     store = open_store(storage)
     trainer = TrainerRank(store, FIELDS, storage, config)
     if spec["world"] == "limit":
-        result = limit_world(trainer, store, storage, spec["rounds"])
+        result = limit_world(trainer, store, spec["rounds"])
     else:
         result = steps_world(trainer, spec["steps"], spec["train_s"])
     trainer.close()

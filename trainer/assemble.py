@@ -33,7 +33,9 @@ Layout of a micro batch with ``T`` real tokens in ``S`` sequences, padded to ``s
 Whatever a ref says is checked before anything trains from it: its stored dtypes and domains against
 the declarations (``trainer.plan.plan_micro_batch``) and every row's values against the declared bounds
 (``finish_micro_batch``: ids below ``num_experts``, finite logprobs, ...); a micro batch failing either
-raises ``FieldError``, which a trainer rank counts as a dropped micro batch on every rank.
+raises ``FieldError``, which a trainer rank counts as a dropped micro batch on every rank. A trainer rank checks
+each chunk's arrays whole right after their read, while they are in cache (``clean_fetched``); assembly then checks
+again only the rows of arrays that failed there, so a micro batch fails exactly when its own rows break a bound.
 
 Which sequences have rows: a sequence without a ref has none (empty rows); a borrowed
 padding dummy has its ref's token-domain (routing) rows only; any other sequence has the
@@ -42,7 +44,7 @@ rows of its ref's first ``num_tokens`` tokens, for each field its ref carries.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -139,7 +141,8 @@ def assemble_micro_batch(
 
 
 def finish_micro_batch(plan: MicroBatchPlan, streams: Mapping[str, np.ndarray],
-                       arrays: Mapping[int, Mapping[str, np.ndarray]]) -> AssembledMicroBatch:
+                       arrays: Mapping[int, Mapping[str, np.ndarray]],
+                       clean: Mapping[int, Collection[str]] | None = None) -> AssembledMicroBatch:
     """Complete a planned micro batch: copy rows not already read into their targets, pad, lay out.
 
     Args:
@@ -147,6 +150,8 @@ def finish_micro_batch(plan: MicroBatchPlan, streams: Mapping[str, np.ndarray],
         streams: name -> [T] as ``StepFile.streams`` returns them.
         arrays: ref index -> fetched arrays, as for ``assemble_micro_batch``; targets marked read
             (``MicroBatchPlan.mark_read``) are not copied again.
+        clean: ref index -> names of its fetched arrays whose every row passed its bounds (``clean_fetched`` of
+            exactly those arrays): their rows are not checked again; default: every row is checked here.
 
     Raises:
         FieldError: a sequence with loss tokens lacks a field of ``FieldsConfig.required``; a
@@ -155,17 +160,19 @@ def finish_micro_batch(plan: MicroBatchPlan, streams: Mapping[str, np.ndarray],
     """
     mb, what = plan.mb, f"micro batch dp_rank={plan.mb.dp_rank} index={plan.mb.index}"
     _check_required(plan, streams["loss_mask"], what)
-    registry = plan.fields.registry()
+    registry, clean = plan.fields.registry(), clean or {}
     for s, (seq, targets) in enumerate(zip(mb.sequences, plan.targets)):
         for name, dest in targets.items():
             assert seq.ref is not None  # a sequence with targets has a ref
             where = f"{what}: ref {seq.ref} ({plan.refs[seq.ref].uri})"
             src = dest if (s, name) in plan.filled else _cut(_fetched(arrays, seq, plan.refs, what), name,
                                                               len(dest), dest.shape[1:], where)
-            _check_fetched(src, registry[name], plan.fields, f"{where}: field {name!r}")
+            if name not in clean.get(seq.ref, ()):
+                _check_fetched(src, registry[name], plan.fields, f"{where}: field {name!r}")
             if src is not dest:
                 dest[...] = src
     out: dict[str, FieldBatch] = {}
+    made: dict[tuple[str, bytes], np.ndarray] = {}
     for fdef in laid_out(mb, plan.fields):
         cu = plan.cu_rows[fdef.name]
         if fdef.domain == "tokens":
@@ -175,12 +182,11 @@ def finish_micro_batch(plan: MicroBatchPlan, streams: Mapping[str, np.ndarray],
             out[fdef.name] = FieldBatch(padded[: mb.num_tokens], cu, padded=padded)
             continue
         if fdef.ragged:
-            values, counts = _ragged_values(fdef, plan, arrays, what)
+            values, counts = _ragged_values(fdef, plan, arrays, clean, what)
         else:
             values, counts = plan.buffers[fdef.name], None  # every laid-out field that is not ragged has one
-        out[fdef.name] = FieldBatch(values, cu, counts=counts,
-                                    row_ids=field_row_ids(fdef.domain, mb, plan.refs, cu, plan.seq_len))
-    return AssembledMicroBatch(mb, plan.seq_len, pad_streams(streams, plan.seq_len),
+        out[fdef.name] = FieldBatch(values, cu, counts=counts, row_ids=_row_ids(plan, fdef.domain, cu, made))
+    return AssembledMicroBatch(mb, plan.seq_len, pad_streams(streams, plan.seq_len, plan.empty),
                                padded_cu_seqlens(mb, plan.seq_len), out)
 
 
@@ -234,6 +240,26 @@ def real_token_rows(mb: AssembledMicroBatch) -> dict[str, np.ndarray]:
     return {name: batch.values for name, batch in mb.fields.items() if batch.padded is not None}
 
 
+def clean_fetched(arrays: Mapping[str, np.ndarray], fields: FieldsConfig) -> frozenset[str]:
+    """Names of one chunk's fetched arrays (stored name -> array in the chunk's order, as
+    ``storage.chunk_read.fetch_into`` returns them) whose every value passes its field's declared bounds
+    (``pipeline.field_checks.check_bounds``: the fetch-time checks; a ragged field's ids), for
+    ``finish_micro_batch``'s ``clean``.
+
+    Called by a trainer rank's fetch thread right after the chunk's read, while its bytes are in cache: the last
+    array read first (the core's own cache holds the chunk's end). An array left out is checked again by
+    ``finish_micro_batch`` over the rows each micro batch keeps of it, which names the first bad value there, or
+    finds none in a shorter cut.
+    """
+    declared = {fdef.names()[-1]: fdef for fdef in fields.registry().values()}
+    out = []
+    for name in reversed(list(arrays)):
+        fdef = declared.get(name)
+        if fdef is not None and check_bounds(arrays[name], fdef.checks, fields.dims, fdef.shape) is None:
+            out.append(name)
+    return frozenset(out)
+
+
 def _check_fetched(a: np.ndarray, fdef: FieldDecl, cfg: FieldsConfig, what: str) -> None:
     """Raise ``FieldError`` if fetched rows break their declared bounds (before they are cast or trained)."""
     problem = check_bounds(a, fdef.checks, cfg.dims, fdef.shape)
@@ -241,20 +267,33 @@ def _check_fetched(a: np.ndarray, fdef: FieldDecl, cfg: FieldsConfig, what: str)
         raise FieldError(f"{what}: {problem} (a foreign or damaged chunk: the micro batch is not trained)")
 
 
+def _row_ids(plan: MicroBatchPlan, domain: str, cu: np.ndarray,
+             made: dict[tuple[str, bytes], np.ndarray]) -> np.ndarray:
+    """``field_row_ids`` of a field of ``plan``'s micro batch, in its own array: laid out once per domain and rows per
+    sequence (``made``: the ones laid out already; a ref's completion fields share them) and copied for the others."""
+    key = (domain, cu.tobytes())
+    first = made.get(key)
+    if first is None:
+        made[key] = field_row_ids(domain, plan.mb, plan.refs, cu, plan.seq_len, plan.empty)
+        return made[key]
+    row_ids = plan.empty(first.shape, first.dtype)
+    row_ids[...] = first
+    return row_ids
+
+
 def _check_required(plan: MicroBatchPlan, loss_mask: np.ndarray, what: str) -> None:
     """Raise ``FieldError`` if a sequence with loss tokens lacks a field of ``FieldsConfig.required``.
 
     A borrowed padding dummy has no loss tokens; it only needs token-domain rows, which it borrows.
     """
-    starts = plan.mb.cu_seqlens()
+    if not plan.fields.required:
+        return
+    registry, starts = plan.fields.registry(), plan.mb.cu_seqlens()
     for s, seq in enumerate(plan.mb.sequences):
-        loss_tokens = int(loss_mask[starts[s] : starts[s + 1]].sum())
-        if not loss_tokens:
-            continue
         stored = () if seq.ref is None else plan.refs[seq.ref].arrays
-        registry = plan.fields.registry()
         missing = [name for name in plan.fields.required if registry[name].names()[0] not in stored]
-        if missing:
+        loss_tokens = int(np.count_nonzero(loss_mask[starts[s] : starts[s + 1]])) if missing else 0
+        if loss_tokens:
             raise FieldError(f"{what}: sequence {s} (env {seq.env_name!r}, ref {seq.ref}) trains {loss_tokens} "
                              f"loss tokens without required fields {missing} (FieldsConfig.required)")
 
@@ -269,7 +308,7 @@ def _fetched(arrays: Mapping[int, Mapping[str, np.ndarray]], seq: SequenceRecord
 
 
 def _ragged_values(fdef: FieldDecl, plan: MicroBatchPlan, arrays: Mapping[int, Mapping[str, np.ndarray]],
-                   what: str) -> tuple[np.ndarray, np.ndarray]:
+                   clean: Mapping[int, Collection[str]], what: str) -> tuple[np.ndarray, np.ndarray]:
     """``(ids, counts)`` of a ragged field: every sequence's kept rows concatenated in packing order."""
     ids, counts = [], []
     cu = plan.cu_rows[fdef.name]
@@ -282,7 +321,8 @@ def _ragged_values(fdef: FieldDecl, plan: MicroBatchPlan, arrays: Mapping[int, M
         where = f"{what}: ref {seq.ref} ({plan.refs[seq.ref].uri})"
         counts.append(_cut(got, counts_name, num_rows, (), where))
         ids.append(_cut(got, ids_name, int(counts[-1].sum(dtype=np.int64)), (), where))
-        _check_fetched(ids[-1], fdef, plan.fields, f"{where}: field {ids_name!r}")
+        if ids_name not in clean.get(seq.ref, ()):
+            _check_fetched(ids[-1], fdef, plan.fields, f"{where}: field {ids_name!r}")
     empty = np.empty(0, np.dtype(fdef.dtypes[0]))
     return (np.concatenate(ids) if ids else empty), (np.concatenate(counts) if counts else empty.copy())
 

@@ -14,6 +14,8 @@ when its last holder lets go.
 
 from __future__ import annotations
 
+import bisect
+import math
 import sys
 import threading
 
@@ -41,19 +43,23 @@ class BufferPool:
         self._lock = threading.Lock()
         self._lent: list[np.ndarray] = []
         self._idle: list[np.ndarray] = []
+        """Idle buffers, smallest first."""
+        self._sizes: list[int] = []
+        """``nbytes`` of each idle buffer, in the same order."""
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        """A writable C-contiguous array like ``np.empty(shape, dtype)`` (uninitialised), in a lent buffer."""
+        """A writable C-contiguous array like ``np.empty(shape, dtype)`` (uninitialised), in a lent buffer: the
+        smallest idle buffer that fits it, else a new one."""
         dtype = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         with self._lock:
-            sizes = [b.nbytes for b in self._idle]
-            fits = [i for i, size in enumerate(sizes) if size >= nbytes]
-            if fits:
-                buffer = self._idle.pop(min(fits, key=sizes.__getitem__))
+            fits = bisect.bisect_left(self._sizes, nbytes)
+            if fits < len(self._idle):
+                buffer = self._idle.pop(fits)
+                del self._sizes[fits]
             else:
                 if self._idle:  # too small for this; a later array of this size would not fit it either
-                    del self._idle[max(range(len(sizes)), key=sizes.__getitem__)]
+                    del self._idle[-1], self._sizes[-1]
                 buffer = np.empty(max(1, int(nbytes * _SLACK)), np.uint8)
             array = buffer[:nbytes].view(dtype).reshape(shape)
             self._lent.append(buffer)
@@ -75,6 +81,8 @@ class BufferPool:
                     self._idle.append(buffer)
                 else:
                     self._lent.append(buffer)
+            self._idle.sort(key=lambda b: b.nbytes)
+            self._sizes = [b.nbytes for b in self._idle]
 
     @property
     def idle_nbytes(self) -> int:

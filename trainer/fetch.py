@@ -4,8 +4,8 @@ Every rank fetches for itself (model-parallel peers of one DP rank each fetch th
 chunks): only the refs its DP rank's micro batches use, each once, cut to the most
 tokens any of its sequences keeps, so a truncated slice reads only its kept rows
 (``storage.chunk_read.fetch_into``). Fetches run on at most ``StorageConfig.max_concurrent_fetches``
-threads (``storage.concurrency.bounded_map``); transient store errors are retried inside the
-store (``StorageConfig.max_retries``).
+threads (``storage.concurrency.bounded_map``; from a local store, at most one per CPU: ``fetch_threads``);
+transient store errors are retried inside the store (``StorageConfig.max_retries``).
 
 Each micro batch's output arrays are allocated first (``trainer.plan.plan_micro_batch``)
 and each whole uncompressed chunk is read straight into them: the chunk's rows land in
@@ -13,8 +13,10 @@ their final place (``storage.chunk_read.fetch_into``, one ``preadv``, the crc32c
 computed over those arrays). A ref is read once, into the targets the first micro batch
 planning it names (``MicroBatchPlan.read_targets``: its first sequence that keeps as many tokens
 as are fetched), which then records them as read (``mark_read``); its other uses (a borrowed padding dummy, a
-shorter cut) and cut or compressed chunks are copied. The thread that fetches a micro
-batch's last chunk finishes it (``finish_micro_batch``: the copies, padding, streams), hashes it
+shorter cut) and cut or compressed chunks are copied. The thread that fetches a chunk checks
+its arrays against their declared bounds right after the read, while they are in cache
+(``trainer.assemble.clean_fetched``). The thread that fetches a micro batch's last chunk
+finishes it (``finish_micro_batch``: the copies, padding, streams), hashes it
 (``micro_batch_hash``: the step's replay hash, over the refs and what assembly made, not the rows read
 again) and then drops the chunks no other micro batch needs. A micro batch that fails is dropped
 whole, so rows written into it before the failure never reach training.
@@ -23,6 +25,7 @@ whole, so rows written into it before the failure never reach training.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -37,8 +40,9 @@ from refpipe.storage.chunk_read import fetch_into
 from refpipe.storage.concurrency import bounded_map
 from refpipe.storage.errors import KeyNotFoundError, RefpipeError, StepFileError
 from refpipe.storage.layout import step_key
+from refpipe.storage.local_store import LocalStore
 from refpipe.storage.store import Store
-from refpipe.trainer.assemble import AssembledMicroBatch, finish_micro_batch
+from refpipe.trainer.assemble import AssembledMicroBatch, clean_fetched, finish_micro_batch
 from refpipe.trainer.buffers import BufferPool
 from refpipe.trainer.plan import MicroBatchPlan, plan_micro_batch
 from refpipe.trainer.replay_hash import micro_batch_hash
@@ -86,6 +90,20 @@ class FetchedStep:
     """Chunks read straight into their micro batch's arrays (``Fetched.in_place``: no copy)."""
     seconds: float = 0.0
     """Wall time of fetching and assembling."""
+
+
+def fetch_threads(store: Store, max_concurrent_fetches: int) -> int:
+    """Threads one trainer rank's fetch runs on: ``StorageConfig.max_concurrent_fetches``, and from a local store at
+    most the CPUs this process may run on (``os.sched_getaffinity``).
+
+    A local chunk's fetch is CPU work (the page cache's copy, crc32c, the bound checks, assembly) that releases the
+    GIL only inside each call, so threads beyond the CPUs add hand-offs of the GIL, not reads
+    (``bench/trainer_fetch.py``, docs/benchmarks.md); an S3 fetch waits on the network, so it keeps every thread.
+    """
+    if not isinstance(store, LocalStore):
+        return max_concurrent_fetches
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(max_concurrent_fetches, cpus))
 
 
 def own_requests(header: StepHeader, dp_rank: int) -> dict[int, int]:
@@ -160,6 +178,8 @@ class _OwnFetch:
         self.mbs_pending = {ref: len(indices) for ref, indices in self.mb_indices_of_ref.items()}
         """ref index -> micro batches using it not yet assembled; 0: its fetched arrays are dropped."""
         self.arrays: dict[int, dict[str, np.ndarray]] = {}
+        self.clean: dict[int, frozenset[str]] = {}
+        """ref index -> its fetched arrays whose every value passed its bounds (``clean_fetched``)."""
         self.out, self.lock = FetchedStep(), threading.Lock()
         self.plans: dict[int, MicroBatchPlan] = {}
 
@@ -195,13 +215,14 @@ class _OwnFetch:
         plan, s, destinations = self.read_targets(ref)
         try:
             fetched = fetch_into(self.store, self.header.refs[ref], self.need[ref], destinations, self.header.step)
+            clean = clean_fetched(fetched.arrays, self.fields)  # right after the read: its bytes are in cache
         except RefpipeError as e:
             fetched = None
             self._fail(self.mb_indices_of_ref[ref], f"ref {ref} ({self.header.refs[ref].uri}): {type(e).__name__}: {e}")
         ready = []
         with self.lock:
             if fetched is not None:
-                self.arrays[ref] = fetched.arrays
+                self.arrays[ref], self.clean[ref] = fetched.arrays, clean
                 if plan is not None:
                     plan.mark_read(s, destinations)
                 self.out.chunks += 1
@@ -219,9 +240,11 @@ class _OwnFetch:
         with self.lock:
             failed = index in self.out.failed
             arrays = {ref: self.arrays[ref] for ref in self.ref_indices_of_mb[index] if ref in self.arrays}
+            clean = {ref: self.clean[ref] for ref in arrays}
         if not failed:
             try:
-                done = finish_micro_batch(self.plans[index], self.step_file.streams(self.dp_rank, index), arrays)
+                done = finish_micro_batch(self.plans[index], self.step_file.streams(self.dp_rank, index), arrays,
+                                          clean)
             except RefpipeError as e:
                 self._fail([index], f"micro batch {index}: {type(e).__name__}: {e}")
             else:
@@ -233,6 +256,7 @@ class _OwnFetch:
                 self.mbs_pending[ref] -= 1
                 if self.mbs_pending[ref] == 0:
                     self.arrays.pop(ref, None)
+                    self.clean.pop(ref, None)
 
     def _fail(self, indices: list[int], line: str) -> None:
         with self.lock:

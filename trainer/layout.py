@@ -6,7 +6,7 @@ module docstring there).
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -20,14 +20,17 @@ _STREAM_PADDING = {"input_ids": 0, "loss_mask": False, "advantages": 0.0, "infer
 """Value of each stream at padding tokens (``position_ids`` count 0, 1, ... instead)."""
 
 
-def pad_streams(streams: Mapping[str, np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
-    """Every stream ``[T]`` copied into ``[seq_len]`` of its ``STREAMS`` dtype, padded as ``trainer.assemble``
-    documents; an extra stream (``StepHeader.extra_streams``) keeps its dtype and is padded with 0."""
+def pad_streams(streams: Mapping[str, np.ndarray], seq_len: int,
+                empty: Callable[..., np.ndarray] = np.empty) -> dict[str, np.ndarray]:
+    """Every stream ``[T]`` copied into ``[seq_len]`` of its ``STREAMS`` dtype (allocated with ``empty(shape,
+    dtype)``), padded as ``trainer.assemble`` documents; an extra stream (``StepHeader.extra_streams``) keeps its
+    dtype and is padded with 0."""
     out = {}
     for name, real in streams.items():
-        a = np.empty(seq_len, STREAMS.get(name, real.dtype))
+        a = empty((seq_len,), STREAMS.get(name, real.dtype))
         a[: len(real)] = real
-        a[len(real):] = np.arange(seq_len - len(real)) if name == "position_ids" else _STREAM_PADDING.get(name, 0)
+        a[len(real):] = _counting(seq_len)[: seq_len - len(real)] if name == "position_ids" else (
+            _STREAM_PADDING.get(name, 0))
         out[name] = a
     return out
 
@@ -35,8 +38,11 @@ def pad_streams(streams: Mapping[str, np.ndarray], seq_len: int) -> dict[str, np
 def padded_cu_seqlens(mb: MicroBatchRecord, seq_len: int) -> np.ndarray:
     """int32 ``mb.cu_seqlens()`` with ``seq_len`` appended when the micro batch is padded."""
     cu = mb.cu_seqlens()
-    return np.append(cu, np.int32(seq_len)).astype(np.int32) if mb.num_tokens < seq_len else cu
-
+    if mb.num_tokens >= seq_len:
+        return cu
+    out = np.empty(len(cu) + 1, np.int32)
+    out[:-1], out[-1] = cu, seq_len
+    return out
 
 
 def padding_rows_of(fdef: FieldDecl, num_rows: int, cfg: FieldsConfig, dtype: np.dtype,
@@ -59,33 +65,33 @@ def _cached_padding(fdef: FieldDecl, num_rows: int, trailing: tuple[int, ...], d
 
 
 def field_row_ids(domain: str, mb: MicroBatchRecord, refs: Sequence[PayloadRef], cu_rows: np.ndarray,
-                  seq_len: int) -> np.ndarray:
-    """[seq_len] int64 row of a ``completion`` or ``prompt`` field per position, -1 elsewhere (module docstring)."""
-    if domain == "completion":
-        return completion_row_ids(mb, refs, cu_rows, seq_len)
-    row_ids = np.full(seq_len, -1, np.int64)
-    starts = mb.cu_seqlens()
-    for s in range(len(mb.sequences)):
-        num_rows = int(cu_rows[s + 1] - cu_rows[s])
-        row_ids[starts[s] : starts[s] + num_rows] = np.arange(cu_rows[s], cu_rows[s] + num_rows)
-    return row_ids
-
-
-def completion_row_ids(mb: MicroBatchRecord, refs: Sequence[PayloadRef], cu_rows: np.ndarray,
-                       seq_len: int) -> np.ndarray:
-    """[seq_len] int64: the completion row each position predicts, -1 elsewhere (module docstring).
+                  seq_len: int, empty: Callable[..., np.ndarray] = np.empty) -> np.ndarray:
+    """[seq_len] int64 row of a ``completion`` or ``prompt`` field per position, -1 elsewhere (module docstring),
+    allocated with ``empty(shape, dtype)``.
 
     Args:
-        cu_rows: [S + 1] int32 cumulative completion rows per sequence (0 for sequences without rows).
+        cu_rows: [S + 1] int32 cumulative rows of the field per sequence (0 for sequences without rows).
     """
-    row_ids = np.full(seq_len, -1, np.int64)
-    starts = mb.cu_seqlens()
+    row_ids = empty((seq_len,), np.int64)
+    row_ids[:] = -1
+    counting, starts = _counting(seq_len), mb.cu_seqlens()
     for s, seq in enumerate(mb.sequences):
-        num_rows = int(cu_rows[s + 1] - cu_rows[s])
-        if num_rows == 0:
+        first_row, end_row = int(cu_rows[s]), int(cu_rows[s + 1])
+        if first_row == end_row:
             continue
-        assert seq.ref is not None  # a sequence with rows has a ref
-        first = int(starts[s]) + refs[seq.ref].num_prompt_tokens - 1  # position predicting completion row 0
-        skip = 1 if first < starts[s] else 0  # no prompt: nothing in this sequence predicts row 0
-        row_ids[first + skip : first + num_rows] = np.arange(cu_rows[s] + skip, cu_rows[s] + num_rows)
+        first = int(starts[s])  # prompt row r: its own position
+        if domain == "completion":
+            assert seq.ref is not None  # a sequence with rows has a ref
+            first += refs[seq.ref].num_prompt_tokens - 1  # the position predicting completion row 0
+            if first < starts[s]:  # no prompt: nothing in this sequence predicts row 0
+                first, first_row = first + 1, first_row + 1
+        row_ids[first : first + end_row - first_row] = counting[first_row:end_row]
     return row_ids
+
+
+@functools.lru_cache(maxsize=4)
+def _counting(n: int) -> np.ndarray:
+    """Read-only int64 ``[0, 1, ..., n - 1]``, made once per length (the row ids and padding positions of a step)."""
+    a = np.arange(n, dtype=np.int64)
+    a.flags.writeable = False
+    return a

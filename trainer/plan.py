@@ -43,6 +43,9 @@ class MicroBatchPlan:
     targets: list[dict[str, np.ndarray]]
     filled: set[tuple[int, str]] = field(default_factory=set)
     """``(sequence index, stored array name)`` of targets that already hold their rows."""
+    empty: Callable[..., np.ndarray] = np.empty
+    """What allocated ``buffers``; ``trainer.assemble.finish_micro_batch`` allocates the padded streams and row ids
+    with it too."""
 
     def read_targets(self, ref: int, num_tokens: int) -> tuple[int, dict[str, np.ndarray]] | None:
         """Where to read ref ``ref`` cut to ``num_tokens`` tokens: ``(s, name -> destination)`` of the first
@@ -101,7 +104,7 @@ def plan_micro_batch(mb: MicroBatchRecord, refs: Sequence[PayloadRef], *, seq_le
         for s, n in enumerate(rows):
             if n is not None:
                 targets[s][fdef.name] = buffer[starts[s] : starts[s] + n]
-    return MicroBatchPlan(mb, refs, seq_len, fields, buffers, cu_rows, targets)
+    return MicroBatchPlan(mb, refs, seq_len, fields, buffers, cu_rows, targets, empty=empty)
 
 
 def check_fits(mb: MicroBatchRecord, seq_len: int, what: str) -> None:

@@ -1,10 +1,10 @@
 """Turn an assembled micro batch (numpy) into torch tensors, without per-element Python.
 
-Streams are widened with exactly one numpy copy (``astype``) and wrapped with
-``torch.from_numpy``: token ids and positions become int64 (embedding and gather
-indices), the rest keep their step-file dtype. Field arrays and ``cu_seqlens`` are
-fresh arrays owned by the assembled micro batch and are wrapped without a copy (routing
-stays uint8/uint16 as kept; ``row_ids`` is int64 already).
+Token ids and positions are widened to int64 (embedding and gather indices) with exactly
+one numpy copy (``astype``); every other array is owned by the assembled micro batch and
+wrapped with ``torch.from_numpy`` without a copy: the other streams (they keep their
+step-file dtype), field arrays and ``cu_seqlens`` (routing stays uint8/uint16 as kept;
+``row_ids`` is int64 already).
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ def _wrap(a: np.ndarray | None) -> torch.Tensor | None:
 
 
 def to_torch(mb: AssembledMicroBatch) -> TrainMicroBatch:
-    """Tensors of ``mb``: one widening copy per stream, field arrays shared with ``mb``."""
-    streams = {name: torch.from_numpy(a.astype(STREAM_TORCH_DTYPES.get(name, a.dtype)))
+    """Tensors of ``mb``: one widening copy of ids and positions, every other array shared with ``mb``."""
+    streams = {name: torch.from_numpy(a.astype(STREAM_TORCH_DTYPES.get(name, a.dtype), copy=False))
                for name, a in mb.streams.items()}
     fields = {name: FieldTensors(torch.from_numpy(f.values), torch.from_numpy(f.cu_seqlens), _wrap(f.counts),
                                  _wrap(f.padded), _wrap(f.row_ids))

@@ -18,8 +18,9 @@ from refpipe.storage.backends import open_store
 from refpipe.storage.chunk_read import fetch_arrays
 from refpipe.storage.errors import FieldError, PackingError, StepFileError
 from refpipe.storage.layout import chunk_keys
-from refpipe.trainer.assemble import assemble_dropped_micro_batch, assemble_micro_batch
+from refpipe.trainer.assemble import assemble_dropped_micro_batch, assemble_micro_batch, finish_micro_batch
 from refpipe.trainer.fetch import fetch_own, own_requests, wait_for_step
+from refpipe.trainer.plan import plan_micro_batch
 from refpipe.trainer.replay_hash import micro_batch_hash
 from refpipe.trainer.tensors import to_torch
 from tests.trainer.trainer_helpers import (
@@ -167,7 +168,34 @@ def test_to_torch_widens_streams_once_and_shares_field_memory(local):
     assert t.streams["loss_mask"].dtype == torch.bool and t.streams["temperatures"].dtype == torch.float32
     assert t.fields["routed_experts"].padded.data_ptr() == mb.fields["routed_experts"].padded.ctypes.data
     assert t.fields["routed_experts"].values.data_ptr() == mb.fields["routed_experts"].padded.ctypes.data
+    # ids and positions are the one copy (widened); the streams of their own dtype are wrapped as they are
+    assert {name for name, a in mb.streams.items() if t.streams[name].data_ptr() == a.ctypes.data} == {
+        "loss_mask", "advantages", "inference_logprobs", "temperatures"}
     assert_same(flatten(t.streams, t.cu_seqlens, t.fields), expected_micro_batch(step, 0, 0), widened=True)
+
+
+def test_streams_and_row_ids_are_allocated_where_the_plans_arrays_are(local):
+    """A trainer rank's padded streams and row ids come from its buffer pool like the field arrays (memory already
+    faulted in), through the ``empty`` the plan was made with."""
+    store, step = local
+    header = step.header
+    arrays = {i: fetch_arrays(store, header.refs[i], n) for i, n in own_requests(header, 0).items()}
+    made: list[np.ndarray] = []
+
+    def empty(shape, dtype):
+        made.append(np.empty(shape, dtype))
+        return made[-1]
+
+    record = header.micro_batches_of(0)[0]
+    plan = plan_micro_batch(record, header.refs, seq_len=SEQ_LEN, fields=FIELDS, empty=empty)
+    mb = finish_micro_batch(plan, step.streams[(0, 0)], arrays)
+    row_ids = {name: f.row_ids for name, f in mb.fields.items() if f.row_ids is not None}
+    assert sorted(row_ids) == ["sample_support", "sampling_mask", "topk_ids", "topk_logprobs"]
+    allocated = {id(a) for a in made}
+    assert all(id(a) in allocated for a in [*mb.streams.values(), *row_ids.values()])
+    assert len({a.ctypes.data for a in row_ids.values()}) == len(row_ids)  # equal, but each field's own array
+    assert len(made) == 4 + len(mb.streams) + len(row_ids)  # routing, topk_ids, topk_logprobs, sample_support
+    assert_same(flatten(mb.streams, mb.cu_seqlens, mb.fields), expected_micro_batch(step, 0, 0))
 
 
 def test_micro_batch_hash_is_xxh3_128_of_the_refs_and_what_assembly_made(local):

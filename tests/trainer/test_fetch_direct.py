@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
+import sys
 import threading
 import zipfile
 
@@ -17,7 +20,7 @@ from refpipe.storage.errors import StepFileError
 from refpipe.storage.layout import chunk_keys, step_key
 from refpipe.storage.local_store import LocalStore
 from refpipe.trainer.buffers import BufferPool
-from refpipe.trainer.fetch import fetch_own, wait_for_step
+from refpipe.trainer.fetch import fetch_own, fetch_threads, wait_for_step
 from refpipe.trainer.tensors import to_torch
 from tests.helpers.step_file import forge_header
 from tests.trainer.trainer_helpers import (
@@ -206,3 +209,22 @@ def test_the_trainers_load_refuses_a_step_file_whose_stream_changed(built):
                                 f"{now:#010x}, the header records {recorded['dp1.mb1.loss_mask.npy']:#010x} "
                                 "(corrupted step file)")
     assert store.list_prefix("payloads") == payloads
+
+
+def test_a_fetch_from_a_local_store_runs_on_at_most_one_thread_per_cpu(local_config):
+    """Reading a local chunk is CPU work: a rank's fetch takes one thread per CPU it may run on, at most
+    ``max_concurrent_fetches``."""
+    code = ("import os, sys; from refpipe.storage.backends import open_store; from refpipe.storage.config import "
+            "StorageConfig; from refpipe.trainer.fetch import fetch_threads; os.sched_setaffinity(0, {0}); "
+            "store = open_store(StorageConfig.model_validate_json(sys.argv[1])); "
+            "print(fetch_threads(store, 8), fetch_threads(store, 1))")
+    got = subprocess.run([sys.executable, "-c", code, local_config.model_dump_json()], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert got == ["1", "1"]
+    cpus = len(os.sched_getaffinity(0))
+    assert fetch_threads(open_store(local_config), 256) == cpus and fetch_threads(open_store(local_config), 1) == 1
+
+
+def test_a_fetch_from_s3_runs_on_max_concurrent_fetches_threads(s3_config):
+    """An S3 fetch waits on the network: every thread ``max_concurrent_fetches`` allows."""
+    assert fetch_threads(open_store(s3_config), 8) == 8 and fetch_threads(open_store(s3_config), 64) == 64
