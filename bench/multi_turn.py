@@ -6,7 +6,7 @@ One env-server worker (this process, a local directory) keeps ``--branches`` bra
 (``OpenBranch.append``), every branch live at once, turn by turn. At the middle turn a step boundary cuts every
 branch (``suspend``), the worker restarts (its ledger is closed, a new one opened) and resumes and finishes them.
 Then every branch is closed and its rows are kept again whole (``Keeper.keep``, the baseline), each ref is fetched
-into a buffer of its size (``fetch_into`` on ``max_concurrent_fetches`` threads, as a trainer rank reads its
+into a buffer of its size (``fetch_into`` on ``StorageConfig.fetch_threads()`` threads, as a trainer rank reads its
 micro batches), alternating segmented and whole refs, and everything is released (segments, shared prompts
 after their last holder) and audited.
 
@@ -86,14 +86,14 @@ class PeakRss:
 
 
 def fetch_all(store: Store, refs: dict[str, PayloadRef], buffers: dict[str, np.ndarray]) -> float:
-    """Read every ref into its buffer on ``max_concurrent_fetches`` threads, as a trainer rank does; return the CPU
-    seconds of those threads (user and system), summed."""
+    """Read every ref into its buffer on ``StorageConfig.fetch_threads()`` threads, as a trainer rank does; return the
+    CPU seconds of those threads (user and system), summed."""
     def fetch(i: str) -> float:
         started = time.thread_time()
         fetch_into(store, refs[i], None, {"routed_experts": buffers[i]})
         return time.thread_time() - started
 
-    return sum(bounded_map(fetch, list(refs), store.config.max_concurrent_fetches))
+    return sum(bounded_map(fetch, list(refs), store.config.fetch_threads()))
 
 
 def object_runs(root: Path, ref: PayloadRef) -> list[tuple[Path, int, int]]:
@@ -197,7 +197,7 @@ def main() -> None:
             runs = [object_runs(Path(config.root) / config.run_id, ref) for ref in chosen.values()]
             raw = [np.ones(sum(nbytes for _, _, nbytes in run), np.uint8) for run in runs]  # touched: no page faults
             raw_seconds[kind].append(sum(bounded_map(lambda j: read_raw(runs[j], raw[j]), range(len(runs)),
-                                                     config.max_concurrent_fetches)))
+                                                     config.fetch_threads())))
     trainer = Ledger(store, "trainer_dp0")
     trainer.delete(list(refs.values()) + list(wholes.values()), reason="bench: trained")
     for ledger in (keeper.ledger, trainer):

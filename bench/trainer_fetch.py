@@ -11,7 +11,7 @@ Three worlds of 2 ranks, one after the other (each its own processes, so peak RS
 ``limit``  on step 0, ``--rounds`` paired rounds, both ranks at once (barriers between phases):
            the physical limit -- ``os.preadv`` of the rank's chunk files into buffers allocated
            (and touched) once, on the threads ``TrainerRank.fetch`` runs on (``TrainerRank.fetch_threads``:
-           ``StorageConfig.max_concurrent_fetches``, at most one per CPU from this local store), no checksum,
+           ``StorageConfig.fetch_threads()``: one per CPU from this local directory by default), no checksum,
            no layout -- then refpipe: ``TrainerRank.fetch`` (same threads; each micro batch
            assembled into its padded layout and hashed as its chunks arrive, into the rank's
            ``BufferPool``: from the second round on, the previous round's memory) +

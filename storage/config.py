@@ -45,8 +45,11 @@ class StorageConfig(BaseModel):
     s3_part_size_bytes: int = Field(default=64 * 2**20, ge=5 * 2**20, le=5 * 2**30)
     """An S3 object above this many bytes (a checkpoint share) is put as a multipart upload of parts this size
     (AWS limits: parts of 5 MiB to 5 GiB; a single PUT stops at 5 GiB)."""
-    max_concurrent_fetches: int = Field(default=8, ge=1, le=256)
-    """Chunks one process (a trainer rank's prefetch) fetches at once, each on its own thread."""
+    max_concurrent_fetches: int | None = Field(default=None, ge=1, le=256)
+    """Chunks one process (a trainer rank's prefetch) fetches at once, each on its own thread (``fetch_threads``).
+    None: on S3 8, which wait on the network; on a directory one per CPU the process may run on, as a read from the
+    page cache is CPU work and threads beyond the CPUs only hand the GIL around (docs/benchmarks.md,
+    ``trainer_fetch``). Set it on a network filesystem (Lustre, NFS), whose reads wait on its servers."""
     max_concurrent_upload_parts: int = Field(default=8, ge=1, le=256)
     """Parts of one S3 multipart upload (``s3_part_size_bytes`` each) sent at once; each is held in memory
     while it is sent."""
@@ -60,6 +63,15 @@ class StorageConfig(BaseModel):
     heartbeat_timeout_s: float = Field(default=15.0, gt=0, le=3600)
     """A session whose heartbeat did not change for this long (by the reader's clock) is dead; >= 2 intervals."""
 
+    def fetch_threads(self) -> int:
+        """Threads a process's fetches run on: ``max_concurrent_fetches``, or its default for this root (S3: 8; a
+        directory: the CPUs ``os.sched_getaffinity`` allows this process)."""
+        if self.max_concurrent_fetches is not None:
+            return self.max_concurrent_fetches
+        if RunPrefix.from_root(self.root, self.run_id).scheme == "s3":
+            return _S3_FETCH_THREADS
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
     @model_validator(mode="after")
     def _timeout_spans_beats(self) -> "StorageConfig":
         if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
@@ -72,6 +84,10 @@ class StorageConfig(BaseModel):
         """Refuse at configuration a root or run id that has no run prefix (``RunPrefix.from_root``)."""
         RunPrefix.from_root(self.root, self.run_id)
         return self
+
+
+_S3_FETCH_THREADS = 8
+"""Default fetch threads on S3 (``StorageConfig.fetch_threads``): each waits on a GET's round trip."""
 
 
 def run_storage(run_uri: str, s3_endpoint_url: str | None = None) -> StorageConfig:

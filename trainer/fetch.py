@@ -4,7 +4,7 @@ Every rank fetches for itself (model-parallel peers of one DP rank each fetch th
 chunks): only the refs its DP rank's micro batches use, each once, cut to the most
 tokens any of its sequences keeps, so a truncated slice reads only its kept rows
 (``storage.chunk_read.fetch_into``). Fetches run on at most ``StorageConfig.max_concurrent_fetches``
-threads (``storage.concurrency.bounded_map``; from a local store, at most one per CPU: ``fetch_threads``);
+threads (``storage.concurrency.bounded_map``; its default: ``StorageConfig.fetch_threads``);
 transient store errors are retried inside the store (``StorageConfig.max_retries``).
 
 Each micro batch's output arrays are allocated first (``trainer.plan.plan_micro_batch``)
@@ -25,7 +25,6 @@ whole, so rows written into it before the failure never reach training.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -40,7 +39,6 @@ from refpipe.storage.chunk_read import fetch_into
 from refpipe.storage.concurrency import bounded_map
 from refpipe.storage.errors import KeyNotFoundError, RefpipeError, StepFileError
 from refpipe.storage.layout import step_key
-from refpipe.storage.local_store import LocalStore
 from refpipe.storage.store import Store
 from refpipe.trainer.assemble import AssembledMicroBatch, clean_fetched, finish_micro_batch
 from refpipe.trainer.buffers import BufferPool
@@ -90,20 +88,6 @@ class FetchedStep:
     """Chunks read straight into their micro batch's arrays (``Fetched.in_place``: no copy)."""
     seconds: float = 0.0
     """Wall time of fetching and assembling."""
-
-
-def fetch_threads(store: Store, max_concurrent_fetches: int) -> int:
-    """Threads one trainer rank's fetch runs on: ``StorageConfig.max_concurrent_fetches``, and from a local store at
-    most the CPUs this process may run on (``os.sched_getaffinity``).
-
-    A local chunk's fetch is CPU work (the page cache's copy, crc32c, the bound checks, assembly) that releases the
-    GIL only inside each call, so threads beyond the CPUs add hand-offs of the GIL, not reads
-    (``bench/trainer_fetch.py``, docs/benchmarks.md); an S3 fetch waits on the network, so it keeps every thread.
-    """
-    if not isinstance(store, LocalStore):
-        return max_concurrent_fetches
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(max_concurrent_fetches, cpus))
 
 
 def own_requests(header: StepHeader, dp_rank: int) -> dict[int, int]:

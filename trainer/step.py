@@ -24,7 +24,7 @@ from refpipe.trainer.background import BackgroundRelease, Prefetch, Prepared, Re
 from refpipe.trainer.buffers import BufferPool
 from refpipe.trainer.config import TrainerConfig
 from refpipe.trainer.dist import Topology, agree_failures, gather_rank_rows, gather_rank_values, new_data_group
-from refpipe.trainer.fetch import FetchedStep, fetch_own, fetch_threads, wait_for_step
+from refpipe.trainer.fetch import FetchedStep, fetch_own, wait_for_step
 from refpipe.trainer.loop import TrainingStep, pull_steps
 from refpipe.trainer.metrics import ReleaseMetrics, StepMetrics, pack_row, release_metrics, unpack_rows
 from refpipe.trainer.pause import pause_point
@@ -93,8 +93,8 @@ class TrainerRank:
     Args:
         store: the run's store, created in this process.
         fields: the run's field shapes.
-        storage: fetch and delete concurrency (``max_concurrent_fetches``: from a local store at most one thread per
-            CPU, ``trainer.fetch.fetch_threads``; ``max_concurrent_deletes``) and retries.
+        storage: fetch and delete concurrency (``StorageConfig.fetch_threads``, ``max_concurrent_deletes``) and
+            retries.
         config: topology and timeouts.
         data_group: the process group of the data path's collectives: a gloo group over the whole
             world; default: a new one (``trainer.dist.new_data_group``).
@@ -111,8 +111,8 @@ class TrainerRank:
                         if self.ledger is not None else None)
         self.policy = ReleasePolicy(self.release, config) if self.release is not None else None
         self.buffers = BufferPool()
-        self.fetch_threads = fetch_threads(store, storage.max_concurrent_fetches)
-        """Threads of each fetch (``trainer.fetch.fetch_threads``)."""
+        self.fetch_threads = storage.fetch_threads()
+        """Threads of each fetch (``StorageConfig.fetch_threads``)."""
         self.prefetch = Prefetch(self._read_step, self.fetch, config.step_poll_s)
         self._skipped: set[int] = set()
         """Steps of the resume plan (``resume``) that are skipped: never prefetched."""

@@ -20,7 +20,7 @@ from refpipe.storage.errors import StepFileError
 from refpipe.storage.layout import chunk_keys, step_key
 from refpipe.storage.local_store import LocalStore
 from refpipe.trainer.buffers import BufferPool
-from refpipe.trainer.fetch import fetch_own, fetch_threads, wait_for_step
+from refpipe.trainer.fetch import fetch_own, wait_for_step
 from refpipe.trainer.tensors import to_torch
 from tests.helpers.step_file import forge_header
 from tests.trainer.trainer_helpers import (
@@ -211,20 +211,19 @@ def test_the_trainers_load_refuses_a_step_file_whose_stream_changed(built):
     assert store.list_prefix("payloads") == payloads
 
 
-def test_a_fetch_from_a_local_store_runs_on_at_most_one_thread_per_cpu(local_config):
-    """Reading a local chunk is CPU work: a rank's fetch takes one thread per CPU it may run on, at most
-    ``max_concurrent_fetches``."""
-    code = ("import os, sys; from refpipe.storage.backends import open_store; from refpipe.storage.config import "
-            "StorageConfig; from refpipe.trainer.fetch import fetch_threads; os.sched_setaffinity(0, {0}); "
-            "store = open_store(StorageConfig.model_validate_json(sys.argv[1])); "
-            "print(fetch_threads(store, 8), fetch_threads(store, 1))")
+def test_fetches_from_a_directory_run_on_one_thread_per_cpu_unless_configured(local_config):
+    """A read from the page cache is CPU work: by default one fetch thread per CPU the process may run on; a
+    configured ``max_concurrent_fetches`` (a network filesystem's reads wait on its servers) is taken as it is."""
+    code = ("import os, sys; from refpipe.storage.config import StorageConfig; os.sched_setaffinity(0, {0}); "
+            "config = StorageConfig.model_validate_json(sys.argv[1]); "
+            "print(config.fetch_threads(), config.model_copy(update={'max_concurrent_fetches': 16}).fetch_threads())")
     got = subprocess.run([sys.executable, "-c", code, local_config.model_dump_json()], capture_output=True, text=True,
                          check=True).stdout.split()
-    assert got == ["1", "1"]
-    cpus = len(os.sched_getaffinity(0))
-    assert fetch_threads(open_store(local_config), 256) == cpus and fetch_threads(open_store(local_config), 1) == 1
+    assert got == ["1", "16"]
+    assert local_config.fetch_threads() == len(os.sched_getaffinity(0))
 
 
-def test_a_fetch_from_s3_runs_on_max_concurrent_fetches_threads(s3_config):
-    """An S3 fetch waits on the network: every thread ``max_concurrent_fetches`` allows."""
-    assert fetch_threads(open_store(s3_config), 8) == 8 and fetch_threads(open_store(s3_config), 64) == 64
+def test_fetches_from_s3_run_on_eight_threads_unless_configured(s3_config):
+    """An S3 fetch waits on the network: 8 threads by default, whatever the CPUs."""
+    assert s3_config.fetch_threads() == 8
+    assert s3_config.model_copy(update={"max_concurrent_fetches": 64}).fetch_threads() == 64
