@@ -9,9 +9,10 @@ files, episodes, the CLI). The bytes themselves: ``storage.chunk_codec``; writin
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import numpy as np
 from pydantic import (
@@ -28,6 +29,9 @@ from pydantic import (
 from refpipe.storage.checksum import crc32c
 from refpipe.storage.errors import ConfigError, OutsideRunError
 from refpipe.storage.layout import ID_RULE, is_id, node_key
+
+if TYPE_CHECKING:
+    from refpipe.storage.segment_read import Step
 
 FORMAT_VERSION = 2
 """2: per-array block crc32c (``block_rows``, ``block_crcs``)."""
@@ -223,6 +227,13 @@ class PayloadRef(BaseModel):
             if expected is not None and spec.shape[0] != expected:
                 return f"array {name!r}: {spec.shape[0]} rows: expected {expected} ({spec.domain} domain)"
         return None
+
+    @functools.cached_property
+    def _fetch_plans(self) -> dict[tuple[int, tuple[str, ...]], tuple[Step, ...]]:
+        """``storage.segment_read``'s plans of fetches of this (segmented) ref, by tokens fetched and destination
+        names: derived from the immutable ref, planned once each and kept with it (not a field: neither serialised
+        nor compared)."""
+        return {}
 
     def layout(self) -> list[ArrayLayout]:
         """Offsets of every array in the payload (derived, never stored in the ref)."""
