@@ -9,10 +9,9 @@ files, episodes, the CLI). The bytes themselves: ``storage.chunk_codec``; writin
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 from pydantic import (
@@ -29,9 +28,6 @@ from pydantic import (
 from refpipe.storage.checksum import crc32c
 from refpipe.storage.errors import ConfigError, OutsideRunError
 from refpipe.storage.layout import ID_RULE, is_id, node_key
-
-if TYPE_CHECKING:
-    from refpipe.storage.segment_read import Step
 
 FORMAT_VERSION = 2
 """2: per-array block crc32c (``block_rows``, ``block_crcs``)."""
@@ -103,6 +99,10 @@ class PayloadRef(BaseModel):
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+    __slots__ = ("_fetch_plans",)
+    """``_fetch_plans``: ``storage.segment_read``'s plans of this ref object's fetches, made on its first fetch. A slot,
+    not a field: never validated, serialised or compared, and not carried by ``model_copy`` (whose update may change
+    what a plan derives from), ``copy`` or pickling."""
 
     uri: str
     """Provenance: URI of the branch's Zarr array node as its writer saw it (``<run>/payloads/<shard>/<branch_id>``)."""
@@ -227,13 +227,6 @@ class PayloadRef(BaseModel):
             if expected is not None and spec.shape[0] != expected:
                 return f"array {name!r}: {spec.shape[0]} rows: expected {expected} ({spec.domain} domain)"
         return None
-
-    @functools.cached_property
-    def _fetch_plans(self) -> dict[tuple[int, tuple[str, ...]], tuple[Step, ...]]:
-        """``storage.segment_read``'s plans of fetches of this (segmented) ref, by tokens fetched and destination
-        names: derived from the immutable ref, planned once each and kept with it (not a field: neither serialised
-        nor compared)."""
-        return {}
 
     def layout(self) -> list[ArrayLayout]:
         """Offsets of every array in the payload (derived, never stored in the ref)."""

@@ -15,20 +15,22 @@ as for any chunk (``chunk_read.read_found``).
 
 What a fetch reads depends only on the ref (immutable), the tokens fetched and the destinations' names, so it is
 planned once per such pair (``Step``: runs with the byte ranges of their buffers, parts read alone) and the plan kept
-with the ref (``PayloadRef._fetch_plans``); a fetch then only slices its destinations, reads and checks.
+with the ref object (its ``_fetch_plans`` slot); a fetch then only slices its destinations, reads and checks.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
-from typing import NamedTuple, TypeAlias
+from itertools import groupby
+from typing import NamedTuple, TypeAlias, cast
 
 import numpy as np
 
 from refpipe.storage.checksum import crc32c
 from refpipe.storage.chunk_codec import check_checksum, check_length, decode_payload, view_array
 from refpipe.storage.chunk_read import Fetched, _check_destination, _cut, fetch_into, read_found
-from refpipe.storage.chunk_ref import ArraySpec, PayloadRef, domain_rows
+from refpipe.storage.chunk_ref import ALIGN_BYTES, PayloadRef, domain_rows
 from refpipe.storage.errors import RefError
 from refpipe.storage.layout import chunk_keys
 from refpipe.storage.store import Store, byte_view
@@ -75,14 +77,14 @@ def fetch_segments(store: Store, ref: PayloadRef, num_tokens: int | None, out: M
     ``offset``: every segment they reach (a cut one too) read into its rows of the destinations (module doc); arrays
     without a destination (and ragged values) are joined from the pieces. Raises as ``fetch_into``."""
     n = ref.num_tokens if num_tokens is None else num_tokens
-    names = tuple(out)
-    plan = ref._fetch_plans.get((n, names))
+    names, plans = tuple(out), _plans(ref)
+    plan = plans.get((n, names))
     if plan is None:
         _check_ref(store, ref, n)
     for name, dest in out.items():
         _check_named(store, ref, name, dest, (_cut_rows(ref, name, n, out), *ref.arrays[name].shape[1:]))
     if plan is None:
-        plan = ref._fetch_plans.setdefault((n, names), _plan(store, ref, n, names))
+        plan = plans.setdefault((n, names), _plan(store, ref, n, names))
     views = [byte_view(out[name]) if out[name].size else memoryview(bytearray()) for name in names]
     pieces: dict[str, list[np.ndarray]] = {name: [] for name in ref.arrays}
     in_place = True
@@ -97,6 +99,15 @@ def fetch_segments(store: Store, ref: PayloadRef, num_tokens: int | None, out: M
             if name not in todo.rows:
                 pieces[name].append(a)
     return Fetched(_joined(store, ref, pieces, out), in_place)
+
+
+def _plans(ref: PayloadRef) -> dict[tuple[int, tuple[str, ...]], tuple[Step, ...]]:
+    """The plans of ``ref``'s fetches by (tokens, destination names), kept in its ``_fetch_plans`` slot."""
+    plans = getattr(ref, "_fetch_plans", None)
+    if plans is None:
+        plans = {}
+        object.__setattr__(ref, "_fetch_plans", plans)  # a slot, not a field (``PayloadRef.__slots__``)
+    return cast(dict[tuple[int, tuple[str, ...]], tuple[Step, ...]], plans)
 
 
 def _check_ref(store: Store, ref: PayloadRef, n: int) -> None:
@@ -114,22 +125,20 @@ def _check_ref(store: Store, ref: PayloadRef, n: int) -> None:
 def _plan(store: Store, ref: PayloadRef, n: int, names: tuple[str, ...]) -> tuple[Step, ...]:
     """What a fetch of the first ``n`` tokens into destinations ``names`` reads: ``_parts`` cut into runs
     (consecutive direct parts of one object together) and parts read alone."""
+    row_nbytes = {name: np.dtype(spec.dtype).itemsize * math.prod(spec.shape[1:]) for name, spec in ref.arrays.items()}
     plan: list[Step] = []
-    run: list[_Part] = []
-    for part in [*_parts(store, ref, n, names), None]:
-        if run and (part is None or not part.direct or part.seg.offset is None or run[-1].seg.offset is None
-                    or run[-1].seg.branch_id != part.seg.branch_id):
-            plan.append(_run(run, names))
-            run = []
-        if part is not None and part.direct:
-            run.append(part)
-        elif part is not None:
-            plan.append(part)
+    parts = _parts(store, ref, n, names, row_nbytes)
+    for (_, joined), group in groupby(parts, lambda p: (p.seg.branch_id, p.direct and p.seg.offset is not None)):
+        if joined:  # segments of one object
+            plan.append(_run(list(group), names, row_nbytes))
+        else:
+            plan += [_run([part], names, row_nbytes) if part.direct else part for part in group]
     return tuple(plan)
 
 
-def _parts(store: Store, ref: PayloadRef, n: int, names: tuple[str, ...]) -> list[_Part]:
-    """The segments the first ``n`` tokens reach (at least one), each with its rows of the destinations.
+def _parts(store: Store, ref: PayloadRef, n: int, names: tuple[str, ...], row_nbytes: dict[str, int]) -> list[_Part]:
+    """The segments the first ``n`` tokens reach (at least one), each with its rows of the destinations
+    (``row_nbytes``: bytes per row of each array, the same in every segment).
 
     Raises:
         RefError: a segment's rows disagree with its token counts (``PayloadRef.rows_problem``: a step file's refs
@@ -143,48 +152,50 @@ def _parts(store: Store, ref: PayloadRef, n: int, names: tuple[str, ...]) -> lis
             break
         arrays, prompt, tokens = seg.arrays, seg.num_prompt_tokens, seg.num_tokens
         k = min(tokens, n - start)
-        rows, agree, placed = {}, k == tokens, 0  # agree: each destination's rows are its array's; placed: their bytes
+        rows, agree = {}, k == tokens  # agree: each destination's rows are its array's
         for name in rowed:
             spec = arrays.get(name)
             if spec is not None:
                 at, count = offsets[name], domain_rows(spec.domain, prompt, k)
                 rows[name], offsets[name] = (at, at + count), at + count
                 agree = agree and count == spec.shape[0]
-                placed += count * _row_nbytes(spec)
-        if seg is not ref and not (agree and len(rows) == len(arrays)) and (problem := seg.rows_problem()):
+        whole = len(rows) == len(arrays)
+        if seg is not ref and not (agree and whole) and (problem := seg.rows_problem()):
             raise RefError(f"chunk {store.uri(ref.key)}: segment {seg.branch_id}: {problem}: not read")
-        direct = k == tokens and seg.compression == "none" and (
-            len(rows) == len(arrays) or 0 < sum(lay.nbytes for lay in seg.layout() if lay.name not in rows) <= placed)
+        direct = k == tokens and seg.compression == "none" and (whole or 0 < sum(
+            spec.shape[0] * row_nbytes[name] for name, spec in arrays.items() if name not in rows) <= sum(
+            (end - at) * row_nbytes[name] for name, (at, end) in rows.items()))
         parts.append(_Part(seg, k, rows, direct))
         start += tokens
     return parts
 
 
-def _run(parts: list[_Part], names: tuple[str, ...]) -> _Run:
+def _run(parts: list[_Part], names: tuple[str, ...], row_nbytes: dict[str, int]) -> _Run:
     """The plan of reading ``parts`` (direct, consecutive in one object) with one ``Store.get_into``: each
-    segment's arrays (in payload order, placed as ``layout_arrays`` places them) into its rows of the destinations
-    or fresh arrays, its alignment padding into scratch, then its stored crc32c."""
+    segment's arrays (in payload order, each at an ``ALIGN_BYTES`` offset as ``layout_arrays`` places them) into its
+    rows of the destinations or fresh arrays, its alignment padding into scratch, then its stored crc32c."""
     target = {name: i for i, name in enumerate(names)}
     pieces: list[tuple[int, int, int]] = []
     trailers, fresh = [], []
     scratch = 4 * len(parts)  # the stored crc32c first, then the padding
-    for j, part in enumerate(parts):
+    for j, (seg, _, rows, _) in enumerate(parts):
         end = 0
-        for lay in part.seg.layout():
-            if lay.offset > end:  # alignment padding
-                pieces.append((-1, scratch, scratch + lay.offset - end))
-                scratch += lay.offset - end
-            if lay.name in part.rows:
-                row_nbytes = lay.nbytes // lay.shape[0] if lay.shape[0] else 0
-                first = part.rows[lay.name][0] * row_nbytes
-                pieces.append((target[lay.name], first, first + lay.nbytes))
+        for name, spec in seg.arrays.items():
+            if end % ALIGN_BYTES:  # alignment padding
+                pad = ALIGN_BYTES - end % ALIGN_BYTES
+                pieces.append((-1, scratch, scratch + pad))
+                scratch, end = scratch + pad, end + pad
+            nbytes = spec.shape[0] * row_nbytes[name]
+            if name in rows:
+                first = rows[name][0] * row_nbytes[name]
+                pieces.append((target[name], first, first + nbytes))
             else:
-                fresh.append((lay.name, lay.shape, lay.dtype))
-                pieces.append((len(names) + len(fresh) - 1, 0, lay.nbytes))
-            end = lay.offset + lay.nbytes
-        if part.seg.nbytes - 4 > end:  # the payload's trailing padding
-            pieces.append((-1, scratch, scratch + part.seg.nbytes - 4 - end))
-            scratch += part.seg.nbytes - 4 - end
+                fresh.append((name, spec.shape, np.dtype(spec.dtype)))
+                pieces.append((len(names) + len(fresh) - 1, 0, nbytes))
+            end += nbytes
+        if seg.nbytes - 4 > end:  # the payload's trailing padding
+            pieces.append((-1, scratch, scratch + seg.nbytes - 4 - end))
+            scratch += seg.nbytes - 4 - end
         trailers.append(len(pieces))
         pieces.append((-1, 4 * j, 4 * j + 4))
     segs = tuple(part.seg for part in parts)
@@ -281,8 +292,3 @@ def _cut_rows(ref: PayloadRef, name: str, n: int, out: Mapping[str, np.ndarray])
     """Rows array ``name`` has in the first ``n`` tokens (a ragged one: its destination's, checked after)."""
     domain = ref.arrays[name].domain
     return len(out[name]) if domain.startswith("values:") else domain_rows(domain, ref.num_prompt_tokens, n)
-
-
-def _row_nbytes(spec: ArraySpec) -> int:
-    """Bytes of one row of an array."""
-    return int(np.dtype(spec.dtype).itemsize * np.prod(spec.shape[1:], dtype=np.int64))
