@@ -144,6 +144,25 @@ def test_a_fetch_plan_is_kept_with_its_ref_object_alone(local_config, segment_pe
     assert fetch_into(store, ref, None, {"routed_experts": out}).in_place and out.tobytes() == rows.tobytes()
 
 
+def test_a_shared_prefix_object_of_another_length_fails_the_fetch_naming_it(local_config, segment_per_append):
+    keeper = keeper_of(local_config, CFG)
+    prefix, ref, rows = fifty_turns(keeper)
+    path = f"{keeper.store.prefix.path}/{chunk_keys(prefix.key)[0]}"
+    with open(path, "rb") as f:
+        data = f.read()
+    out = np.empty_like(rows)
+    for changed in (data + b"\0", data[:-1]):  # the prefix is an object of its own: exactly its nbytes
+        with open(path, "wb") as f:
+            f.write(changed)
+        with pytest.raises(ChunkCorruptError, match=rf"^chunk {keeper.store.uri(prefix.key)}: expected "
+                                                    rf"{prefix.nbytes} bytes, got {len(changed)} \(truncated or "
+                                                    rf"replaced\)$"):
+            fetch_into(keeper.store, ref, None, {"routed_experts": out})
+    with open(path, "wb") as f:
+        f.write(data)
+    assert fetch_into(keeper.store, ref, None, {"routed_experts": out}).in_place and out.tobytes() == rows.tobytes()
+
+
 def test_a_close_whose_commit_marker_failed_closes_again_without_writing_rows_twice(local_config,
                                                                                     segment_per_append, monkeypatch):
     keeper = keeper_of(local_config, CFG)
