@@ -114,6 +114,10 @@ def fetch_into(store: Store, ref: PayloadRef, num_tokens: int | None, out: Mappi
         As ``fetch_arrays``; ValueError also for a destination of another dtype or shape,
         read-only or not C-contiguous.
     """
+    if ref.segments or ref.offset is not None:  # checked there as below, its fetch plan kept with the ref
+        from refpipe.storage.segment_read import fetch_segments  # it reads its single segments with fetch_into
+
+        return fetch_segments(store, ref, num_tokens, out, step)
     data_key, _ = chunk_keys(ref.key)
     ref = ref.model_copy(update={"uri": store.uri(ref.key)})  # errors name the chunk read, not where it was kept
     n = ref.num_tokens if num_tokens is None else num_tokens
@@ -122,10 +126,6 @@ def fetch_into(store: Store, ref: PayloadRef, num_tokens: int | None, out: Mappi
     problem = ref.rows_problem()  # a step file's refs are validated without it (``REF_ROWS_CHECKED_PER_USE``)
     if problem:
         raise RefError(f"chunk {ref.uri}: {problem}: not read")
-    if ref.segments or ref.offset is not None:
-        from refpipe.storage.segment_read import fetch_segments  # it reads its single segments with fetch_into
-
-        return fetch_segments(store, ref, n, out, step)
     return read_found(store, ref, step, lambda: _fetch(store, data_key, ref, n, dict(out)))
 
 

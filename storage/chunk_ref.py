@@ -99,6 +99,10 @@ class PayloadRef(BaseModel):
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+    __slots__ = ("_fetch_plans",)
+    """``_fetch_plans``: ``storage.segment_read``'s plans of this ref object's fetches, made on its first fetch. A slot,
+    not a field: never validated, serialised or compared, and not carried by ``model_copy`` (whose update may change
+    what a plan derives from), ``copy`` or pickling."""
 
     uri: str
     """Provenance: URI of the branch's Zarr array node as its writer saw it (``<run>/payloads/<shard>/<branch_id>``)."""

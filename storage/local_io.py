@@ -121,9 +121,9 @@ def readv_all(fd: int, views: list[memoryview], size: int, offset: int = 0) -> i
     while done < size and first < len(views):
         at = offset + done
         n = os.preadv(fd, views[first : first + _IOV_MAX], at) if _HAVE_PREADV else _preadinto(fd, views[first], at)
-        if n == 0:
-            break
         done += n
+        if n == 0 or done >= size:  # end of file, or all read: no view to advance past
+            break
         while first < len(views) and n >= views[first].nbytes:
             n -= views[first].nbytes
             first += 1

@@ -12,7 +12,7 @@ from refpipe.pipeline.audit import audit
 from refpipe.pipeline.sweep import sweep
 from refpipe.storage.chunk_codec import read_attributes
 from refpipe.storage.chunk_read import fetch_arrays, fetch_into
-from refpipe.storage.chunk_ref import PayloadRef
+from refpipe.storage.chunk_ref import PayloadRef, segments_checksum
 from refpipe.storage.errors import ChunkCorruptError, OpenBranchError, StorageError
 from refpipe.storage.layout import chunk_keys, node_key
 from tests.helpers.children import killed_at_first_line, module_argv
@@ -121,6 +121,46 @@ def test_a_flipped_byte_in_a_middle_segment_names_its_bytes(local_config, segmen
                                                 rf"crc32c mismatch: reference {seg.checksum:#010x}"):
         fetch_into(keeper.store, ref, None, {"routed_experts": np.empty((ref.num_tokens, LAYERS, TOP_K), np.uint8)})
     assert fetch_arrays(keeper.store, ref, PROMPT + 29 * TURN)["routed_experts"].shape[0] == PROMPT + 29 * TURN
+
+
+def test_a_fetch_plan_is_kept_with_its_ref_object_alone(local_config, segment_per_append):
+    keeper = keeper_of(local_config, CFG)
+    _, ref, rows = fifty_turns(keeper)
+    store, out = keeper.store, np.empty_like(rows)
+    for _ in range(2):  # planned by the first fetch, read by that plan in the second
+        assert fetch_into(store, ref, None, {"routed_experts": out}).in_place and out.tobytes() == rows.tobytes()
+    assert PayloadRef.model_validate_json(ref.model_dump_json()) == ref and "_fetch_plans" not in ref.model_dump_json()
+    seg = ref.segments[30]  # a copy declaring another crc32c for segment 30 is planned afresh: refused
+    segments = (*ref.segments[:30], seg.model_copy(update={"checksum": seg.checksum ^ 1}), *ref.segments[31:])
+    forged = ref.model_copy(update={"segments": segments, "checksum": segments_checksum(segments)})
+    with pytest.raises(ChunkCorruptError, match=rf"^chunk {store.uri(seg.key)} bytes \[{seg.offset}, "
+                                                rf"{seg.offset + seg.nbytes}\): crc32c mismatch: reference "
+                                                rf"{seg.checksum ^ 1:#010x}, stored {seg.checksum:#010x}, computed "
+                                                rf"{seg.checksum:#010x}$"):
+        fetch_into(store, forged, None, {"routed_experts": out})
+    n = PROMPT + 17 * TURN + 3  # a plan per tokens fetched
+    cut = np.full((n, LAYERS, TOP_K), 255, np.uint8)
+    assert not fetch_into(store, ref, n, {"routed_experts": cut}).in_place and cut.tobytes() == rows[:n].tobytes()
+    assert fetch_into(store, ref, None, {"routed_experts": out}).in_place and out.tobytes() == rows.tobytes()
+
+
+def test_a_shared_prefix_object_of_another_length_fails_the_fetch_naming_it(local_config, segment_per_append):
+    keeper = keeper_of(local_config, CFG)
+    prefix, ref, rows = fifty_turns(keeper)
+    path = f"{keeper.store.prefix.path}/{chunk_keys(prefix.key)[0]}"
+    with open(path, "rb") as f:
+        data = f.read()
+    out = np.empty_like(rows)
+    for changed in (data + b"\0", data[:-1]):  # the prefix is an object of its own: exactly its nbytes
+        with open(path, "wb") as f:
+            f.write(changed)
+        with pytest.raises(ChunkCorruptError, match=rf"^chunk {keeper.store.uri(prefix.key)}: expected "
+                                                    rf"{prefix.nbytes} bytes, got {len(changed)} \(truncated or "
+                                                    rf"replaced\)$"):
+            fetch_into(keeper.store, ref, None, {"routed_experts": out})
+    with open(path, "wb") as f:
+        f.write(data)
+    assert fetch_into(keeper.store, ref, None, {"routed_experts": out}).in_place and out.tobytes() == rows.tobytes()
 
 
 def test_a_close_whose_commit_marker_failed_closes_again_without_writing_rows_twice(local_config,
