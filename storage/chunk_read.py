@@ -34,7 +34,7 @@ from refpipe.storage.errors import (
     RefError,
     TruncatedChunkError,
 )
-from refpipe.storage.layout import chunk_keys
+from refpipe.storage.layout import DATA_NAME, chunk_keys
 from refpipe.storage.ledger_records import delete_record_of
 from refpipe.storage.store import Store
 
@@ -118,14 +118,18 @@ def fetch_into(store: Store, ref: PayloadRef, num_tokens: int | None, out: Mappi
         from refpipe.storage.segment_read import fetch_segments  # it reads its single segments with fetch_into
 
         return fetch_segments(store, ref, num_tokens, out, step)
-    data_key, _ = chunk_keys(ref.key)
-    ref = ref.model_copy(update={"uri": store.uri(ref.key)})  # errors name the chunk read, not where it was kept
-    n = ref.num_tokens if num_tokens is None else num_tokens
-    if not 0 <= n <= ref.num_tokens:
-        raise RefError(f"num_tokens={n} for chunk {ref.uri}: expected 0..{ref.num_tokens}")
+    key = ref.key
+    uri = store.uri(key)
+    if ref.uri != uri:
+        ref = ref.model_copy(update={"uri": uri})  # errors name the chunk read, not where it was kept
+    total = ref.num_tokens
+    n = total if num_tokens is None else num_tokens
+    if not 0 <= n <= total:
+        raise RefError(f"num_tokens={n} for chunk {ref.uri}: expected 0..{total}")
     problem = ref.rows_problem()  # a step file's refs are validated without it (``REF_ROWS_CHECKED_PER_USE``)
     if problem:
         raise RefError(f"chunk {ref.uri}: {problem}: not read")
+    data_key = chunk_keys(key)[0]
     return read_found(store, ref, step, lambda: _fetch(store, data_key, ref, n, dict(out)))
 
 
@@ -146,14 +150,14 @@ def read_found(store: Store, ref: PayloadRef, step: int | None, read: Callable[[
                 raise
             return _Deleted(deleted)
 
-    data_key = chunk_keys(ref.key)[0]
+    node_uri = store.uri(ref.key)
     try:
-        fetched = store.retrying(f"read {store.uri(ref.key)}", attempt, retry=KeyNotFoundError)
+        fetched = store.retrying(f"read {node_uri}", attempt, retry=KeyNotFoundError)
     except KeyNotFoundError as e:
-        raise ChunkNotFoundError(f"{store.uri(data_key)} does not exist (read {store.config.max_retries + 1} "
+        raise ChunkNotFoundError(f"{node_uri}/{DATA_NAME} does not exist (read {store.config.max_retries + 1} "
                                  f"times; no delete record)") from e
     if isinstance(fetched, _Deleted):  # final: a deleted chunk never comes back, so it is not read again
-        raise ChunkNotFoundError(f"{store.uri(data_key)} does not exist: {fetched.why}")
+        raise ChunkNotFoundError(f"{node_uri}/{DATA_NAME} does not exist: {fetched.why}")
     return fetched
 
 
@@ -174,9 +178,10 @@ def _deleted(store: Store, ref: PayloadRef, step: int | None) -> str | None:
 
 
 def _fetch(store: Store, data_key: str, ref: PayloadRef, n: int, out: dict[str, np.ndarray]) -> Fetched:
-    if n == ref.num_tokens and ref.compression == "none" and out and _fresh_nbytes(ref, out) <= _nbytes(out):
+    whole = n == ref.num_tokens
+    if whole and ref.compression == "none" and out and _fresh_nbytes(ref, out) <= _nbytes(out):
         return Fetched(_read_whole_into(store, data_key, ref, out), True)
-    if n == ref.num_tokens or ref.compression != "none":
+    if whole or ref.compression != "none":
         payload = decode_payload(ref, store.get_array(data_key), ref.uri)
         got = _cut(ref, n, lambda lay, rows: view_array(payload, lay, rows))
     else:
