@@ -1,11 +1,12 @@
 """Reading a branch's chunk by reference: ``fetch_arrays`` and ``fetch_into``.
 
 Fetches read exactly the keys the reference names: no listing, no metadata
-read. A whole-chunk fetch checks length and crc32c (an uncompressed one reads straight into
-the caller's arrays when ``fetch_into`` names every array); a fetch of the first ``n``
-tokens of an uncompressed chunk reads each array's first ``ceil(rows / block_rows)`` blocks
-and checks their crc32c against the ref's ``block_crcs`` (length-checked too), so every
-read is verified. Compressed chunks are always read whole.
+read. A whole-chunk fetch is one read, then its length and crc32c checked: ``fetch_arrays`` reads
+it into one fresh array of the object's size (``Store.get_array``) and returns views of it;
+``fetch_into`` reads an uncompressed one straight into the caller's arrays (one ``Store.get_into``);
+a fetch of the first ``n`` tokens of an uncompressed chunk reads each array's first
+``ceil(rows / block_rows)`` blocks and checks their crc32c against the ref's ``block_crcs``
+(length-checked too), so every read is verified. Compressed chunks are always read whole.
 
 Untrusted refs: ``PayloadRef`` validation makes shapes, dtypes, ``block_rows`` and ``nbytes`` agree;
 every buffer allocated here is bounded by the bytes the store returned (the object's real size)
