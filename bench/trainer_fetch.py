@@ -122,7 +122,7 @@ def make_steps(storage: StorageConfig, num_branches: int, num_steps: int) -> Non
 def read_limit(paths: list[str], buffers: list[np.ndarray], threads: int, *, checksum: bool = False) -> int:
     """``preadv`` each file into its buffer (allocated once by the caller) on ``threads`` threads; bytes read.
     ``checksum``: read in pieces of ``PIECE_BYTES`` instead, each checksummed (crc32c) on the same thread right
-    after its read, while in cache, as refpipe's fetch does (what verifying every byte read adds, alone)."""
+    after its read, while in cache (what verifying every byte read adds, alone)."""
     def one(item: tuple[str, np.ndarray]) -> int:
         path, buf = item
         fd = os.open(path, os.O_RDONLY)
