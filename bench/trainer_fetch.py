@@ -18,7 +18,8 @@ Three worlds of 2 ranks, one after the other (each its own processes, so peak RS
            ``TrainerRank.stand_in_dropped``. ``fetch_assemble_vs_limit`` = median over rounds
            of limit seconds / refpipe seconds, scaled to the same bytes, min over ranks. Between
            the two, the limit's reads again in 256 KiB pieces, each checksummed (refpipe's crc32c,
-           ``storage.checksum``) right after its read on the same thread, as refpipe's fetch does:
+           ``storage.checksum``) right after its read on the same thread (refpipe's fetch reads a chunk
+           with one ``preadv``, then checksums it: as cheap, docs/benchmarks.md):
            ``read_crc32c_vs_limit``, the most a fetch that verifies every byte read could reach.
 ``no_prefetch`` / ``prefetch``  ``--steps`` full ``TrainerRank.run_step`` calls each
            (``TrainerConfig.prefetch_next_step`` off / on) whose ``train`` sleeps
@@ -73,7 +74,7 @@ SEQ_LEN = 2 * (PROMPT + COMPLETION) + 512
 FIELDS = FieldsConfig(num_layers=LAYERS, top_k=TOP_K, num_experts=EXPERTS, logprobs_k=HEAD, support_width=SUPPORT)
 WORLD_SIZE = 2
 PIECE_BYTES = 256 << 10
-"""Bytes per read of the checksummed limit (``storage.local_io``'s piece of a fetch)."""
+"""Bytes per read of the checksummed limit (each piece checksummed while it is in cache)."""
 BRANCH_NBYTES = (PROMPT + COMPLETION) * LAYERS * TOP_K + COMPLETION * (2 * HEAD + SUPPORT) * 4
 
 
@@ -121,7 +122,7 @@ def make_steps(storage: StorageConfig, num_branches: int, num_steps: int) -> Non
 def read_limit(paths: list[str], buffers: list[np.ndarray], threads: int, *, checksum: bool = False) -> int:
     """``preadv`` each file into its buffer (allocated once by the caller) on ``threads`` threads; bytes read.
     ``checksum``: read in pieces of ``PIECE_BYTES`` instead, each checksummed (crc32c) on the same thread right
-    after its read, while in cache, as refpipe's fetch does (what verifying every byte read adds, alone)."""
+    after its read, while in cache (what verifying every byte read adds, alone)."""
     def one(item: tuple[str, np.ndarray]) -> int:
         path, buf = item
         fd = os.open(path, os.O_RDONLY)

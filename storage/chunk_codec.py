@@ -168,7 +168,7 @@ def _metadata_template(compression: str, zstd_level: int) -> str:
     return meta.to_buffer_dict(default_buffer_prototype())[META_NAME].to_bytes().decode()
 
 
-def decode_payload(ref: PayloadRef, stored: bytes, what: str) -> np.ndarray | bytes:
+def decode_payload(ref: PayloadRef, stored: bytes | np.ndarray, what: str) -> np.ndarray | bytes:
     """Check a whole stored chunk against its ref and return the payload bytes.
 
     A zstd frame is decoded into one buffer of the declared arrays' size (``layout_arrays``), and only

@@ -1,11 +1,12 @@
 """Reading a branch's chunk by reference: ``fetch_arrays`` and ``fetch_into``.
 
 Fetches read exactly the keys the reference names: no listing, no metadata
-read. A whole-chunk fetch checks length and crc32c (an uncompressed one reads straight into
-the caller's arrays when ``fetch_into`` names every array); a fetch of the first ``n``
-tokens of an uncompressed chunk reads each array's first ``ceil(rows / block_rows)`` blocks
-and checks their crc32c against the ref's ``block_crcs`` (length-checked too), so every
-read is verified. Compressed chunks are always read whole.
+read. A whole-chunk fetch is one read, then its length and crc32c checked: ``fetch_arrays`` reads
+it into one fresh array of the object's size (``Store.get_array``) and returns views of it;
+``fetch_into`` reads an uncompressed one straight into the caller's arrays (one ``Store.get_into``);
+a fetch of the first ``n`` tokens of an uncompressed chunk reads each array's first
+``ceil(rows / block_rows)`` blocks and checks their crc32c against the ref's ``block_crcs``
+(length-checked too), so every read is verified. Compressed chunks are always read whole.
 
 Untrusted refs: ``PayloadRef`` validation makes shapes, dtypes, ``block_rows`` and ``nbytes`` agree;
 every buffer allocated here is bounded by the bytes the store returned (the object's real size)
@@ -34,7 +35,7 @@ from refpipe.storage.errors import (
     RefError,
     TruncatedChunkError,
 )
-from refpipe.storage.layout import chunk_keys
+from refpipe.storage.layout import DATA_NAME, chunk_keys
 from refpipe.storage.ledger_records import delete_record_of
 from refpipe.storage.store import Store
 
@@ -118,14 +119,18 @@ def fetch_into(store: Store, ref: PayloadRef, num_tokens: int | None, out: Mappi
         from refpipe.storage.segment_read import fetch_segments  # it reads its single segments with fetch_into
 
         return fetch_segments(store, ref, num_tokens, out, step)
-    data_key, _ = chunk_keys(ref.key)
-    ref = ref.model_copy(update={"uri": store.uri(ref.key)})  # errors name the chunk read, not where it was kept
-    n = ref.num_tokens if num_tokens is None else num_tokens
-    if not 0 <= n <= ref.num_tokens:
-        raise RefError(f"num_tokens={n} for chunk {ref.uri}: expected 0..{ref.num_tokens}")
+    key = ref.key
+    uri = store.uri(key)
+    if ref.uri != uri:
+        ref = ref.model_copy(update={"uri": uri})  # errors name the chunk read, not where it was kept
+    total = ref.num_tokens
+    n = total if num_tokens is None else num_tokens
+    if not 0 <= n <= total:
+        raise RefError(f"num_tokens={n} for chunk {ref.uri}: expected 0..{total}")
     problem = ref.rows_problem()  # a step file's refs are validated without it (``REF_ROWS_CHECKED_PER_USE``)
     if problem:
         raise RefError(f"chunk {ref.uri}: {problem}: not read")
+    data_key = chunk_keys(key)[0]
     return read_found(store, ref, step, lambda: _fetch(store, data_key, ref, n, dict(out)))
 
 
@@ -146,14 +151,14 @@ def read_found(store: Store, ref: PayloadRef, step: int | None, read: Callable[[
                 raise
             return _Deleted(deleted)
 
-    data_key = chunk_keys(ref.key)[0]
+    node_uri = store.uri(ref.key)
     try:
-        fetched = store.retrying(f"read {store.uri(ref.key)}", attempt, retry=KeyNotFoundError)
+        fetched = store.retrying(f"read {node_uri}", attempt, retry=KeyNotFoundError)
     except KeyNotFoundError as e:
-        raise ChunkNotFoundError(f"{store.uri(data_key)} does not exist (read {store.config.max_retries + 1} "
+        raise ChunkNotFoundError(f"{node_uri}/{DATA_NAME} does not exist (read {store.config.max_retries + 1} "
                                  f"times; no delete record)") from e
     if isinstance(fetched, _Deleted):  # final: a deleted chunk never comes back, so it is not read again
-        raise ChunkNotFoundError(f"{store.uri(data_key)} does not exist: {fetched.why}")
+        raise ChunkNotFoundError(f"{node_uri}/{DATA_NAME} does not exist: {fetched.why}")
     return fetched
 
 
@@ -174,10 +179,11 @@ def _deleted(store: Store, ref: PayloadRef, step: int | None) -> str | None:
 
 
 def _fetch(store: Store, data_key: str, ref: PayloadRef, n: int, out: dict[str, np.ndarray]) -> Fetched:
-    if n == ref.num_tokens and ref.compression == "none" and out and _fresh_nbytes(ref, out) <= _nbytes(out):
+    whole = n == ref.num_tokens
+    if whole and ref.compression == "none" and out and _fresh_nbytes(ref, out) <= _nbytes(out):
         return Fetched(_read_whole_into(store, data_key, ref, out), True)
-    if n == ref.num_tokens or ref.compression != "none":
-        payload = decode_payload(ref, store.get(data_key), ref.uri)
+    if whole or ref.compression != "none":
+        payload = decode_payload(ref, store.get_array(data_key), ref.uri)
         got = _cut(ref, n, lambda lay, rows: view_array(payload, lay, rows))
     else:
         got = _cut(ref, n, lambda lay, rows: _read_rows(store, data_key, ref, lay, rows))
@@ -190,36 +196,33 @@ def _fetch(store: Store, data_key: str, ref: PayloadRef, n: int, out: dict[str, 
 
 
 def _read_whole_into(store: Store, data_key: str, ref: PayloadRef, out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Read a whole uncompressed chunk into ``out`` (fresh arrays for the rest); check length and crc32c (computed
-    piece by piece as the store fills the buffers, ``Store.get_into``'s ``each``)."""
+    """Read a whole uncompressed chunk into ``out`` (fresh arrays for the rest) with one ``Store.get_into``; check
+    length and crc32c (computed over the buffers after the read: measured as cheap as a checksum of each 256 KiB
+    piece right after its read, without a Python call per piece)."""
     layouts = ref.layout()
-    gaps, end = [], 0
+    padding = ref.nbytes - sum(lay.nbytes for lay in layouts)  # >= 4: PayloadRef validation, nbytes = layout + 4
+    scratch = np.empty(padding, np.uint8)  # alignment padding, then the tail and the stored checksum
+    buffers, arrays, end, used = [], {}, 0, 0
     for lay in layouts:
-        gaps.append(lay.offset - end)
-        end = lay.offset + lay.nbytes
-    tail = ref.nbytes - 4 - end  # >= 0: PayloadRef validation makes nbytes equal the arrays' layout + 4
-    scratch = np.empty(sum(gaps) + tail + 4, np.uint8)  # alignment padding and the checksum, each its own bytes
-    buffers, arrays, used = [], {}, 0
-    for lay, gap in zip(layouts, gaps):
-        buffers.append(scratch[used : used + gap])
-        used += gap
+        if lay.offset > end:
+            buffers.append(scratch[used : used + lay.offset - end])
+            used += lay.offset - end
         dest = out.get(lay.name)
         if dest is None:
             dest = np.empty(lay.shape, lay.dtype)
         else:
             _check_destination(ref, lay.name, dest, lay.shape)
         arrays[lay.name] = dest
-        buffers.append(dest.reshape(-1).view(np.uint8))
-    buffers += [scratch[used : used + tail], scratch[used + tail :]]
-    crc, stored_at = 0, len(buffers) - 1
-
-    def checksum(i: int, piece: memoryview) -> None:  # each piece right after its read, while in cache
-        nonlocal crc
-        if i != stored_at:
-            crc = crc32c(piece, crc)
-
-    check_length(ref, store.get_into(data_key, buffers, checksum), ref.uri)
-    check_checksum(ref, crc, int(buffers[-1].view("<u4")[0]), ref.uri)
+        if lay.nbytes:
+            buffers.append(dest.reshape(-1).view(np.uint8))
+        end = lay.offset + lay.nbytes
+    buffers.append(scratch[used:])
+    check_length(ref, store.get_into(data_key, buffers), ref.uri)
+    crc = 0
+    for buffer in buffers[:-1]:
+        crc = crc32c(buffer, crc)
+    crc = crc32c(scratch[used:-4], crc)
+    check_checksum(ref, crc, int(scratch[-4:].view("<u4")[0]), ref.uri)
     for name, a in arrays.items():
         if name not in out:
             a.flags.writeable = False

@@ -19,6 +19,8 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
+
 from refpipe.storage.concurrency import bounded_map
 from refpipe.storage.errors import KeyNotFoundError, OutsideRunError, RunPathNotADirectoryError, StorageError
 from refpipe.storage.local_confined import ConfinedPrefix
@@ -50,7 +52,8 @@ class LocalStore(Store):
     creates the file under its name (``O_CREAT | O_EXCL``), claims it by setting its token
     (``XATTR_CREATE``) and writes it there: one new entry, one metadata operation. A ``durable`` put ``fsync``s the file
     before it gets its name (the directory entry itself is not synced). ``get`` is
-    ``open``, ``pread``, ``close`` (plus an ``fstat`` for whole reads); ``get_into`` is ``open``,
+    ``open``, ``pread``, ``close`` (plus an ``fstat`` for whole reads); ``get_array`` is ``open``, ``fstat``,
+    ``preadv`` into a fresh numpy array of the file's size, ``close``; ``get_into`` is ``open``,
     ``fstat``, ``preadv`` (one call per ``IOV_MAX`` buffers, repeated only after a short read; with ``each``, one per
     256 KiB piece, each piece handed to ``each`` while in cache), ``close``. ``delete_keys``
     unlinks in order per directory and removes branch directories it empties,
@@ -86,6 +89,19 @@ class LocalStore(Store):
             return read_all(fd, max(size, 0), start)
         finally:
             os.close(fd)
+
+    def get_array(self, key: str) -> np.ndarray:
+        return self._attempt("cannot read", key, lambda: self._read_array(key))
+
+    def _read_array(self, key: str) -> np.ndarray:
+        fd = self._confined().open_read(key)
+        try:
+            data = np.empty(os.fstat(fd).st_size, np.uint8)  # numpy's allocator: huge pages for >= 4 MiB
+            data = data[: readv_all(fd, [byte_view(data)], data.nbytes)]  # fewer only if the file shrank since fstat
+        finally:
+            os.close(fd)
+        data.flags.writeable = False
+        return data
 
     def get_into(self, key: str, buffers: Sequence[Bytes], each: ReadPiece | None = None, offset: int = 0) -> int:
         return self._attempt("cannot read", key, lambda: self._read_into(key, buffers, each, offset))

@@ -1,9 +1,9 @@
 """The store interface: what refpipe asks of the storage under one run prefix.
 
 Keys are relative to the run prefix (``storage.uri``; the layout of keys: ``storage.layout``).
-Verbs, one per operation: ``get`` (optionally a byte range), ``get_into`` (a whole object into
-caller buffers), ``put`` (``exclusive=True`` is atomic or raises ``KeyExistsError``),
-``delete_key`` / ``delete_keys`` (known keys), ``exists``, ``list_prefix`` and ``list_sizes``
+Verbs, one per operation: ``get`` (optionally a byte range), ``get_array`` (a whole object into a fresh
+array), ``get_into`` (a whole object into caller buffers), ``put`` (``exclusive=True`` is atomic or raises
+``KeyExistsError``), ``delete_key`` / ``delete_keys`` (known keys), ``exists``, ``list_prefix`` and ``list_sizes``
 (listings: audits and inspection only). Nothing on the hot path lists or stats. Every backend
 classifies its errors in one place and retries transient ones through ``Store.retrying`` (the one
 retry layer; docs/DESIGN.md, "Store errors").
@@ -161,6 +161,19 @@ class Store(abc.ABC):
             KeyNotFoundError: no object at ``key``.
             StorageError: any other failure (``TransientStorageError`` once retries are spent).
         """
+
+    def get_array(self, key: str) -> np.ndarray:
+        """Bytes of ``key`` as a fresh read-only 1-D uint8 array of the object's size (``get`` of the whole object).
+
+        A backend that reads into memory it allocates does so with numpy, which on Linux advises transparent huge
+        pages for arrays of 4 MiB and more: a whole chunk then faults in 2 MiB pages, not 4 KiB ones (a fresh
+        4.7 MiB read costs ~0.9 ms of CPU against ~2.2 ms into ``bytes``, measured on this project's machine). The
+        default wraps ``get``'s bytes (no copy).
+
+        Raises:
+            As ``get``.
+        """
+        return np.frombuffer(self.get(key), np.uint8)
 
     def put(self, key: str, data: Data, *, exclusive: bool = False, durable: bool = False,
             in_place: bool = False) -> None:

@@ -20,7 +20,7 @@ FIELDS = FieldsConfig(num_layers=2, top_k=2, num_experts=8, logprobs_k=3)
 
 
 def counting_store(config: StorageConfig) -> Store:
-    """A real store of ``config``'s backend that counts its ``get`` calls in ``.gets``."""
+    """A real store of ``config``'s backend that counts its ``get`` and ``get_array`` calls in ``.gets``."""
     prefix = RunPrefix.from_root(config.root, config.run_id)
     base = S3Store if prefix.scheme == "s3" else LocalStore
 
@@ -30,6 +30,10 @@ def counting_store(config: StorageConfig) -> Store:
         def get(self, key, start=None, end=None):
             self.gets += 1
             return super().get(key, start, end)
+
+        def get_array(self, key):
+            self.gets += 1
+            return super().get_array(key)
 
     return CountingStore(prefix, config)
 

@@ -109,6 +109,23 @@ def test_fetch_reads_only_the_chunk_and_only_needed_ranges(backend):
         # directory's handle)
 
 
+def test_a_whole_fetch_returns_views_of_the_chunk_read_into_one_array(backend):
+    """``Store.get_array``: on a filesystem one fresh numpy array of the chunk's bytes (numpy's allocator advises huge
+    pages for large ones), on S3 the GET's bytes; every fetched array is a read-only view into it."""
+    ref = keep(backend, make_fields(4, P, C))
+    roots = []
+    for a in fetch_arrays(backend.store, ref).values():
+        assert not a.flags.writeable
+        while isinstance(a.base, np.ndarray):
+            a = a.base
+        roots.append(a)
+    assert all(root is roots[0] for root in roots)
+    if backend.name == "local":
+        assert (roots[0].base, roots[0].nbytes, roots[0].flags.owndata) == (None, ref.nbytes, True)
+    else:
+        assert isinstance(roots[0].base, bytes) and len(roots[0].base) == ref.nbytes
+
+
 @pytest.mark.parametrize("compression", ["none", "zstd"])
 def test_zarr_open_reads_the_branch_and_the_field_table_recovers_every_array(backend, compression):
     fields = make_fields(4, P, C)

@@ -76,7 +76,8 @@ def test_empty_and_single_items_run_inline(backend):
 
 
 class InFlightStore(LocalStore):
-    """A real LocalStore that records how many reads (``get``, ``get_into``) run at once and holds each at a barrier."""
+    """A real LocalStore that records how many reads (``get``, ``get_array``, ``get_into``) run at once and holds each
+    at a barrier."""
 
     def __init__(self, prefix, config, parties: int):
         super().__init__(prefix, config)
@@ -87,6 +88,9 @@ class InFlightStore(LocalStore):
 
     def get(self, key, start=None, end=None):
         return self._held(lambda: super(InFlightStore, self).get(key, start, end))
+
+    def get_array(self, key):
+        return self._held(lambda: super(InFlightStore, self).get_array(key))
 
     def get_into(self, key, buffers, each=None):
         return self._held(lambda: super(InFlightStore, self).get_into(key, buffers, each))

@@ -118,6 +118,18 @@ class StoreConformance:
         assert backend.store.get_into("big", parts) == data.nbytes
         assert b"".join(p.tobytes() for p in parts) == data.tobytes()
 
+    def test_get_array_is_the_whole_object_read_only(self, backend: Backend):
+        data = np.random.default_rng(3).integers(0, 256, 2_900_017, dtype=np.uint8)
+        backend.store.put("big", data)
+        backend.store.put("empty", b"")
+        got = backend.store.get_array("big")
+        assert (got.dtype, got.shape, got.flags.writeable) == (np.uint8, (2_900_017,), False)
+        assert got.tobytes() == data.tobytes()
+        assert backend.store.get_array("empty").shape == (0,)
+        for key in ("absent", "big/below_an_object"):
+            with pytest.raises(KeyNotFoundError, match="does not exist"):
+                backend.store.get_array(key)
+
     def test_get_into_missing_raises_key_not_found(self, backend: Backend):
         backend.store.put("present/x", b"x")
         for key in ("absent", "present/missing", "present/x/below_an_object"):
@@ -370,7 +382,17 @@ class TestLocalStore(StoreConformance):
             assert backend.store.get("d/x", 3, 9) == DATA[3:9]
             assert backend.store.get("d/x") == DATA
             assert backend.store.get_into("d/x", [bytearray(len(DATA))]) == len(DATA)
-        assert ops.ops == [("open", "x")] * 3  # directory d's handle is cached since the put
+            assert backend.store.get_array("d/x").tobytes() == DATA
+        assert ops.ops == [("open", "x")] * 4  # directory d's handle is cached since the put
+
+    def test_get_array_is_a_fresh_numpy_array_read_with_short_reads_resumed(self, backend: Backend, monkeypatch):
+        data = np.random.default_rng(5).integers(0, 256, 10_000, dtype=np.uint8)
+        backend.store.put("d/x", data)
+        real = os.preadv
+        monkeypatch.setattr(os, "preadv", lambda fd, views, offset: real(fd, [views[0][:999]], offset))
+        got = backend.store.get_array("d/x")
+        assert got.tobytes() == data.tobytes()
+        assert isinstance(got.base, np.ndarray) and got.base.flags.owndata  # numpy's allocator, not bytes
 
     def test_get_into_resumes_after_short_reads_and_without_preadv(self, backend: Backend, monkeypatch):
         data = np.random.default_rng(2).integers(0, 256, 10_000, dtype=np.uint8)
