@@ -8,19 +8,13 @@ import errno
 import os
 from collections.abc import Sequence
 
-from refpipe.storage.store import WRITE_TOKEN, Bytes, ReadPiece, byte_view
+from refpipe.storage.store import WRITE_TOKEN, Bytes, byte_view
 
 TOKEN_XATTR = f"user.{WRITE_TOKEN}"
 """Extended attribute holding an exclusive put's write token (``Store.put``)."""
 _WRITE_PIECE_BYTES = 512 << 10
 """Bytes per ``write(2)``. On ext4 under Linux 6.18 one write of >= 2 MiB took ~3x as long as the same
 bytes in <= 1 MiB writes (measured for bench/keep_fetch.py); smaller pieces cost nothing elsewhere."""
-_READ_PIECE_BYTES = 256 << 10
-"""Bytes per ``preadv`` of ``readv_pieces``: a piece is still in the core's cache (1 MiB of L2 here) when its
-callback reads it again. Measured on this project's 2-core AMD EPYC (303 MiB of 4.7 MiB chunks, CPU time, both
-trainer ranks at once; docs/benchmarks.md): 64 KiB pieces cost ~20% more than 128 KiB-1 MiB (twice the
-system calls), which cost alike within noise; a whole chunk read and then checksummed (from L3) costs about
-the same too."""
 _HAVE_PREADV = hasattr(os, "preadv")
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if _HAVE_PREADV else 1
 """Most buffers one ``preadv`` takes (Linux: 1,024; more is ``EINVAL``)."""
@@ -72,42 +66,6 @@ def read_all(fd: int, size: int, offset: int) -> bytes:
             break
         data += more
     return data
-
-
-def readv_pieces(fd: int, views: list[memoryview], size: int, each: ReadPiece, offset: int = 0) -> int:
-    """``readv_all`` from ``offset`` in pieces of at most ``_READ_PIECE_BYTES``, calling ``each(i, piece)`` for every
-    piece of ``views[i]`` right after it was read, in order, while its bytes are still in cache.
-
-    Returns bytes read: ``size``, or fewer at end of file (then the pieces not read whole get no call).
-    """
-    done = 0
-    for window in _windows(views, _READ_PIECE_BYTES):
-        wanted = min(sum(piece.nbytes for _, piece in window), size - done)
-        if wanted <= 0:
-            break
-        got = readv_all(fd, [piece for _, piece in window], wanted, offset + done)
-        for i, piece in window:
-            if got < piece.nbytes:
-                return done + got
-            each(i, piece)
-            done, got = done + piece.nbytes, got - piece.nbytes
-    return done
-
-
-def _windows(views: list[memoryview], limit: int) -> list[list[tuple[int, memoryview]]]:
-    """``views`` cut into pieces of at most ``limit`` bytes, grouped in order into windows of at most ``limit``."""
-    windows: list[list[tuple[int, memoryview]]] = [[]]
-    room = limit
-    for i, view in enumerate(views):
-        while view.nbytes:
-            if not room:
-                windows.append([])
-                room = limit
-            piece = view if view.nbytes <= room else view[:room]
-            windows[-1].append((i, piece))
-            room -= piece.nbytes
-            view = view[piece.nbytes:]
-    return windows
 
 
 def readv_all(fd: int, views: list[memoryview], size: int, offset: int = 0) -> int:

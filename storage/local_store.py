@@ -25,7 +25,7 @@ from refpipe.storage.concurrency import bounded_map
 from refpipe.storage.errors import KeyNotFoundError, OutsideRunError, RunPathNotADirectoryError, StorageError
 from refpipe.storage.local_confined import ConfinedPrefix
 from refpipe.storage.local_errors import classify
-from refpipe.storage.local_io import pwrite_all, read_all, readv_all, readv_pieces
+from refpipe.storage.local_io import pwrite_all, read_all, readv_all
 from refpipe.storage.local_put import (
     HAVE_TMPFILE,
     WRITE_FLAGS,
@@ -34,7 +34,7 @@ from refpipe.storage.local_put import (
     put_unnamed,
     token_of,
 )
-from refpipe.storage.store import Bytes, ReadPiece, Store, byte_view
+from refpipe.storage.store import Bytes, Store, byte_view
 
 T = TypeVar("T")
 
@@ -54,8 +54,8 @@ class LocalStore(Store):
     before it gets its name (the directory entry itself is not synced). ``get`` is
     ``open``, ``pread``, ``close`` (plus an ``fstat`` for whole reads); ``get_array`` is ``open``, ``fstat``,
     ``preadv`` into a fresh numpy array of the file's size, ``close``; ``get_into`` is ``open``,
-    ``fstat``, ``preadv`` (one call per ``IOV_MAX`` buffers, repeated only after a short read; with ``each``, one per
-    256 KiB piece, each piece handed to ``each`` while in cache), ``close``. ``delete_keys``
+    ``fstat``, ``preadv`` (one call per ``IOV_MAX`` buffers, repeated only after a short read), ``close``.
+    ``delete_keys``
     unlinks in order per directory and removes branch directories it empties,
     directories in parallel; ``claim_by_unlink`` (``claims_by_unlink``) unlinks chunks' commit markers as their
     claims, one after another, each held by an ``O_PATH`` fd until ``delete_keys`` of its directory, so the unlink
@@ -103,17 +103,16 @@ class LocalStore(Store):
         data.flags.writeable = False
         return data
 
-    def get_into(self, key: str, buffers: Sequence[Bytes], each: ReadPiece | None = None, offset: int = 0) -> int:
-        return self._attempt("cannot read", key, lambda: self._read_into(key, buffers, each, offset))
+    def get_into(self, key: str, buffers: Sequence[Bytes], offset: int = 0) -> int:
+        return self._attempt("cannot read", key, lambda: self._read_into(key, buffers, offset))
 
-    def _read_into(self, key: str, buffers: Sequence[Bytes], each: ReadPiece | None, offset: int) -> int:
+    def _read_into(self, key: str, buffers: Sequence[Bytes], offset: int) -> int:
         fd = self._confined().open_read(key)
         try:
             size = max(os.fstat(fd).st_size - offset, 0)
             views = [byte_view(b) for b in buffers]
             wanted = min(size, sum(v.nbytes for v in views))
-            got = readv_pieces(fd, views, wanted, each, offset) if each else \
-                readv_all(fd, [v for v in views if v], wanted, offset)
+            got = readv_all(fd, [v for v in views if v], wanted, offset)
             return size if got == wanted else got  # a short read: the file shrank since fstat
         finally:
             os.close(fd)

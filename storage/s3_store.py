@@ -20,7 +20,7 @@ from refpipe.storage.concurrency import bounded_map
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.errors import KeyNotFoundError, StorageError, TransientStorageError
 from refpipe.storage.s3_errors import classify, error_code, is_transient_code
-from refpipe.storage.store import WRITE_TOKEN, Bytes, ReadPiece, Store, byte_view
+from refpipe.storage.store import WRITE_TOKEN, Bytes, Store, byte_view
 from refpipe.storage.uri import RunPrefix
 
 T = TypeVar("T")
@@ -130,7 +130,7 @@ class S3Store(Store):
 
         return self.retrying(what, op)
 
-    def get_into(self, key: str, buffers: Sequence[Bytes], each: ReadPiece | None = None, offset: int = 0) -> int:
+    def get_into(self, key: str, buffers: Sequence[Bytes], offset: int = 0) -> int:
         data = memoryview(self.get(key, offset or None))  # one GET, then copied: S3 reads are network-bound
         done = 0
         for i, buffer in enumerate(buffers):
@@ -138,8 +138,6 @@ class S3Store(Store):
             n = min(view.nbytes, len(data) - done)
             view[:n] = data[done : done + n]
             done += n
-            if each is not None and n == view.nbytes and n:
-                each(i, view)
         return len(data)
 
     def _put(self, key: str, buffers: list[Bytes] | tuple[Bytes, ...], token: str | None, durable: bool,

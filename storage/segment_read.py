@@ -210,7 +210,7 @@ def _read_run(store: Store, run: _Run, views: list[memoryview], step: int | None
     scratch = np.empty(run.scratch_nbytes, np.uint8)
     targets = [*views, *(byte_view(a) if a.size else memoryview(bytearray()) for _, a in fresh), byte_view(scratch)]
     buffers = [targets[t][start:end] for t, start, end in run.pieces]
-    got = read_found(store, run.segs[0], step, lambda: store.get_into(run.data_key, buffers, None, run.offset))
+    got = read_found(store, run.segs[0], step, lambda: store.get_into(run.data_key, buffers, run.offset))
     crcs, start = [], 0
     for end in run.trailers:  # each segment's buffers, then its stored crc32c
         crc = 0

@@ -36,8 +36,6 @@ Bytes = Buffer | np.ndarray
 its ``__buffer__`` only from Python 3.12; on 3.11 an ndarray is a buffer all the same."""
 Data = Bytes | list[Bytes] | tuple[Bytes, ...]
 """What ``put`` writes: one bytes-like object (bytes, memoryview, a C-contiguous ndarray), or a list/tuple of them."""
-ReadPiece = Callable[[int, memoryview], None]
-"""``get_into``'s ``each``: called with a buffer's index and a piece of that buffer just filled."""
 T = TypeVar("T")
 _RETRIES_LOCK = threading.Lock()
 WRITE_TOKEN = "refpipe-write"
@@ -145,12 +143,8 @@ class Store(abc.ABC):
         """
 
     @abc.abstractmethod
-    def get_into(self, key: str, buffers: Sequence[Bytes], each: ReadPiece | None = None, offset: int = 0) -> int:
+    def get_into(self, key: str, buffers: Sequence[Bytes], offset: int = 0) -> int:
         """Read ``key`` from byte ``offset`` into ``buffers`` (writable, C-contiguous; filled in order).
-
-        ``each(i, piece)``: called for consecutive pieces of ``buffers[i]`` (together: every byte filled, in
-        order, each piece once) as they are filled, so a checksum reads them while they are in cache; a piece of
-        a buffer the object ends in without filling gets no call.
 
         Returns:
             The object's size in bytes from ``offset``. Larger than the buffers' total: the buffers hold its

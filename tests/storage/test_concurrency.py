@@ -92,8 +92,8 @@ class InFlightStore(LocalStore):
     def get_array(self, key):
         return self._held(lambda: super(InFlightStore, self).get_array(key))
 
-    def get_into(self, key, buffers, each=None):
-        return self._held(lambda: super(InFlightStore, self).get_into(key, buffers, each))
+    def get_into(self, key, buffers, offset=0):
+        return self._held(lambda: super(InFlightStore, self).get_into(key, buffers, offset))
 
     def _held(self, read):
         with self.lock:

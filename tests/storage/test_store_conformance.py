@@ -88,28 +88,12 @@ class StoreConformance:
         assert bytes(buffers[0]) + buffers[1].tobytes() == DATA[:30]
         assert backend.store.get_into("g", []) == len(DATA)
 
-    def test_get_into_hands_each_filled_piece_to_each_in_order(self, backend: Backend):
-        backend.store.put("g", DATA)
-        buffers = [bytearray(5), bytearray(0), np.zeros(64, "<u4"), np.zeros(507, np.uint8)]
-        pieces: list[tuple[int, bytes]] = []
-        assert backend.store.get_into("g", buffers, lambda i, piece: pieces.append((i, bytes(piece)))) == len(DATA)
-        assert [i for i, _ in pieces] == [0, 2, 3]  # an empty buffer gets no call
-        assert b"".join(piece for _, piece in pieces) == DATA
-        backend.store.put("short", DATA[:100])
-        pieces.clear()
-        buffers = [np.zeros(64, np.uint8), np.zeros(64, np.uint8)]
-        assert backend.store.get_into("short", buffers, lambda i, piece: pieces.append((i, bytes(piece)))) == 100
-        assert pieces == [(0, DATA[:64])]  # the buffer the object ends in is not filled: no call for it
-
     def test_get_into_more_buffers_than_one_preadv_takes(self, backend: Backend):
         data = np.random.default_rng(2).integers(0, 256, 3_000, dtype=np.uint8)  # 1,500 buffers: IOV_MAX is 1,024
         backend.store.put("many", data)
         buffers = [np.empty(2, np.uint8) for _ in range(1_500)]
         assert backend.store.get_into("many", buffers, offset=7) == 2_993
         assert b"".join(b.tobytes() for b in buffers)[:2_993] == data[7:].tobytes()
-        pieces: list[bytes] = []
-        assert backend.store.get_into("many", buffers, lambda i, piece: pieces.append(bytes(piece))) == 3_000
-        assert b"".join(pieces) == data.tobytes()
 
     def test_get_into_large_object(self, backend: Backend):
         data = np.random.default_rng(1).integers(0, 256, 2_900_017, dtype=np.uint8)
@@ -406,21 +390,6 @@ class TestLocalStore(StoreConformance):
         parts = [np.empty(3000, np.uint8), np.empty(7100, np.uint8)]
         assert backend.store.get_into("d/x", parts) == 10_000
         assert parts[0].tobytes() + parts[1][:7000].tobytes() == data.tobytes()
-
-    def test_get_into_reads_piece_by_piece_and_checksums_each_right_after_its_read(self, backend: Backend,
-                                                                                   monkeypatch):
-        data = np.random.default_rng(4).integers(0, 256, 600_000, dtype=np.uint8)
-        backend.store.put("d/x", data)
-        events: list[tuple[str, int]] = []
-        real = os.preadv
-        monkeypatch.setattr(os, "preadv", lambda fd, views, offset: events.append(("read", offset))
-                            or real(fd, views, offset))
-        parts = [np.empty(100_000, np.uint8), np.empty(500_000, np.uint8)]
-        assert backend.store.get_into("d/x", parts, lambda i, piece: events.append((f"each {i}", piece.nbytes))) \
-            == data.nbytes
-        assert events == [("read", 0), ("each 0", 100_000), ("each 1", 162_144),
-                          ("read", 262_144), ("each 1", 262_144), ("read", 524_288), ("each 1", 75_712)]
-        assert parts[0].tobytes() + parts[1].tobytes() == data.tobytes()
 
     def test_get_into_a_directory_is_a_storage_error(self, backend: Backend):
         backend.store.put("d/x", b"1")

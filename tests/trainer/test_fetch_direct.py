@@ -45,10 +45,10 @@ class RecordingStore(LocalStore):
         super().__init__(prefix, config)
         self.lock, self.into = threading.Lock(), {}
 
-    def get_into(self, key, buffers, each=None, offset=0):
+    def get_into(self, key, buffers, offset=0):
         with self.lock:
             self.into[key] = self.into.get(key, []) + list(buffers)
-        return super().get_into(key, buffers, each, offset)
+        return super().get_into(key, buffers, offset)
 
 
 @pytest.fixture
