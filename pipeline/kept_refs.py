@@ -35,18 +35,23 @@ def gone_refs(store: Store, episode: Episode) -> dict[str, str]:
     """
     what = f"episode {episode.episode_id!r} (group {episode.group_id!r}, env {episode.env_name!r})"
     gone: dict[str, str] = {}
-    for i, branch in enumerate(episode.branches):
-        ref = branch.ref
-        if ref is None or ref.branch_id in gone:
-            continue
-        for chunk in ref.chunks:
-            why = _why_gone(store, chunk)
-            if why is not None:
-                part = "" if chunk is ref else f" (its segment {chunk.uri})"
-                gone[ref.branch_id] = (f"{what} branch {i}: ref {ref.uri}{part} {why}: expected a kept chunk (a "
-                                       f"discarded or deleted ref cannot train: keep the branch again)")
-                break
+    for i, ref in enumerate(branch.ref for branch in episode.branches):
+        why = None if ref is None or ref.branch_id in gone else why_gone(store, ref)
+        if ref is not None and why is not None:
+            gone[ref.branch_id] = (f"{what} branch {i}: ref {ref.uri} {why}: expected a kept chunk (a discarded or "
+                                   f"deleted ref cannot train: keep the branch again)")
     return gone
+
+
+def why_gone(store: Store, ref: PayloadRef) -> str | None:
+    """None when every chunk of ``ref`` is kept, else why not (``was deleted by <holder> (<reason>)``, naming the
+    segment when it is not the ref's own chunk): one ``Store.exists`` per chunk, more only for a missing one (as
+    ``gone_refs``)."""
+    for chunk in ref.chunks:
+        why = _why_gone(store, chunk)
+        if why is not None:
+            return why if chunk is ref else f"(its segment {chunk.uri}) {why}"
+    return None
 
 
 def _why_gone(store: Store, chunk: PayloadRef) -> str | None:

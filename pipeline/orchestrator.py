@@ -42,7 +42,7 @@ from refpipe.pipeline.advantages import (
     zero_advantage,
 )
 from refpipe.pipeline.fields import FieldsConfig
-from refpipe.pipeline.kept_refs import gone_refs
+from refpipe.pipeline.kept_refs import gone_refs, why_gone
 from refpipe.pipeline.packing import Packer, balanced_packer, pack_step, step_metrics, step_micro_batches
 from refpipe.pipeline.publish import publish_step
 from refpipe.pipeline.samples import BranchResult, Episode, Sample, build_sample, check_episode, kept_completion_tokens
@@ -172,7 +172,6 @@ class Orchestrator:
                             ": its chunks are not deleted; discard its refs with the Keeper that kept them "
                             "(Keeper.discard), else `refpipe sweep` deletes them once the run stopped")
         queued = self._pending.get(episode.group_id, [])
-        gone: dict[str, str] = {}
         try:
             check_episode(episode, self.store.prefix, vocab_size=self.fields.vocab_size)
             self._check_new(episode, queued)
@@ -180,7 +179,7 @@ class Orchestrator:
             if gone:
                 raise EpisodeError("; ".join(gone.values()))
         except (EpisodeError, OutsideRunError) as e:
-            self._refuse(episode, e, set(gone))
+            self._refuse(episode, e)
             raise
         self.ledger.record("receive", episode_id=episode.episode_id, group_id=episode.group_id,
                            branch_ids=[c.branch_id for r in episode.refs() for c in r.chunks])
@@ -217,17 +216,18 @@ class Orchestrator:
                 branches[i] = replace(branch, trainable=False, ref=None)
         return replace(episode, branches=branches) if branches != list(episode.branches) else episode
 
-    def _refuse(self, episode: Episode, error: Exception, gone: set[str]) -> None:
+    def _refuse(self, episode: Episode, error: Exception) -> None:
         """Delete (path ``refused``) the chunks of a refused episode that are the orchestrator's: refs kept in
-        this run, not queued, not shipped (a trainer deletes those), not refused before, not ``gone`` (found deleted
-        at submit), once each. A ref the ledger finds already deleted or never kept is logged, not raised: the
-        refusal's own error follows."""
+        this run, not queued, not shipped (a trainer deletes those), not refused before, still kept (``why_gone``:
+        one ``Store.exists`` per chunk; a gone one is not deleted again), once each. A ref the ledger finds already
+        deleted or never kept is logged, not raised: the refusal's own error follows."""
         own: dict[str, PayloadRef] = {}
-        skip = self._queued_refs | self._refused_refs | gone | self.ledger.shipped.keys()
+        skip = self._queued_refs | self._refused_refs | self.ledger.shipped.keys()
         for branch in getattr(episode, "branches", None) or ():
             ref = getattr(branch, "ref", None)
-            if isinstance(ref, PayloadRef) and _in_run(ref, self.store) and ref.branch_id not in skip:
-                own.setdefault(ref.branch_id, ref)
+            if isinstance(ref, PayloadRef) and _in_run(ref, self.store) and ref.branch_id not in skip | own.keys() \
+                    and why_gone(self.store, ref) is None:
+                own[ref.branch_id] = ref
         reason = (str(error).splitlines() or [type(error).__name__])[0][:300]  # the error names the episode
         try:
             self._delete("refused", list(own.values()), reason)

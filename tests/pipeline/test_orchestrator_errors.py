@@ -253,3 +253,18 @@ def test_after_shutdown_submit_and_build_step_are_refused_and_say_who_deletes(en
     orch.shutdown()  # a second shutdown does nothing
     report = audit(store, finished=True)
     assert (report.kept, report.deleted, report.leaked, report.violations) == (1, 1, 0, []) and report.clean
+
+
+def test_a_malformed_episode_with_a_discarded_ref_deletes_only_its_kept_chunks(local_config):
+    store = open_store(local_config)
+    orch, keeper = Orchestrator(CFG, store, fields=FIELDS), make_keeper(store, local_config)
+    e0 = episode(keeper, np.random.default_rng(13), "e0", "g0", [1.0, 0.0], branches=2)
+    keeper.discard([e0.branches[1].ref])
+    bad = replace(e0.branches[0], prompt_ids=e0.branches[0].prompt_ids.astype(np.int64))
+    with pytest.raises(EpisodeError, match=r"^episode 'e0' .* branch 0: prompt_ids is <i8 \[4\]: expected int32"):
+        orch.submit(replace(e0, branches=[bad, e0.branches[1]]))
+    assert orch.deleted == {"refused": 1} and chunks(store) == set()
+    orch.shutdown()
+    keeper.ledger.close()
+    report = audit(store, finished=True)  # no second delete of the discarded chunk on record
+    assert (report.kept, report.deleted, report.leaked, report.violations) == (2, 2, 0, []) and report.clean
