@@ -114,7 +114,7 @@ class Orchestrator:
     3. ``build_step(step)`` whenever ``ready_groups >= config.groups_per_step`` (or earlier
        to train fewer), with increasing steps: voids stale samples, packs up to
        ``groups_per_step`` ready groups and publishes their step file.
-    4. ``shutdown()`` once: deletes everything still queued and closes the ledger.
+    4. ``shutdown()`` once: deletes all still queued, closes the ledger (then submit, build_step: LedgerClosedError).
 
     Attributes:
         deleted: chunks deleted so far, per deletion path (see the module doc).
@@ -282,7 +282,7 @@ class Orchestrator:
         return header
 
     def shutdown(self) -> None:
-        """Delete every chunk still queued (pending or ready groups) and close the ledger."""
+        """Delete every chunk still queued (pending or ready groups), close the ledger; a second call does nothing."""
         refs = _trainable_refs(e for episodes in self._pending.values() for e in episodes)
         refs += [s.payload.ref for g in self._ready for s in g.samples if s.payload is not None]
         self._delete("shutdown", refs, "queued when the orchestrator shut down")
