@@ -7,8 +7,9 @@ Deletion paths (each through ``Ledger.delete`` with a reason naming the path, co
 ``Orchestrator.deleted``): ``eval`` (every eval episode: the eval sink), ``untrained`` (branches
 marked not trainable), ``missing_fields`` (a trainable branch lacking a field of
 ``FieldsConfig.required``: filtered at submit, its chunk deleted, the branch no longer trains),
-``refused`` (an episode ``submit`` refuses: its chunks in this run that no queued episode holds,
-once; then the error is raised), ``late`` (episodes of a group that was already completed or dropped), ``truncated`` (no
+``refused`` (an episode ``submit`` refuses: its chunks in this run that no queued episode holds and that
+are still kept, once; then the error is raised; and every trainable chunk of a group whose advantages the
+estimator fails), ``late`` (episodes of a group that was already completed or dropped), ``truncated`` (no
 completion token within ``seq_len``), ``filtered_group`` (mean reward outside ``reward_range``,
 or every advantage zero), ``pruned`` (zero-advantage samples), ``stale`` (queued samples of a
 policy older than ``max_async_level`` steps), ``dropped_group`` (an incomplete group holding a
@@ -41,14 +42,15 @@ from refpipe.pipeline.advantages import (
     zero_advantage,
 )
 from refpipe.pipeline.fields import FieldsConfig
-from refpipe.pipeline.packing import PackedMicroBatch, Packer, balanced_packer, pack_step, step_micro_batches
+from refpipe.pipeline.kept_refs import gone_refs, why_gone
+from refpipe.pipeline.packing import Packer, balanced_packer, pack_step, step_metrics, step_micro_batches
 from refpipe.pipeline.publish import publish_step
 from refpipe.pipeline.samples import BranchResult, Episode, Sample, build_sample, check_episode, kept_completion_tokens
 from refpipe.pipeline.slices import check_in_run
 from refpipe.pipeline.step_header import MAX_SEQ_LEN, StepHeader
 from refpipe.storage.chunk_ref import PayloadRef
 from refpipe.storage.config import CONFIG
-from refpipe.storage.errors import DoubleDeleteError, EpisodeError, OutsideRunError, UnknownRefError
+from refpipe.storage.errors import DoubleDeleteError, EpisodeError, LedgerClosedError, OutsideRunError, UnknownRefError
 from refpipe.storage.layout import ORCHESTRATOR_ACTOR
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.store import Store
@@ -112,7 +114,7 @@ class Orchestrator:
     3. ``build_step(step)`` whenever ``ready_groups >= config.groups_per_step`` (or earlier
        to train fewer), with increasing steps: voids stale samples, packs up to
        ``groups_per_step`` ready groups and publishes their step file.
-    4. ``shutdown()`` once: deletes everything still queued and closes the ledger.
+    4. ``shutdown()`` once: deletes all still queued, closes the ledger (then submit, build_step: LedgerClosedError).
 
     Attributes:
         deleted: chunks deleted so far, per deletion path (see the module doc).
@@ -152,16 +154,30 @@ class Orchestrator:
 
         A refused episode's chunks are deleted here, once (path ``refused``), before the error is raised:
         each ``PayloadRef`` of it kept in this run that no queued episode holds. A ref of another run
-        (its branch id may name a chunk of this one) or one already queued is left alone.
+        (its branch id may name a chunk of this one), one already queued or shipped, or one whose chunk is
+        gone is left alone.
+
+        Cost: one ``Store.exists`` of each ref's commit marker (per segment of a segmented ref: ``pipeline.kept_refs``),
+        a missing one's delete record read only then; the ``receive`` event is buffered.
 
         Raises:
             OutsideRunError: a ref lies outside the run prefix.
-            EpisodeError: malformed episode, or its id or a ref of it is already queued in its group.
+            EpisodeError: malformed episode; its id or a ref of it is already queued; a ref of it was already
+                shipped in a step; a ref's chunk is gone (discarded or deleted: names the deleter and why, from its
+                delete record).
+            LedgerClosedError: after ``shutdown``; nothing is deleted (the orchestrator's ledger is closed): the
+                caller still holds the episode's chunks (``Keeper.discard`` them, else ``refpipe sweep`` does).
         """
+        self._check_running(f"submit of episode {episode.episode_id!r} of group {episode.group_id!r}",
+                            ": its chunks are not deleted; discard its refs with the Keeper that kept them "
+                            "(Keeper.discard), else `refpipe sweep` deletes them once the run stopped")
         queued = self._pending.get(episode.group_id, [])
         try:
             check_episode(episode, self.store.prefix, vocab_size=self.fields.vocab_size)
             self._check_new(episode, queued)
+            gone = gone_refs(self.store, episode)
+            if gone:
+                raise EpisodeError("; ".join(gone.values()))
         except (EpisodeError, OutsideRunError) as e:
             self._refuse(episode, e)
             raise
@@ -202,14 +218,16 @@ class Orchestrator:
 
     def _refuse(self, episode: Episode, error: Exception) -> None:
         """Delete (path ``refused``) the chunks of a refused episode that are the orchestrator's: refs kept in
-        this run, not queued, not shipped (a trainer deletes those), not refused before, once each. A ref the ledger
-        finds already deleted or never kept is logged, not raised: the refusal's own error follows."""
+        this run, not queued, not shipped (a trainer deletes those), not refused before, still kept (``why_gone``:
+        one ``Store.exists`` per chunk; a gone one is not deleted again), once each. A ref the ledger finds already
+        deleted or never kept is logged, not raised: the refusal's own error follows."""
         own: dict[str, PayloadRef] = {}
+        skip = self._queued_refs | self._refused_refs | self.ledger.shipped.keys()
         for branch in getattr(episode, "branches", None) or ():
             ref = getattr(branch, "ref", None)
-            if isinstance(ref, PayloadRef) and _in_run(ref, self.store) and ref.branch_id not in self._queued_refs \
-                    and ref.branch_id not in self._refused_refs and ref.branch_id not in self.ledger.shipped:
-                own.setdefault(ref.branch_id, ref)
+            if isinstance(ref, PayloadRef) and _in_run(ref, self.store) and ref.branch_id not in skip | own.keys() \
+                    and why_gone(self.store, ref) is None:
+                own[ref.branch_id] = ref
         reason = (str(error).splitlines() or [type(error).__name__])[0][:300]  # the error names the episode
         try:
             self._delete("refused", list(own.values()), reason)
@@ -220,13 +238,21 @@ class Orchestrator:
     def _check_new(self, episode: Episode, queued: list[Episode]) -> None:
         """Refuse an episode already queued in its group, or carrying a ref that is queued or was shipped
         (``LedgerSession.shipped``: a ref trains once)."""
+        what = f"episode {episode.episode_id!r} of group {episode.group_id!r}"
+        shipped = [f"ref {r.uri} was already shipped in step {self.ledger.shipped[r.branch_id]}"
+                   for r in episode.refs() if r.branch_id in self.ledger.shipped]
+        if shipped:
+            raise EpisodeError(f"{what}: {'; '.join(shipped)}: expected a ref not shipped before (a ref trains once; "
+                               f"that step's trainer deletes its chunk)")
         again = [r.branch_id for r in episode.refs() if r.branch_id in self._queued_refs]
-        shipped = {r.branch_id: self.ledger.shipped[r.branch_id] for r in episode.refs()
-                   if r.branch_id in self.ledger.shipped}
-        if again or shipped or any(e.episode_id == episode.episode_id for e in queued):
-            raise EpisodeError(f"episode {episode.episode_id!r} of group {episode.group_id!r} was already submitted"
-                               f"{f' (refs {again} are queued)' if again else ''}"
-                               f"{f' (refs shipped in steps {shipped})' if shipped else ''}")
+        if again or any(e.episode_id == episode.episode_id for e in queued):
+            raise EpisodeError(f"{what} was already submitted{f' (refs {again} are queued)' if again else ''}")
+
+    def _check_running(self, what: str, consequence: str = "") -> None:
+        """Raise ``LedgerClosedError`` before ``what`` once ``shutdown`` ran (names the run, then ``consequence``)."""
+        if self.ledger.closed:
+            raise LedgerClosedError(f"orchestrator of run {self.store.prefix.uri} is shut down: {what} refused"
+                                    f"{consequence}")
 
     def build_step(self, step: int) -> StepHeader | None:
         """Void stale samples, pack up to ``groups_per_step`` ready groups, publish step ``step``.
@@ -237,7 +263,9 @@ class Orchestrator:
         Raises:
             KeyExistsError: step ``step`` was already published (its groups stay queued).
             PackingError: a ref's arrays disagree with ``fields`` (its groups stay queued).
+            LedgerClosedError: after ``shutdown`` (nothing is published).
         """
+        self._check_running(f"build_step({step})", " (nothing is published)")
         self.void_stale(step)
         groups = [self._ready[i] for i in range(min(self.config.groups_per_step, len(self._ready)))]
         samples = [s for g in groups for s in g.samples]
@@ -245,15 +273,16 @@ class Orchestrator:
             return None
         cfg = self.config
         packed = pack_step(samples, seq_len=cfg.seq_len, dp_world_size=cfg.dp_world_size, packer=self.packer)
+        metrics = step_metrics(samples, len(groups), packed)
         header = publish_step(self.store, self.ledger, step, step_micro_batches(packed, cfg.dp_world_size),
-                              seq_len=cfg.seq_len, fields=self.fields, metrics=_metrics(groups, packed))
+                              seq_len=cfg.seq_len, fields=self.fields, metrics=metrics)
         for _ in groups:
             self._ready.popleft()
         self._queued_refs.difference_update(r.branch_id for r in header.refs)
         return header
 
     def shutdown(self) -> None:
-        """Delete every chunk still queued (pending or ready groups) and close the ledger."""
+        """Delete every chunk still queued (pending or ready groups), close the ledger; a second call does nothing."""
         refs = _trainable_refs(e for episodes in self._pending.values() for e in episodes)
         refs += [s.payload.ref for g in self._ready for s in g.samples if s.payload is not None]
         self._delete("shutdown", refs, "queued when the orchestrator shut down")
@@ -266,8 +295,9 @@ class Orchestrator:
         """Compute a complete group's advantages, filter and prune it, queue its samples.
 
         Raises:
-            EpisodeError: the advantage estimator failed or returned no valid advantages; the group stays
-                pending (``shutdown`` deletes it), nothing is deleted.
+            EpisodeError: the advantage estimator raised one or returned no valid advantages (e.g. ones beyond
+                float32 without ``std_normalize``): the group is refused, every trainable chunk of it deleted at
+                once (path ``refused``); the message names the group and which episode each sample is.
         """
         episodes = self._pending[group_id]
         units = [(e, b, float(r)) for e in episodes for b, r in zip(e.branches, e.branch_rewards()) if b.trainable]
@@ -276,7 +306,10 @@ class Orchestrator:
         units, kept = [u for u, k in zip(units, kept) if k > 0], kept[kept > 0]
         rewards = np.array([r for _, _, r in units], np.float64)
         group = GroupRollouts(group_id, rewards, kept, [b for _, b, _ in units])
-        adv = per_sample(self.advantages(group), group)
+        try:
+            adv = per_sample(self.advantages(group), group)
+        except EpisodeError as e:
+            raise self._refuse_group(group_id, units, e) from None
         del self._pending[group_id]
         self._closed[group_id] = "completed"
         self._delete("truncated", truncated,
@@ -291,6 +324,16 @@ class Orchestrator:
         samples = [build_sample(e, b, reward=r, advantage=a, seq_len=self.config.seq_len)
                    for (e, b, r), a, z in zip(units, adv, zero) if not z]
         self._ready.append(_ReadyGroup(group_id, samples))
+
+    def _refuse_group(self, group_id: str, units: list[tuple[Episode, BranchResult, float]],
+                      error: EpisodeError) -> EpisodeError:
+        """Close a group whose advantages failed and delete its trainable chunks (path ``refused``); the error to
+        raise: ``error`` and which episode and branch each of its samples ``units`` is."""
+        samples = ", ".join(f"{e.episode_id!r} branch {e.branches.index(b)}" for e, b, _ in units)
+        message = f"{error} (samples in order: {samples}); the group is refused, its chunks deleted"
+        self._closed[group_id] = "refused"
+        self._delete("refused", _trainable_refs(self._pending.pop(group_id)), message.splitlines()[0][:300])
+        return EpisodeError(message)
 
     def _group_filter(self, rewards: np.ndarray, zero: np.ndarray) -> str | None:
         """Why a group with ``rewards`` [G] and zero-advantage mask ``zero`` [G] is filtered, or None."""
@@ -354,17 +397,3 @@ def _trainable_refs(episodes: Iterable[Episode]) -> list[PayloadRef]:
 
 def _unit_refs(units: Iterable[tuple[Episode, BranchResult, float]]) -> list[PayloadRef]:
     return [b.ref for _, b, _ in units if b.ref is not None]
-
-
-def _metrics(groups: list[_ReadyGroup], packed: list[PackedMicroBatch]) -> dict[str, float]:
-    """Step metrics written into the step header."""
-    samples = [s for g in groups for s in g.samples]
-    return {
-        "num_groups": float(len(groups)),
-        "num_samples": float(len(samples)),
-        "num_tokens": float(sum(s.num_tokens for s in samples)),
-        "num_loss_tokens": float(sum(int(s.loss_mask.sum()) for s in samples)),
-        "num_micro_batches": float(len(packed)),
-        "num_dummies": float(sum(mb.is_dummy for mb in packed)),
-        "reward_mean": float(np.mean([s.reward for s in samples])),
-    }

@@ -208,6 +208,20 @@ def _dummy_batch(rank: int, index: int, own: Sequence[Sample], samples: Sequence
     return PackedMicroBatch(rank, index, (make_dummy(source, borrow=routing),), routing, is_dummy=True)
 
 
+def step_metrics(samples: Sequence[Sample], num_groups: int, packed: Sequence[PackedMicroBatch]) -> dict[str, float]:
+    """The orchestrator's step metrics (written into the step header) of ``samples`` from ``num_groups`` groups
+    packed into ``packed``: counts, tokens (all and loss), micro batches, padding dummies, mean reward."""
+    return {
+        "num_groups": float(num_groups),
+        "num_samples": float(len(samples)),
+        "num_tokens": float(sum(s.num_tokens for s in samples)),
+        "num_loss_tokens": float(sum(int(s.loss_mask.sum()) for s in samples)),
+        "num_micro_batches": float(len(packed)),
+        "num_dummies": float(sum(mb.is_dummy for mb in packed)),
+        "reward_mean": float(np.mean([s.reward for s in samples])),
+    }
+
+
 def step_micro_batches(packed: Sequence[PackedMicroBatch], dp_world_size: int) -> list[list[StepMicroBatch]]:
     """``packed`` (ordered by ``(dp_rank, index)``) as ``publish_step``'s input: per DP rank, its micro batches
     with the samples' streams concatenated and one ``PackedSequence`` per sample (a dummy's: ``borrowed`` when it

@@ -22,6 +22,10 @@ from refpipe.storage.chunk_ref import PayloadRef
 from refpipe.storage.errors import EpisodeError, PackingError
 from refpipe.storage.uri import RunPrefix
 
+MAX_ABS_REWARD = float(np.finfo(np.float32).max)
+"""Largest |reward| an episode may carry (about 3.4e38): a group's reward sums, means and squares then stay finite in
+float64, so no estimator overflows to NaN on finite rewards."""
+
 
 @dataclass(frozen=True, eq=False)
 class BranchResult:
@@ -196,18 +200,19 @@ def check_episode(episode: Episode, prefix: RunPrefix, *, vocab_size: int | None
             the rest of the URI is the env server's view of the run and may differ), or its URI
             names another chunk than its branch id (names the episode and branch).
         EpisodeError: no branches; a token array of the wrong dtype or shape; a non-positive
-            temperature or negative policy version; rewards that are not finite or not one per
-            branch; a token id < 0 or >= ``vocab_size``; an inference logprob that is NaN, infinite
-            or > 0 (one line naming the episode, branch, array and index); a ref whose
-            prompt/completion token counts disagree with the branch's tokens; the same ref twice.
+            temperature or negative policy version; rewards that are not finite, above
+            ``MAX_ABS_REWARD`` in magnitude, or not one per branch; a token id < 0 or >= ``vocab_size``;
+            an inference logprob that is NaN, infinite or > 0 (one line naming the episode, branch,
+            array and index); a ref whose prompt/completion token counts disagree with the branch's
+            tokens; the same ref twice.
     """
     what = f"episode {episode.episode_id!r} (group {episode.group_id!r}, env {episode.env_name!r})"
     if not episode.branches:
         raise EpisodeError(f"{what}: has no branches: expected at least one")
     rewards = np.asarray(episode.reward, np.float64)
-    if rewards.shape not in ((), (len(episode.branches),)) or not np.isfinite(rewards).all():
-        raise EpisodeError(f"{what}: reward {episode.reward!r}: expected one finite float or one per branch "
-                           f"({len(episode.branches)})")
+    if rewards.shape not in ((), (len(episode.branches),)) or not (np.abs(rewards) <= MAX_ABS_REWARD).all():
+        raise EpisodeError(f"{what}: reward {episode.reward!r}: expected one finite float with |reward| <= "
+                           f"{MAX_ABS_REWARD:.7g} (float32's largest) or one per branch ({len(episode.branches)})")
     for i, branch in enumerate(episode.branches):
         _check_branch(branch, f"{what} branch {i}", prefix)
         _check_values(branch, f"{what} branch {i}", vocab_size)

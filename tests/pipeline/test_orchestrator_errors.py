@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
+from refpipe.pipeline.audit import audit
 from refpipe.pipeline.orchestrator import Orchestrator, OrchestratorConfig
+from refpipe.pipeline.step_file import StepFile
 from refpipe.storage.backends import open_store
 from refpipe.storage.config import StorageConfig
-from refpipe.storage.errors import EpisodeError, KeyExistsError, OutsideRunError, PackingError
+from refpipe.storage.errors import EpisodeError, KeyExistsError, LedgerClosedError, OutsideRunError, PackingError
 from refpipe.storage.layout import step_key
 from refpipe.storage.ledger_records import delete_record_of
 from tests.pipeline.orchestrator_helpers import FIELDS, branch, chunks, counting_store, episode, make_keeper, tombstones
 
 CFG = OrchestratorConfig(seq_len=32, dp_world_size=2, groups_per_step=1, group_size=2)
+F32_MAX = float(np.finfo(np.float32).max)
 
 
 @pytest.fixture
@@ -136,9 +140,11 @@ def test_a_shipped_ref_submitted_again_is_refused_and_left_to_its_trainer(env):
     orch.submit(e0)
     orch.submit(e1)
     assert {r.branch_id for r in orch.build_step(0).refs} == {"e0-b0", "e1-b0"}
-    with pytest.raises(EpisodeError, match=r"^episode 'e9' of group 'g1' was already submitted \(refs shipped in "
-                                           r"steps \{'e0-b0': 0\}\)$"):
+    with pytest.raises(EpisodeError) as refused:
         orch.submit(replace(e0, episode_id="e9", group_id="g1"))  # would train step 0's rows twice
+    assert str(refused.value) == (f"episode 'e9' of group 'g1': ref {e0.branches[0].ref.uri} was already shipped in "
+                                  f"step 0: expected a ref not shipped before (a ref trains once; that step's trainer "
+                                  f"deletes its chunk)")
     assert chunks(store) == {"e0-b0", "e1-b0"} and tombstones(store) == set()  # step 0's trainer deletes it
     assert sum(orch.deleted.values()) == 0 and orch.pending_groups == 0
 
@@ -162,3 +168,103 @@ def test_config_is_validated():
         OrchestratorConfig(reward_range=(1.0, 0.0))
     with pytest.raises(ValueError, match="extra_forbidden"):
         OrchestratorConfig(seq_lenn=3)
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_a_discarded_ref_is_refused_naming_its_deleter_and_the_audit_stays_clean(request, backend):
+    config = request.getfixturevalue(f"{backend}_config")
+    store = open_store(config)
+    orch, keeper = Orchestrator(CFG, store, fields=FIELDS), make_keeper(store, config)
+    rng = np.random.default_rng(8)
+    orch.submit(episode(keeper, rng, "e0", "g0", 1.0))
+    e1 = episode(keeper, rng, "e1", "g0", 0.0, branches=2)
+    keeper.discard([e1.branches[1].ref])  # the env worker gave up on it, then submitted its episode anyway
+    with pytest.raises(EpisodeError) as refused:
+        orch.submit(replace(e1, reward=[0.0, 1.0]))
+    assert str(refused.value) == (
+        f"episode 'e1' (group 'g0', env 'reverse') branch 1: ref {e1.branches[1].ref.uri} was deleted by "
+        f"env_worker_0 (discarded by env server): expected a kept chunk (a discarded or deleted ref cannot train: "
+        f"keep the branch again)")
+    assert orch.deleted == {"refused": 1} and chunks(store) == {"e0-b0"} and orch.pending_groups == 1
+    assert delete_record_of(store, "e1-b0").reason.startswith("orchestrator refused: episode 'e1' (group 'g0', env "
+                                                              "'reverse') branch 1: ref ")
+    orch.shutdown()
+    keeper.ledger.close()
+    report = audit(store, finished=True)
+    assert (report.kept, report.deleted, report.leaked, report.violations) == (3, 3, 0, [])
+    assert report.clean and chunks(store) == set()
+
+
+def test_a_ref_never_kept_is_refused(env):
+    orch, keeper, store = env
+    e0 = episode(keeper, np.random.default_rng(9), "e0", "g0", 1.0)
+    store.delete_keys([k for k in store.list_prefix("payloads")])  # gone without a delete record
+    with pytest.raises(EpisodeError, match=r"^episode 'e0' \(group 'g0', env 'reverse'\) branch 0: ref .*/e0-b0 has "
+                                           r"no commit marker and no delete record of its own \(never kept, or "
+                                           r"released by a trainer\): expected a kept chunk"):
+        orch.submit(e0)
+    assert orch.deleted == {} and orch.pending_groups == 0 and tombstones(store) == set()  # no delete tried
+
+
+@pytest.mark.parametrize("reward", [1.7e308, -1e39, [1.0, 3.5e38]])
+def test_a_reward_beyond_float32_is_refused_at_its_own_submit(env, reward):
+    orch, keeper, store = env
+    rng = np.random.default_rng(10)
+    n = 2 if isinstance(reward, list) else 1
+    orch.submit(episode(keeper, rng, "e0", "g0", 1.0, branches=n))
+    with pytest.raises(EpisodeError) as refused:
+        orch.submit(episode(keeper, rng, "e1", "g0", reward, branches=n))
+    assert str(refused.value) == (f"episode 'e1' (group 'g0', env 'reverse'): reward {reward!r}: expected one finite "
+                                  f"float with |reward| <= 3.402823e+38 (float32's largest) or one per branch ({n})")
+    assert orch.deleted == {"refused": n} and orch.pending_groups == 1
+    assert chunks(store) == {f"e0-b{i}" for i in range(n)}
+
+
+def test_rewards_at_float32s_largest_train_without_overflow(env):
+    orch, keeper, store = env
+    rng = np.random.default_rng(11)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no numpy overflow warning either
+        orch.submit(episode(keeper, rng, "e0", "g0", F32_MAX))
+        orch.submit(episode(keeper, rng, "e1", "g0", -F32_MAX))
+        header = orch.build_step(0)
+    step_file = StepFile.read(store, 0)
+    advantages = {a for mb in step_file.header.micro_batches
+                  for a in step_file.streams(mb.dp_rank, mb.index)["advantages"].tolist()}
+    assert advantages == {-1.0, 0.0, 1.0} and header.metrics["reward_mean"] == 0.0
+
+
+def test_after_shutdown_submit_and_build_step_are_refused_and_say_who_deletes(env):
+    orch, keeper, store = env
+    orch.shutdown()
+    e0 = episode(keeper, np.random.default_rng(12), "e0", "g0", 1.0)
+    run = store.prefix.uri
+    with pytest.raises(LedgerClosedError) as refused:
+        orch.submit(e0)
+    assert str(refused.value) == (f"orchestrator of run {run} is shut down: submit of episode 'e0' of group 'g0' "
+                                  f"refused: its chunks are not deleted; discard its refs with the Keeper that kept "
+                                  f"them (Keeper.discard), else `refpipe sweep` deletes them once the run stopped")
+    with pytest.raises(LedgerClosedError) as refused:
+        orch.build_step(0)
+    assert str(refused.value) == f"orchestrator of run {run} is shut down: build_step(0) refused (nothing is published)"
+    assert chunks(store) == {"e0-b0"} and not store.exists(step_key(0))
+    keeper.discard(e0.refs())  # as the error says
+    keeper.ledger.close()
+    orch.shutdown()  # a second shutdown does nothing
+    report = audit(store, finished=True)
+    assert (report.kept, report.deleted, report.leaked, report.violations) == (1, 1, 0, []) and report.clean
+
+
+def test_a_malformed_episode_with_a_discarded_ref_deletes_only_its_kept_chunks(local_config):
+    store = open_store(local_config)
+    orch, keeper = Orchestrator(CFG, store, fields=FIELDS), make_keeper(store, local_config)
+    e0 = episode(keeper, np.random.default_rng(13), "e0", "g0", [1.0, 0.0], branches=2)
+    keeper.discard([e0.branches[1].ref])
+    bad = replace(e0.branches[0], prompt_ids=e0.branches[0].prompt_ids.astype(np.int64))
+    with pytest.raises(EpisodeError, match=r"^episode 'e0' .* branch 0: prompt_ids is <i8 \[4\]: expected int32"):
+        orch.submit(replace(e0, branches=[bad, e0.branches[1]]))
+    assert orch.deleted == {"refused": 1} and chunks(store) == set()
+    orch.shutdown()
+    keeper.ledger.close()
+    report = audit(store, finished=True)  # no second delete of the discarded chunk on record
+    assert (report.kept, report.deleted, report.leaked, report.violations) == (2, 2, 0, []) and report.clean

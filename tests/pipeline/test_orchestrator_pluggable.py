@@ -95,17 +95,34 @@ def test_pruning_and_staleness_can_be_turned_off(local_config):
     assert default.build_step(6) is None and default.deleted == {"stale": 2}
 
 
-def test_an_estimator_that_fails_leaves_its_group_pending_for_shutdown(local_config):
+def test_an_estimator_that_fails_refuses_its_group_and_deletes_its_chunks_at_once(local_config):
     store = open_store(local_config)
     orch = _orchestrator(store, group_size=2, advantages=lambda group: [1.0])
     keeper, rng = make_keeper(store, local_config), np.random.default_rng(4)
     orch.submit(episode(keeper, rng, "e0", "g0", 1.0))
     with pytest.raises(EpisodeError, match=r"^group g0: the advantage estimator returned 1 values: expected one per "
-                                           r"sample \(2\)$"):
+                                           r"sample \(2\) \(samples in order: 'e0' branch 0, 'e1' branch 0\); the "
+                                           r"group is refused, its chunks deleted$"):
         orch.submit(episode(keeper, rng, "e1", "g0", 0.0))
-    assert orch.pending_groups == 1 and chunks(store) == {"e0-b0", "e1-b0"}
+    assert orch.pending_groups == 0 and orch.deleted == {"refused": 2} and chunks(store) == set()
+    orch.submit(episode(keeper, rng, "e2", "g0", 0.0))  # the group is closed: a late episode
     orch.shutdown()
-    assert orch.deleted == {"shutdown": 2} and chunks(store) == set()
+    assert orch.deleted == {"refused": 2, "late": 1} and chunks(store) == set()
+
+
+def test_advantages_beyond_float32_refuse_their_group(local_config):
+    store = open_store(local_config)
+    orch = _orchestrator(store, group_size=3, std_normalize=False)
+    keeper, rng = make_keeper(store, local_config), np.random.default_rng(5)
+    big = float(np.finfo(np.float32).max)
+    orch.submit(episode(keeper, rng, "e0", "g0", big))
+    orch.submit(episode(keeper, rng, "e1", "g0", -big))
+    with pytest.raises(EpisodeError, match=r"^group g0 sample 0: advantage of shape \[\]: expected a finite float or "
+                                           r"\[6\] finite float32 \(its kept completion tokens\) \(samples in order: "
+                                           r"'e0' branch 0, 'e1' branch 0, 'e2' branch 0\); the group is refused"):
+        orch.submit(episode(keeper, rng, "e2", "g0", -big))  # e0's advantage: 4/3 of float32's largest
+    assert orch.deleted == {"refused": 3} and chunks(store) == set() and orch.ready_groups == 0
+    orch.shutdown()
 
 
 def _refused(kind, keeper, rng, sibling_keeper):
