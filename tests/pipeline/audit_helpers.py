@@ -80,12 +80,14 @@ def fetch_step(store: Store, step: int, dp_rank: int) -> int:
 
 
 def release_step(store: Store, ledger: Ledger, step: int, dp_rank: int) -> None:
-    """What trainer rank ``dp_rank`` does after training a step: delete its owned refs, record the release."""
+    """What trainer rank ``dp_rank`` does after training a step: delete its owned refs, record the release; then wait
+    until its ledger's reaper removed their bytes, so what follows sees the run at rest."""
     refs = StepFile.read(store, step).header.owned_refs(dp_rank)
     if refs:
         ledger.release(step, refs, reason=f"trainer dp_rank={dp_rank} step {step}")
     ledger.record("release", step=step, dp_rank=dp_rank)
     ledger.flush()
+    ledger.wait_freed()
 
 
 def train(store: Store, ledgers: list[Ledger], step: int) -> None:
@@ -94,7 +96,6 @@ def train(store: Store, ledgers: list[Ledger], step: int) -> None:
         fetch_step(store, step, rank)
     for rank, ledger in enumerate(ledgers):
         release_step(store, ledger, step, rank)
-        ledger.wait_freed()  # the bytes removed: what follows sees the run at rest
 
 
 def chunks(store: Store) -> set[str]:

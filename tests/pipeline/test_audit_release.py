@@ -39,9 +39,11 @@ def commit_checkpoint(store: Store, step: int) -> list[str]:
 
 
 def released(rank: ReleasePolicy, step: int) -> ReleaseCounts:
-    """A checkpoint covering ``step`` is durable: release what it covers and wait for the background deletes."""
+    """A checkpoint covering ``step`` is durable: release what it covers and wait for the background deletes and
+    their bytes' removal (the audits below are ``stopped``: a live deleter's reaper backlog would be unfinished)."""
     rank.checkpointed(step)
     rank.background.wait()
+    rank.background.ledger.wait_freed()
     return rank.background.take_counts()
 
 

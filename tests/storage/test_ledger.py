@@ -259,6 +259,7 @@ def test_an_actors_earlier_life_delete_is_already_released_anothers_is_a_double_
     del first_life  # the first life is gone (its session is dead), so the actor may start again
     second_life = Ledger(store, "trainer_dp0")
     result = second_life.delete(refs, reason="trained step 0, resumed")
+    second_life.wait_freed()
     assert (result.deleted, result.already_released) == ([refs[2].uri], [refs[0].uri, refs[1].uri])
     assert store.list_prefix("payloads") == []  # the earlier life's leftovers are gone too
     assert delete_record_of(store, "b0").session == first_session
