@@ -69,11 +69,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, computed_field
 from rich.progress import Progress
 
-from refpipe.pipeline.audit_scan import RunScan, StaleSummaryError, committed, lost_data, scan_run
+from refpipe.pipeline.audit_scan import RunScan, StaleSummaryError, committed, scan_run
 from refpipe.pipeline.audit_summary import load_summary, seed_scan, settle, write_summary
 from refpipe.storage.checkpoints import newest_checkpoint
 from refpipe.storage.errors import KeyNotFoundError, RunStillRunningError
-from refpipe.storage.layout import CONFIG_KEY, ORCHESTRATOR_ACTOR
+from refpipe.storage.layout import CONFIG_KEY, DATA_NAME, ORCHESTRATOR_ACTOR
 from refpipe.storage.liveness import live_sessions
 from refpipe.storage.store import Store
 
@@ -224,6 +224,12 @@ def _replayed(store: Store, scan: RunScan, protected: dict[str, str]) -> dict[st
             for node in nodes if node not in protected}
 
 
+def _lost_data(keys: list[str]) -> bool:
+    """Whether a chunk node's keys include its commit marker but not its data (``c.0``, written before the marker and
+    removed after it: removed outside the ledger)."""
+    return committed(keys) and not any(k.endswith("/" + DATA_NAME) for k in keys)
+
+
 def _freeing(node: str, scan: RunScan, live: set[tuple[str, str]]) -> str | None:
     """The actor of a live session whose delete batch claimed ``node`` (its ledger's reaper removes the bytes after
     the delete returned: ``storage.ledger_reaper``), or None."""
@@ -273,7 +279,7 @@ def judge(scan: RunScan, store: Store, *, stopped: bool = False, finished: bool 
     leaked, unfinished, retained_chunks, lost = [], [], [], []
     for node, keys in sorted(scan.nodes.items()):
         claimant = scan.unfinished.get(node)
-        if node not in scan.tombstoned and lost_data(keys):  # its rows are gone: missing, whoever held it
+        if node not in scan.tombstoned and _lost_data(keys):  # its rows are gone: missing, whoever held it
             lost.append(node)
         elif node in scan.tombstoned:
             if freeing := _freeing(node, scan, live):  # claimed by a live deleter, its reaper removing the bytes

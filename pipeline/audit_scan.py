@@ -43,7 +43,6 @@ from refpipe.storage.errors import (
 )
 from refpipe.storage.layout import (
     BATCHES_PREFIX,
-    DATA_NAME,
     DELETES_PREFIX,
     EVENTS_PREFIX,
     META_NAME,
@@ -137,12 +136,6 @@ class StaleSummaryError(Exception):
 def committed(keys: Sequence[str]) -> bool:
     """Whether a chunk node's keys include its commit marker."""
     return any(k.endswith("/" + META_NAME) for k in keys)
-
-
-def lost_data(keys: Sequence[str]) -> bool:
-    """Whether a chunk node's keys include its commit marker but not its data (``c.0``, written before the marker and
-    removed after it: removed outside the ledger)."""
-    return committed(keys) and not any(k.endswith("/" + DATA_NAME) for k in keys)
 
 
 def _parallel(store: Store, fn: Callable[[T], R], items: Sequence[T], progress: Progress | None,
