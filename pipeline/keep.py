@@ -21,6 +21,7 @@ from refpipe.storage.chunk_ref import ArraySpec, PayloadRef
 from refpipe.storage.chunk_write import put_chunk
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.delete_result import DeleteResult
+from refpipe.storage.errors import expect_each, expect_type
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.ledger_open import claim_branch_id
 from refpipe.storage.store import Store
@@ -61,10 +62,12 @@ class Keeper:
         """Validate and write a branch's arrays as one Zarr v3 chunk; return its reference.
 
         Raises:
+            ArgumentTypeError: ``branch`` is not a ``Branch``.
             FieldError: an array breaks its field's rules (nothing is written).
             KeyExistsError: ``branch.branch_id`` was already kept in this run.
             LedgerClosedError: the keeper's ledger was closed (nothing is written).
         """
+        branch = expect_type(branch, Branch, "Keeper.keep(branch)")
         self.ledger.check_open("keep")
         branch_id = branch.branch_id or f"{self.ledger.actor}-{uuid.uuid4().hex}"
         what = f"branch {branch_id} (env worker {self.ledger.actor})"
@@ -101,12 +104,17 @@ class Keeper:
         shared ``prefix`` (``keep_prefix``; ``branch_id`` must be one of its holders) or with no tokens.
 
         Raises:
+            ArgumentTypeError: ``branch_id`` is not a string or ``prefix`` not a ``PayloadRef``.
             ConfigError: ``branch_id`` is not a valid id, or too long to name its segments.
             FieldError: ``num_prompt_tokens`` is not an integer >= 0.
             OpenBranchError: ``branch_id`` was opened before in this run (names who opened it: the id is claimed
                 here, by one exclusive put per branch), is not a holder of ``prefix``, or already released it
                 (``release_holders``, a discard), or the prefix's prompt tokens disagree.
         """
+        if branch_id is not None:
+            expect_type(branch_id, str, "Keeper.open_branch(branch_id)")
+        if prefix is not None:
+            expect_type(prefix, PayloadRef, "Keeper.open_branch(prefix)")
         branch = OpenBranch(self, branch_id or f"{self.ledger.actor}-{uuid.uuid4().hex}", num_prompt_tokens, prefix)
         claim_branch_id(self.store, branch.branch_id, self.ledger.actor, self.ledger.session)
         return branch
@@ -140,9 +148,13 @@ class Keeper:
     def release_holders(self, prefix: PayloadRef, holders: Sequence[str], *,
                         reason: str = "holder discarded by env server") -> DeleteResult:
         """Release ``prefix`` for declared holders that will never hold it (their episodes failed before opening).
-        Raises as ``Ledger.delete``."""
+        Raises as ``Ledger.delete``; ArgumentTypeError: ``prefix`` is not a ``PayloadRef`` or ``holders`` not
+        strings."""
+        prefix = expect_type(prefix, PayloadRef, "Keeper.release_holders(prefix)")
+        holders = expect_each(holders, str, "Keeper.release_holders(holders)")
         return self.ledger.release_chunks([(prefix, h) for h in holders], reason=reason)
 
     def discard(self, refs: Sequence[PayloadRef], *, reason: str = "discarded by env server") -> DeleteResult:
-        """Delete kept branches that will never reach the orchestrator (exactly once, via the ledger)."""
-        return self.ledger.delete(refs, reason=reason)
+        """Delete kept branches that will never reach the orchestrator (exactly once, via the ledger). Raises as
+        ``Ledger.delete``; ArgumentTypeError: ``refs`` is not a sequence of ``PayloadRef`` (nothing deleted)."""
+        return self.ledger.delete(expect_each(refs, PayloadRef, "Keeper.discard(refs)"), reason=reason)
