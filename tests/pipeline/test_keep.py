@@ -125,6 +125,25 @@ def test_bad_branch_id_is_refused_before_any_write(keeper, storage_config):
     assert listing(storage_config) == before
 
 
+def test_an_empty_id_is_refused_not_taken_for_no_id(keeper, storage_config):
+    """``open_branch(branch_id="")`` (and ``keep`` of ``Branch(branch_id="")``, ``keep_prefix(prefix_id="")``) drew
+    a new id as if none were given; an empty id is an invalid one: ``ConfigError``, nothing written."""
+    keeper.ledger.flush()
+    before = listing(storage_config)
+    rule = "expected 1-128 of [A-Za-z0-9._-], not starting with . - or _"
+    cases = [
+        (lambda: keeper.open_branch(2, branch_id=""), f"branch_id '': {rule}"),
+        (lambda: keeper.keep(Branch(P, C, fields_of(), "")), f"branch_id '': {rule}"),
+        (lambda: keeper.keep_prefix(2, {}, holders=["h0"], prefix_id=""), f"prefix_id '': {rule}"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ConfigError) as info:
+            call()
+        assert str(info.value) == message
+    keeper.ledger.flush()
+    assert listing(storage_config) == before
+
+
 def test_zero_completion_tokens_keep_empty_completion_fields(keeper):
     fields = fields_of(P, 0)
     assert fields["topk_ids"].shape == (0, 4) and fields["sampling_mask"].ids.shape == (0,)
