@@ -120,6 +120,7 @@ class Keeper:
             expect_type(prefix, PayloadRef, "Keeper.open_branch(prefix)")
         branch = OpenBranch(self, self._chosen_id(branch_id, "branch_id"), num_prompt_tokens, prefix)
         claim_branch_id(self.store, branch.branch_id, self.ledger.actor, self.ledger.session)
+        self.ledger.open_branches.add(branch.branch_id)
         return branch
 
     def resume_branch(self, branch_id: str) -> OpenBranch:
