@@ -79,14 +79,19 @@ def _fetch(store: Store, header: StepHeader, mb: MicroBatchRecord) -> tuple[dict
             {i: got for i, got in fetched.items() if isinstance(got, str)})
 
 
-def gone_lines(store: Store, header: StepHeader, mb: MicroBatchRecord, gone: dict[int, str]) -> dict[str, str]:
-    """Field name -> ``<fields> of sequence <j, ...>: chunk <uri>: <why>`` for every field of a gone chunk."""
-    out = {}
+def gone_lines(store: Store, header: StepHeader, mb: MicroBatchRecord, gone: dict[int, str],
+               sequence: int | None) -> list[tuple[set[str], str]]:
+    """One ``(its fields, "<fields> of sequence <j, ...>: chunk <uri>: <why>")`` per gone chunk, in the order of
+    its first sequence; with ``sequence``, only the chunk of that sequence."""
+    out = []
     for i, why in gone.items():
+        seqs = [j for j, seq in enumerate(mb.sequences) if seq.ref == i]
+        if sequence is not None and sequence not in seqs:
+            continue
         fields = sorted({name.split(".")[0] for name in header.refs[i].arrays})
-        seqs = ", ".join(str(j) for j, seq in enumerate(mb.sequences) if seq.ref == i)
-        line = f"{', '.join(fields)} of sequence {seqs}: chunk {store.uri(header.refs[i].key)}: {why}"
-        out.update({field: line for field in fields})
+        line = (f"{', '.join(fields)} of sequence {', '.join(map(str, seqs))}: chunk {store.uri(header.refs[i].key)}: "
+                f"{why}")
+        out.append((set(fields), line))
     return out
 
 
@@ -132,10 +137,11 @@ def cut_sequence(arrays: dict[str, np.ndarray], mb: MicroBatchRecord, j: int) ->
     return out
 
 
-def _select(arrays: dict[str, np.ndarray], field: str, gone: dict[str, str]) -> dict[str, np.ndarray]:
+def _select(arrays: dict[str, np.ndarray], field: str, gone: list[tuple[set[str], str]]) -> dict[str, np.ndarray]:
     chosen = {name: a for name, a in arrays.items() if name == field or name.startswith(field + ".")}
-    if field in gone:
-        raise ConfigError(f"--field {field!r} is gone: {gone[field]}")
+    gone_here = [line for fields, line in gone if field in fields]
+    if gone_here:
+        raise ConfigError(f"--field {field!r} is gone: {'; '.join(gone_here)}")
     if not chosen:
         names = sorted({name.split(".")[0] for name in arrays})
         raise ConfigError(f"--field {field!r}: expected one of {names}")
@@ -171,9 +177,10 @@ def show_arrays(
 ) -> None:
     """Print (or save) one micro batch's arrays exactly as the trainer assembles them.
 
-    When chunks of the micro batch are gone (deleted, or missing), one ``gone:`` line names each one's
-    fields, sequences and why, and only the step file's own arrays are shown (``cu_seqlens`` and the
-    token streams, padded as the trainer pads them; a trainer drops such a micro batch).
+    When chunks of the micro batch are gone (deleted, or missing), one ``gone:`` line per gone chunk (with
+    ``--sequence``, that sequence's chunk only) names its fields, sequences and why, and only the step file's own
+    arrays are shown (``cu_seqlens`` and the token streams, padded as the trainer pads them; a trainer drops such a
+    micro batch).
 
     Exit codes: 0 shown; 2 the step file is missing or unreadable, a chunk is corrupt, the micro batch's refs
     cannot be used, ``--field`` names a gone field, or a bad selection.
@@ -192,13 +199,13 @@ def show_arrays(
                                                    fields=header.fields))
     if sequence is not None:
         arrays = cut_sequence(arrays, mb, sequence)
-    gone_fields = gone_lines(target.store, header, mb, gone)
+    gone_chunks = gone_lines(target.store, header, mb, gone, sequence)
     if field:
-        arrays = _select(arrays, field, gone_fields)
+        arrays = _select(arrays, field, gone_chunks)
     typer.echo(f"step {header.step}, DP rank {dp_rank}, micro batch {micro_batch}: {len(mb.sequences)} sequences, "
                f"{mb.num_tokens} tokens + {mb.num_padding_tokens} padding (seq_len {header.seq_len})"
                + ("" if sequence is None else f"; sequence {sequence}"))
-    for line in dict.fromkeys(gone_fields.values()):
+    for _, line in gone_chunks:
         typer.echo(printable(f"gone: {line}"))
     if gone:
         typer.echo("shown: the step file's own arrays (cu_seqlens, token streams); a trainer drops this micro batch")

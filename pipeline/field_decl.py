@@ -28,6 +28,9 @@ class ValueChecks(BaseModel):
 
     The bounds (``finite``, ``low``, ``high``, ``below``) also run on every fetched row before a trainer
     rank trains from it (``trainer.assemble``); ``distinct`` runs at keep only.
+
+    Raises:
+        ValueError (pydantic ``ValidationError``): ``low`` above ``high``.
     """
 
     model_config = CONFIG
@@ -46,6 +49,13 @@ class ValueChecks(BaseModel):
     sentinel: int | float | Literal["-inf"] | None = None
     """One value that means "none" and passes ``finite``/``low``/``high`` (``-1`` = no id, ``"-inf"`` = no logprob)."""
 
+    @model_validator(mode="after")
+    def _satisfiable(self) -> "ValueChecks":
+        if self.low is not None and self.high is not None and self.low > self.high:
+            raise ValueError(f"low={self.low} above high={self.high}: expected low <= high (no value could pass "
+                             "both)")
+        return self
+
     @property
     def sentinel_value(self) -> float | None:
         """``sentinel`` as a number (``"-inf"`` -> ``-inf``)."""
@@ -56,7 +66,8 @@ class FieldDecl(BaseModel):
     """One field's rules. Arrays are ``[rows, *shape]``; rows follow ``domain`` and ``rows``.
 
     Raises:
-        ValueError (pydantic ``ValidationError``): an unknown dtype, a padding rule the domain cannot use,
+        ValueError (pydantic ``ValidationError``): an unknown dtype, a size < 1 in ``shape``, a padding rule the
+            domain cannot use,
             ``all_but_last`` outside the token domain, ``strided_ids`` without ``checks.below``, a ragged
             field with a shape or in the token domain, ``distinct`` without a trailing dimension.
     """
@@ -71,7 +82,8 @@ class FieldDecl(BaseModel):
     input of another integer dtype is narrowed to the first one that holds the declared bounds, once its
     values are checked (``narrow_dtype``)."""
     shape: tuple[int | str, ...] = Field(default=(), strict=False)
-    """Trailing shape of each row: sizes, or names of ``FieldsConfig`` dimensions (``["num_layers", "top_k"]``)."""
+    """Trailing shape of each row: sizes (>= 1), or names of ``FieldsConfig`` dimensions
+    (``["num_layers", "top_k"]``)."""
     domain: Literal["tokens", "completion", "prompt"] = "completion"
     """Which tokens have a row: every token (P + C rows), completion tokens (C) or prompt tokens (P)."""
     rows: Literal["all", "all_but_last"] = "all"
@@ -106,6 +118,9 @@ class FieldDecl(BaseModel):
     @model_validator(mode="after")
     def _consistent(self) -> "FieldDecl":
         what = f"field {self.name!r}"
+        if any(isinstance(d, int) and d < 1 for d in self.shape):
+            raise ValueError(f"{what}: shape {list(self.shape)}: expected sizes >= 1 or names of FieldsConfig "
+                             "settings")
         if (self.domain == "tokens") != (self.padding != "empty_rows"):
             raise ValueError(f"{what}: padding {self.padding!r} in the {self.domain} domain: expected "
                              "zeros, repeat_rows or strided_ids for the token domain, empty_rows otherwise")

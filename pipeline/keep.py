@@ -21,6 +21,8 @@ from refpipe.storage.chunk_ref import ArraySpec, PayloadRef
 from refpipe.storage.chunk_write import put_chunk
 from refpipe.storage.config import StorageConfig
 from refpipe.storage.delete_result import DeleteResult
+from refpipe.storage.errors import expect_each, expect_type
+from refpipe.storage.layout import check_id
 from refpipe.storage.ledger import Ledger
 from refpipe.storage.ledger_open import claim_branch_id
 from refpipe.storage.store import Store
@@ -41,7 +43,7 @@ class Branch:
     num_completion_tokens: int
     fields: Mapping[str, object] = field(default_factory=dict)
     branch_id: str | None = None
-    """Unique within the run; None draws a random id."""
+    """Unique within the run; None draws a random id (``<actor>-<uuid4 hex>``); an empty string is refused."""
 
 
 class Keeper:
@@ -61,12 +63,15 @@ class Keeper:
         """Validate and write a branch's arrays as one Zarr v3 chunk; return its reference.
 
         Raises:
+            ArgumentTypeError: ``branch`` is not a ``Branch``.
+            ConfigError: ``branch.branch_id`` is not a valid id (an empty one too; nothing is written).
             FieldError: an array breaks its field's rules (nothing is written).
             KeyExistsError: ``branch.branch_id`` was already kept in this run.
             LedgerClosedError: the keeper's ledger was closed (nothing is written).
         """
+        branch = expect_type(branch, Branch, "Keeper.keep(branch)")
         self.ledger.check_open("keep")
-        branch_id = branch.branch_id or f"{self.ledger.actor}-{uuid.uuid4().hex}"
+        branch_id = self._chosen_id(branch.branch_id, "branch_id")
         what = f"branch {branch_id} (env worker {self.ledger.actor})"
         arrays, specs = validate_branch(branch.fields, self.fields, num_prompt_tokens=branch.num_prompt_tokens,
                                         num_completion_tokens=branch.num_completion_tokens, what=what)
@@ -101,14 +106,21 @@ class Keeper:
         shared ``prefix`` (``keep_prefix``; ``branch_id`` must be one of its holders) or with no tokens.
 
         Raises:
-            ConfigError: ``branch_id`` is not a valid id, or too long to name its segments.
+            ArgumentTypeError: ``branch_id`` is not a string or ``prefix`` not a ``PayloadRef``.
+            ConfigError: ``branch_id`` is not a valid id (an empty one too: None draws one), or too long to name its
+                segments.
             FieldError: ``num_prompt_tokens`` is not an integer >= 0.
             OpenBranchError: ``branch_id`` was opened before in this run (names who opened it: the id is claimed
                 here, by one exclusive put per branch), is not a holder of ``prefix``, or already released it
                 (``release_holders``, a discard), or the prefix's prompt tokens disagree.
         """
-        branch = OpenBranch(self, branch_id or f"{self.ledger.actor}-{uuid.uuid4().hex}", num_prompt_tokens, prefix)
+        if branch_id is not None:
+            expect_type(branch_id, str, "Keeper.open_branch(branch_id)")
+        if prefix is not None:
+            expect_type(prefix, PayloadRef, "Keeper.open_branch(prefix)")
+        branch = OpenBranch(self, self._chosen_id(branch_id, "branch_id"), num_prompt_tokens, prefix)
         claim_branch_id(self.store, branch.branch_id, self.ledger.actor, self.ledger.session)
+        self.ledger.open_branches.add(branch.branch_id)
         return branch
 
     def resume_branch(self, branch_id: str) -> OpenBranch:
@@ -133,16 +145,29 @@ class Keeper:
 
         Raises:
             FieldError: the rows break their declarations.
-            ConfigError: a holder or ``prefix_id`` is not a valid id; OpenBranchError: no holders, or repeated.
+            ConfigError: a holder or ``prefix_id`` is not a valid id (an empty one too: None draws one);
+                OpenBranchError: no holders, or repeated.
         """
-        return keep_prefix(self, num_tokens, fields, holders, prefix_id or f"{self.ledger.actor}-{uuid.uuid4().hex}")
+        return keep_prefix(self, num_tokens, fields, holders, self._chosen_id(prefix_id, "prefix_id"))
+
+    def _chosen_id(self, given: str | None, what: str) -> str:
+        """``given`` if it is a valid id (an empty string is one given, and refused), or a new one when None.
+
+        Raises:
+            ConfigError: ``given`` is not a valid id (``what`` names it).
+        """
+        return f"{self.ledger.actor}-{uuid.uuid4().hex}" if given is None else check_id(given, what)
 
     def release_holders(self, prefix: PayloadRef, holders: Sequence[str], *,
                         reason: str = "holder discarded by env server") -> DeleteResult:
         """Release ``prefix`` for declared holders that will never hold it (their episodes failed before opening).
-        Raises as ``Ledger.delete``."""
+        Raises as ``Ledger.delete``; ArgumentTypeError: ``prefix`` is not a ``PayloadRef`` or ``holders`` not
+        strings."""
+        prefix = expect_type(prefix, PayloadRef, "Keeper.release_holders(prefix)")
+        holders = expect_each(holders, str, "Keeper.release_holders(holders)")
         return self.ledger.release_chunks([(prefix, h) for h in holders], reason=reason)
 
     def discard(self, refs: Sequence[PayloadRef], *, reason: str = "discarded by env server") -> DeleteResult:
-        """Delete kept branches that will never reach the orchestrator (exactly once, via the ledger)."""
-        return self.ledger.delete(refs, reason=reason)
+        """Delete kept branches that will never reach the orchestrator (exactly once, via the ledger). Raises as
+        ``Ledger.delete``; ArgumentTypeError: ``refs`` is not a sequence of ``PayloadRef`` (nothing deleted)."""
+        return self.ledger.delete(expect_each(refs, PayloadRef, "Keeper.discard(refs)"), reason=reason)

@@ -149,7 +149,7 @@ class OpenBranch:
         if not self._closing:
             self._write_last()
         self._life.end()
-        self._ended = "closed"
+        self._end("closed")
         ref = self._ref()
         self._unsuspend()
         return ref
@@ -181,7 +181,8 @@ class OpenBranch:
         process that resumes it: ``Keeper.resume_branch``, then ``discard``)."""
         self._check_open("discard")
         self._life.end()  # only a committed object is claimed and deleted
-        self._ended, self._pending = "discarded", {}
+        self._end("discarded")
+        self._pending = {}
         result = self.keeper.ledger.release_chunks([(s, self.branch_id) for s in object_refs(self.segments)],
                                                    reason=reason)
         self._unsuspend()
@@ -212,7 +213,8 @@ class OpenBranch:
         self.keeper.ledger.record("suspend", branch_id=self.branch_id, num_tokens=record.num_tokens,
                                   segments=[s.branch_id for s in self.segments])
         self.keeper.ledger.flush()
-        self._ended, self._pending, self._suspended = "suspended", {}, True
+        self._end("suspended")
+        self._pending, self._suspended = {}, True
         return record
 
     @classmethod
@@ -234,8 +236,14 @@ class OpenBranch:
             branch._specs, branch._short = dict(record.waiting.arrays), False
             branch._pending = {n: [a] for n, a in record.waiting.rows().items()}
         branch._suspended = True
+        keeper.ledger.open_branches.add(branch_id)
         keeper.ledger.record("resume", branch_id=branch_id, num_tokens=record.num_tokens, suspended_by=record.actor)
         return branch
+
+    def _end(self, how: str) -> None:
+        """This object ended (``how``: closed, discarded or suspended): no longer an open branch of its ledger."""
+        self._ended = how
+        self.keeper.ledger.open_branches.discard(self.branch_id)
 
     def _unsuspend(self) -> None:
         """A suspended branch closed or discarded: remove its record (it is continued or discarded once)."""

@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING
 
 __version__ = _version("refpipe")
 
-_ERRORS = ("RefpipeError", "ConfigError", "OutsideRunError", "StorageError", "TransientStorageError",
+_ERRORS = ("RefpipeError", "ArgumentTypeError", "ConfigError", "OutsideRunError", "StorageError",
+           "TransientStorageError",
            "KeyNotFoundError", "ChunkNotFoundError", "RunNotFoundError", "RunPathNotADirectoryError",
            "ChunkCorruptError", "KeyExistsError",
            "DoubleDeleteError", "UnknownRefError", "FieldError", "EpisodeError", "StepFileError", "PackingError",
@@ -75,7 +76,8 @@ _WHERE = {
     **{name: "refpipe.storage.errors" for name in _ERRORS},
 }
 __all__ = [
-    "AlignmentError", "Branch", "BranchResult", "CheckpointError", "ChunkCorruptError", "ChunkNotFoundError",
+    "AlignmentError", "ArgumentTypeError", "Branch", "BranchResult", "CheckpointError", "ChunkCorruptError",
+    "ChunkNotFoundError",
     "ConfigError", "DeleteKeysError", "DeleteRecordError", "DeleteResult", "DoubleDeleteError", "Episode",
     "EpisodeError", "FetchError", "FieldDecl", "FieldError", "FieldsConfig", "GroupRollouts", "Keeper",
     "KeyExistsError", "KeyNotFoundError", "Ledger", "LedgerClosedError", "LedgerRecordError", "OpenBranch",
@@ -119,6 +121,7 @@ if TYPE_CHECKING:
     from refpipe.storage.delete_result import DeleteResult
     from refpipe.storage.errors import (
         AlignmentError,
+        ArgumentTypeError,
         CheckpointError,
         ChunkCorruptError,
         ChunkNotFoundError,

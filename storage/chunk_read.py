@@ -34,6 +34,7 @@ from refpipe.storage.errors import (
     KeyNotFoundError,
     RefError,
     TruncatedChunkError,
+    expect_type,
 )
 from refpipe.storage.layout import DATA_NAME, chunk_keys
 from refpipe.storage.ledger_records import delete_record_of
@@ -83,6 +84,7 @@ def fetch_arrays(store: Store, ref: PayloadRef, num_tokens: int | None = None) -
         counts cover.
 
     Raises:
+        ArgumentTypeError: ``ref`` is not a ``PayloadRef``.
         OutsideRunError: the ref's URI names another chunk than its branch id (before any I/O).
         ChunkNotFoundError: the chunk does not exist (never zeros, even for 0 tokens): at once when its delete
             record exists (the message names the deleter, when and why), else still missing after ``max_retries``
@@ -91,7 +93,7 @@ def fetch_arrays(store: Store, ref: PayloadRef, num_tokens: int | None = None) -
         RefError: ``num_tokens`` outside ``[0, ref.num_tokens]``, or the ref's rows disagree with its token counts
             (``PayloadRef.rows_problem``; before any I/O).
     """
-    return fetch_into(store, ref, num_tokens, {}).arrays
+    return fetch_into(store, expect_type(ref, PayloadRef, "fetch_arrays(ref)"), num_tokens, {}).arrays
 
 
 def fetch_into(store: Store, ref: PayloadRef, num_tokens: int | None, out: Mapping[str, np.ndarray],

@@ -6,12 +6,15 @@ expected and what was found.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     from pydantic import ValidationError
 
     from refpipe.storage.delete_result import DeleteResult
+
+T = TypeVar("T")
 
 
 class RefpipeError(Exception):
@@ -184,9 +187,44 @@ class LedgerClosedError(RefpipeError, RuntimeError):
     ended with its ``close`` event, so nothing may follow it; open a new ``Ledger`` for the actor."""
 
 
+class ArgumentTypeError(RefpipeError, TypeError):
+    """A public call got an argument of another type than it takes (a dict for a ``Branch``, a string for a
+    ``PayloadRef``); raised before anything is read, written or deleted (``expect_type``, ``expect_each``)."""
+
+
 class StepOrderError(RefpipeError, RuntimeError):
     """A trainer rank's pull loop was driven out of order: a step released twice, or the next step asked for
     before the previous one was released (``TrainerRank.steps``)."""
+
+
+def expect_type(value: object, expected: type[T], argument: str) -> T:
+    """``value``, checked to be an ``expected`` at a public call; ``argument`` names it (``"Keeper.keep(branch)"``).
+
+    Raises:
+        ArgumentTypeError: naming the argument, the expected type and what was given.
+    """
+    if not isinstance(value, expected):
+        raise ArgumentTypeError(f"{argument}: expected a {expected.__name__}, got {_given(value)}")
+    return value
+
+
+def expect_each(values: object, expected: type[T], argument: str) -> list[T]:
+    """``values`` as a list, checked to be a sequence (any iterable but a string) of ``expected`` at a public call.
+
+    Raises:
+        ArgumentTypeError: naming the argument (an element by its index), the expected type and what was given.
+    """
+    if isinstance(values, (str, bytes, expected)) or not isinstance(values, Iterable):
+        raise ArgumentTypeError(f"{argument}: expected a sequence of {expected.__name__}, got {_given(values)}")
+    items = list(values)
+    for i, value in enumerate(items):
+        if not isinstance(value, expected):
+            raise ArgumentTypeError(f"{argument}[{i}]: expected a {expected.__name__}, got {_given(value)}")
+    return items
+
+
+def _given(value: object) -> str:
+    return f"{type(value).__name__} {_cut(repr(value), 60)}"
 
 
 def validation_problems(error: ValidationError) -> str:

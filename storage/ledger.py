@@ -31,6 +31,7 @@ from refpipe.storage.errors import (
     KeyNotFoundError,
     StorageError,
     UnknownRefError,
+    expect_each,
 )
 from refpipe.storage.layout import branch_id_of, chunk_keys, meta_key, tombstone_key
 from refpipe.storage.ledger_batch import Batches, EarlierLife, Target, Unfinished
@@ -121,12 +122,14 @@ class Ledger(LedgerSession):
             max_concurrency: threads claiming at once.
 
         Raises:
+            ArgumentTypeError: ``refs`` is not a sequence of ``PayloadRef`` (nothing deleted).
             OutsideRunError: a ref's URI names another chunk than its branch id (nothing deleted).
             DoubleDeleteError: some chunks were already deleted; every other chunk was deleted. ``.result`` holds
                 the full ``DeleteResult``.
             UnknownRefError: some refs were never kept (and none double-deleted); ``.result`` as above.
             LedgerClosedError: this session was closed (nothing deleted).
         """
+        refs = expect_each(refs, PayloadRef, "Ledger.delete(refs)")
         return self.release_chunks([(c, ref.branch_id) for ref in refs for c in ref.chunks], reason=reason,
                                    max_concurrency=max_concurrency)
 
@@ -157,10 +160,11 @@ class Ledger(LedgerSession):
         Raises:
             As ``delete``.
         """
+        refs = expect_each(refs, PayloadRef, "Ledger.release(refs)")
         self.check_open(f"release of step {step} ({reason})")
         if not self.store.claims_per_release:
             return self.delete(refs, reason=reason, max_concurrency=max_concurrency)
-        result = self._releases.release(step, list(refs), reason)
+        result = self._releases.release(step, refs, reason)
         self._report(result)
         return result
 

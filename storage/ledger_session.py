@@ -13,6 +13,7 @@ actor already has a live session (on any host) is refused at construction, namin
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -32,6 +33,8 @@ from refpipe.storage.layout import (
 from refpipe.storage.ledger_records import encode_record
 from refpipe.storage.liveness import Heartbeat, live_sessions
 from refpipe.storage.store import Store
+
+log = logging.getLogger(__name__)
 
 SEGMENT_MAX_EVENTS = 512
 SEGMENT_MAX_AGE_S = 2.0
@@ -77,6 +80,10 @@ class LedgerSession:
         self.shipped: dict[str, int] = {}
         """Branch id -> the step this session published it in (``pipeline.publish.publish_step``), so a ref is
         published once: one lookup per ref, no history read (memory: one entry per shipped ref)."""
+        self.open_branches: set[str] = set()
+        """Ids of the open branches kept through this session in this process (``pipeline.open_branch.OpenBranch``
+        adds one when opened or resumed and removes it when closed, discarded or suspended); ``close`` warns of
+        any left."""
         self._refuse_a_live_session()
         self.session = self._open()
 
@@ -199,9 +206,16 @@ class LedgerSession:
 
     def close(self) -> None:
         """Record a clean end of this session and flush; the last heartbeat says closed. A second call does
-        nothing."""
+        nothing. Open branches still open through this session (``open_branches``) do not stop it: a warning names
+        them (they can append, close, suspend or discard no more; their rows are leaked until ``refpipe sweep``
+        removes them): close, suspend or discard each before closing its ledger."""
         if self.closed:
             return
+        if self.open_branches:
+            log.warning("ledger session %s of actor %r closed with open branches %s still open: they can be closed, "
+                        "suspended or discarded no more, and their rows are leaked until `refpipe sweep` removes "
+                        "them; close, suspend or discard each open branch before Ledger.close", self.session,
+                        self.actor, sorted(self.open_branches))
         self.record("close")
         self.flush()
         self._heartbeat.close()

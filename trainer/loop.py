@@ -75,26 +75,57 @@ class TrainingStep:
         return self.metrics
 
 
-def pull_steps(rank: TrainerRank, stop: int | None, resume: ResumePlan | None) -> Iterator[TrainingStep]:
-    """``TrainerRank.steps``: see there."""
-    if resume is not None:
-        rank.resume(resume)
-    step = resume.start_step if resume is not None else 0
-    opened: TrainingStep | None = None
-    while stop is None or step < stop:
-        if resume is not None and step in resume.skipped:
-            rank.skip_step(step, resume)
-        else:
-            opened = rank.open_step(step, replayed=resume is not None and resume.replays(step))
-            yield opened
-            _check_released(opened, rank.topology.rank)
-        step += 1
+class PullLoop(Iterator[TrainingStep]):
+    """The iterator ``TrainerRank.steps`` returns: each ``next()`` opens the next step (see there).
 
+    A refused ``next()`` changes nothing: asked for before the previous step's ``release()``, it raises
+    ``StepOrderError`` and the loop goes on once that step is released. Once opening a step raised (a fetch
+    failure, a step file's timeout, a collective's error), every later ``next()`` raises ``StepOrderError``
+    naming that error: the loop never ends silently short of ``stop``.
+    """
 
-def _check_released(opened: TrainingStep, rank: int) -> None:
-    if opened.metrics is None:
-        raise StepOrderError(f"step {opened.step} was not released on rank {rank} before the next step was asked "
-                             f"for: call release() after the step's optimizer step, on every rank")
+    def __init__(self, rank: TrainerRank, stop: int | None, resume: ResumePlan | None):
+        self._rank, self._stop, self._resume = rank, stop, resume
+        self._step = resume.start_step if resume is not None else 0
+        self._resumed = resume is None
+        self._opened: TrainingStep | None = None
+        self._failed: Exception | None = None
+
+    def __next__(self) -> TrainingStep:
+        rank = self._rank.topology.rank
+        if self._opened is not None and self._opened.metrics is None:
+            raise StepOrderError(f"step {self._opened.step} was not released on rank {rank} before the next step "
+                                 f"was asked for: call release() after the step's optimizer step, on every rank")
+        if self._failed is not None:
+            raise StepOrderError(f"the pull loop of rank {rank} ended at step {self._step}, which failed to open "
+                                 f"({type(self._failed).__name__}: {self._failed}); restart the trainer "
+                                 f"(resume_plan) to go on") from self._failed
+        try:
+            opened = self._open_next()
+        except Exception as e:
+            self._failed = e
+            raise
+        if opened is None:
+            raise StopIteration
+        return opened
+
+    def _open_next(self) -> TrainingStep | None:
+        """Resume (first call), skip ``resume.skipped`` steps, open the next step; None past ``stop``."""
+        resume = self._resume
+        if not self._resumed and resume is not None:
+            self._rank.resume(resume)
+            self._resumed = True
+        while resume is not None and self._step in resume.skipped and self._before_stop():
+            self._rank.skip_step(self._step, resume)
+            self._step += 1
+        if not self._before_stop():
+            return None
+        self._opened = self._rank.open_step(self._step, replayed=resume is not None and resume.replays(self._step))
+        self._step += 1
+        return self._opened
+
+    def _before_stop(self) -> bool:
+        return self._stop is None or self._step < self._stop
 
 
 class StepDataset(IterableDataset):

@@ -25,7 +25,7 @@ from refpipe.trainer.buffers import BufferPool
 from refpipe.trainer.config import TrainerConfig
 from refpipe.trainer.dist import Topology, agree_failures, gather_rank_rows, gather_rank_values, new_data_group
 from refpipe.trainer.fetch import FetchedStep, fetch_own, wait_for_step
-from refpipe.trainer.loop import TrainingStep, pull_steps
+from refpipe.trainer.loop import PullLoop, TrainingStep
 from refpipe.trainer.metrics import ReleaseMetrics, StepMetrics, pack_row, release_metrics, unpack_rows
 from refpipe.trainer.pause import pause_point
 from refpipe.trainer.release import ReleasePolicy
@@ -140,11 +140,13 @@ class TrainerRank:
                 (``resume``), then yield from ``resume.start_step`` on, the ``resume.skipped`` steps left out
                 (never fetched or trained; their chunks released, ``skip_step``), replays flagged ``replayed``.
 
-        Raises:
-            StepOrderError: the next step was asked for before the previous one was released.
+        Raises (from ``next()``):
+            StepOrderError: the next step was asked for before the previous one was released (refused: the loop
+                goes on once that step is released); or opening an earlier step raised (every ``next()`` after
+                that raises, naming its error).
             The errors of ``run_step``, when a step is opened.
         """
-        return pull_steps(self, stop, resume)
+        return PullLoop(self, stop, resume)
 
     def open_step(self, step: int, *, replayed: bool = False) -> TrainingStep:
         """Every rank, in step order: (a)-(e) of the class docstring for ``step``; the caller trains on its

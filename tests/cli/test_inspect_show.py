@@ -186,3 +186,26 @@ def test_a_reader_that_closes_the_pipe_ends_the_command_quietly(local_run, comma
     proc.stdout.close()
     _, stderr = proc.communicate(timeout=120)
     assert (proc.returncode, stderr.decode()) == (1, "")
+
+
+def test_show_names_every_gone_chunk_of_the_micro_batch_and_with_sequence_only_its_own(run):
+    """Micro batch dp0/0 holds a, b and c, each its own chunk; all three deleted. ``show`` printed one ``gone:`` line
+    (the field names mapped to one line each, so the last chunk's overwrote the others') and ``--sequence 1``
+    still printed sequence 2's (c's) line. Now: one line per gone chunk; with ``--sequence``, that sequence's only;
+    ``--field`` of a gone field names every gone chunk holding it."""
+    ledger = Ledger(run.store, "trainer_dp0")
+    ledger.delete([run.refs[x] for x in "abc"], reason="step 0 trained")
+    ledger.close()  # its reaper has removed the chunks' bytes
+    fields = "routed_experts, sampling_mask, topk_ids, topk_logprobs"
+    gone = [f"{fields} of sequence {j}: chunk {run.store.uri(run.refs[x].key)}: deleted by trainer_dp0 (step 0 "
+            f"trained)" for j, x in enumerate("abc")]
+    args = ["show", run.step_uris[0], "--micro-batch", "0", *run.cli_args()]
+    result = invoke(args)
+    assert (result.exit_code, result.stderr) == (0, "")
+    assert [line for line in result.stdout.splitlines() if line.startswith("gone: ")] == [f"gone: {g}" for g in gone]
+    one = invoke([*args, "--sequence", "1"])
+    assert (one.exit_code, one.stderr) == (0, "")
+    assert [line for line in one.stdout.splitlines() if line.startswith("gone: ")] == [f"gone: {gone[1]}"]
+    refused = invoke([*args, "--field", "routed_experts"])
+    assert (refused.exit_code, refused.stdout) == (2, "")
+    assert refused.stderr == f"error: --field 'routed_experts' is gone: {'; '.join(gone)}\n"

@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 PUBLIC = [
-    "AlignmentError", "Branch", "BranchResult", "CheckpointError", "ChunkCorruptError", "ChunkNotFoundError",
+    "AlignmentError", "ArgumentTypeError", "Branch", "BranchResult", "CheckpointError", "ChunkCorruptError",
+    "ChunkNotFoundError",
     "ConfigError", "DeleteKeysError", "DeleteRecordError", "DeleteResult", "DoubleDeleteError", "Episode",
     "EpisodeError", "FetchError", "FieldDecl", "FieldError", "FieldsConfig", "GroupRollouts", "Keeper",
     "KeyExistsError", "KeyNotFoundError", "Ledger", "LedgerClosedError", "LedgerRecordError", "OpenBranch",
@@ -48,7 +49,7 @@ def test_every_error_type_is_public():
     from refpipe.storage import errors
 
     types = {n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, errors.RefpipeError)}
-    assert len(types) == 32 and types <= set(refpipe.__all__)
+    assert len(types) == 33 and types <= set(refpipe.__all__)
 
 
 def test_type_checkers_see_every_public_name_where_it_loads_from():

@@ -6,9 +6,11 @@ import re
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
+from refpipe.pipeline.field_decl import FieldDecl, ValueChecks
 from refpipe.pipeline.fields import FIELDS, FieldsConfig, Ragged, spread_expert_rows, trailing_shape, validate_branch
-from refpipe.storage.errors import FieldError
+from refpipe.storage.errors import FieldError, validation_problems
 
 CFG = FieldsConfig(num_layers=3, top_k=2, num_experts=8, logprobs_k=4, support_width=5, sampling_mask=True)
 
@@ -219,6 +221,22 @@ def test_a_declaration_with_inconsistent_rules_is_refused(decl, message):
     from refpipe.pipeline.field_decl import FieldDecl
     with pytest.raises(ValueError, match=re.escape(message)):
         FieldDecl.model_validate({"name": "x", "dtypes": ["float32"]} | decl)
+
+
+@pytest.mark.parametrize("make,problems", [
+    (lambda: FieldDecl(name="x", dtypes=["float32"], shape=[-3]),
+     "field 'x': shape [-3]: expected sizes >= 1 or names of FieldsConfig settings"),
+    (lambda: FieldDecl(name="x", dtypes=["float32"], shape=["num_layers", 0]),
+     "field 'x': shape ['num_layers', 0]: expected sizes >= 1 or names of FieldsConfig settings"),
+    (lambda: ValueChecks(low=5.0, high=1.0), "low=5.0 above high=1.0: expected low <= high (no value could pass both)"),
+    (lambda: FieldDecl.model_validate({"name": "x", "dtypes": ["float32"], "checks": {"low": 5, "high": 1}}),
+     "checks: low=5 above high=1: expected low <= high (no value could pass both)"),
+])
+def test_an_impossible_declaration_is_refused_where_it_is_declared(make, problems):
+    """``FieldDecl(shape=[-3])`` and ``ValueChecks(low=5, high=1)`` were accepted (no array could ever be kept)."""
+    with pytest.raises(ValidationError) as info:
+        make()
+    assert validation_problems(info.value) == problems
 
 
 @pytest.mark.parametrize("declare,message", [

@@ -16,7 +16,7 @@ from refpipe.pipeline.fields import FieldsConfig, Ragged
 from refpipe.pipeline.keep import Branch, Keeper
 from refpipe.storage.backends import open_store
 from refpipe.storage.chunk_read import fetch_arrays
-from refpipe.storage.errors import ConfigError, DoubleDeleteError, FieldError, KeyExistsError
+from refpipe.storage.errors import ArgumentTypeError, ConfigError, DoubleDeleteError, FieldError, KeyExistsError
 from refpipe.storage.layout import DATA_NAME, META_NAME, node_key
 from refpipe.storage.ledger import Ledger
 
@@ -125,6 +125,25 @@ def test_bad_branch_id_is_refused_before_any_write(keeper, storage_config):
     assert listing(storage_config) == before
 
 
+def test_an_empty_id_is_refused_not_taken_for_no_id(keeper, storage_config):
+    """``open_branch(branch_id="")`` (and ``keep`` of ``Branch(branch_id="")``, ``keep_prefix(prefix_id="")``) drew
+    a new id as if none were given; an empty id is an invalid one: ``ConfigError``, nothing written."""
+    keeper.ledger.flush()
+    before = listing(storage_config)
+    rule = "expected 1-128 of [A-Za-z0-9._-], not starting with . - or _"
+    cases = [
+        (lambda: keeper.open_branch(2, branch_id=""), f"branch_id '': {rule}"),
+        (lambda: keeper.keep(Branch(P, C, fields_of(), "")), f"branch_id '': {rule}"),
+        (lambda: keeper.keep_prefix(2, {}, holders=["h0"], prefix_id=""), f"prefix_id '': {rule}"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ConfigError) as info:
+            call()
+        assert str(info.value) == message
+    keeper.ledger.flush()
+    assert listing(storage_config) == before
+
+
 def test_zero_completion_tokens_keep_empty_completion_fields(keeper):
     fields = fields_of(P, 0)
     assert fields["topk_ids"].shape == (0, 4) and fields["sampling_mask"].ids.shape == (0,)
@@ -207,6 +226,37 @@ def test_discard_deletes_exactly_once(keeper, storage_config):
     assert payloads == [f"{node_key('b2')}/{DATA_NAME}", f"{node_key('b2')}/{META_NAME}"]
     with pytest.raises(DoubleDeleteError, match="already deleted by env_worker_0"):
         keeper.discard(refs[:1])
+
+
+def test_an_argument_of_another_type_is_an_argument_type_error_at_the_call_and_nothing_changes(keeper,
+                                                                                              storage_config):
+    """``keep({...})`` (a dict for a Branch) and ``discard(["abc"])`` (strings for refs) raised AttributeError from
+    inside the ledger; each public call of the keeper now refuses such an argument first, naming it and the type."""
+    ref = keeper.keep(Branch(P, C, fields_of(), "b0"))
+    keeper.ledger.flush()
+    before = listing(storage_config)
+    cases = [
+        (lambda: keeper.keep({"num_prompt_tokens": 4}),
+         "Keeper.keep(branch): expected a Branch, got dict {'num_prompt_tokens': 4}"),
+        (lambda: keeper.discard(["abc"]), "Keeper.discard(refs)[0]: expected a PayloadRef, got str 'abc'"),
+        (lambda: keeper.discard([ref, ref.model_dump()]),
+         f"Keeper.discard(refs)[1]: expected a PayloadRef, got dict {repr(ref.model_dump())[:57]}..."),
+        (lambda: keeper.discard(ref),
+         f"Keeper.discard(refs): expected a sequence of PayloadRef, got PayloadRef {repr(ref)[:57]}..."),
+        (lambda: keeper.discard("b0"), "Keeper.discard(refs): expected a sequence of PayloadRef, got str 'b0'"),
+        (lambda: keeper.open_branch(2, branch_id=7), "Keeper.open_branch(branch_id): expected a str, got int 7"),
+        (lambda: keeper.open_branch(2, prefix="b0"), "Keeper.open_branch(prefix): expected a PayloadRef, got str 'b0'"),
+        (lambda: keeper.release_holders("b0", ["h"]),
+         "Keeper.release_holders(prefix): expected a PayloadRef, got str 'b0'"),
+        (lambda: keeper.release_holders(ref, [3]), "Keeper.release_holders(holders)[0]: expected a str, got int 3"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ArgumentTypeError) as info:
+            call()
+        assert (str(info.value), isinstance(info.value, TypeError)) == (message, True)
+    keeper.ledger.flush()
+    assert listing(storage_config) == before
+    assert fetch_arrays(keeper.store, ref).keys() == stored(fields_of()).keys()
 
 
 def test_keep_holds_no_reference_to_the_arrays(keeper):

@@ -341,3 +341,36 @@ def test_a_shared_prefix_is_not_written_once_its_ledger_session_is_closed(local_
         keeper.keep_prefix(P, {"routed_experts": fields["routed_experts"][:P]}, holders=["a"],
                            prefix_id="group-prompt")
     assert keeper.store.list_prefix("payloads") == []  # it wrote the chunk, then refused to record it
+
+
+def test_closing_the_ledger_with_branches_still_open_warns_naming_them(local_config, caplog):
+    """``Ledger.close`` while open branches of it were still open closed silently (their rows leaked until a sweep);
+    it still closes (a shutdown path must end the session), and a warning names the branches still open and what
+    to do. A branch closed, suspended, discarded or resumed-and-closed is not named; a ledger with none left warns
+    nothing."""
+    keeper = keeper_of(local_config)
+    fields = fields_of(P, C, seed=5)
+    branches = {name: keeper.open_branch(P, branch_id=name) for name in ("closed", "suspended", "discarded", "resumed",
+                                                                        "left-b", "left-a")}
+    for branch in branches.values():
+        branch.append(0, 7, rows_of(fields, 0, 7))
+    branches["closed"].close()
+    branches["suspended"].suspend()
+    branches["discarded"].discard()
+    branches["resumed"].suspend()
+    resumed = keeper.resume_branch("resumed")
+    resumed.append(7, 12, rows_of(fields, 7, 12))
+    resumed.close()
+    with caplog.at_level("WARNING", logger="refpipe.storage.ledger_session"):
+        keeper.ledger.close()
+    assert caplog.messages == [
+        f"ledger session {keeper.ledger.session} of actor 'env_worker_0' closed with open branches ['left-a', "
+        f"'left-b'] still open: they can be closed, suspended or discarded no more, and their rows are leaked until "
+        f"`refpipe sweep` removes them; close, suspend or discard each open branch before Ledger.close"]
+    assert keeper.ledger.closed
+    caplog.clear()
+    other = keeper_of(local_config)
+    other.open_branch(P, branch_id="done").discard()
+    with caplog.at_level("WARNING", logger="refpipe.storage.ledger_session"):
+        other.ledger.close()
+    assert caplog.messages == []

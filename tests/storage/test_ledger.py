@@ -13,6 +13,7 @@ from refpipe.storage.chunk_read import fetch_arrays
 from refpipe.storage.chunk_ref import ArraySpec, PayloadRef
 from refpipe.storage.chunk_write import put_chunk
 from refpipe.storage.errors import (
+    ArgumentTypeError,
     ChunkNotFoundError,
     ConfigError,
     DoubleDeleteError,
@@ -215,6 +216,31 @@ def test_a_ref_outside_the_run_deletes_nothing(store, uri):
         Ledger(store, "a").delete([ref, outside], reason="x")
     assert [k for k in store.list_prefix("") if not k.startswith(("ledger/events/", "ledger/heartbeats/"))] == \
            [k for k in before if not k.startswith(("ledger/events/", "ledger/heartbeats/"))]
+    np.testing.assert_array_equal(fetch_arrays(store, ref)["x"], np.arange(4, dtype=np.int32) + 2)
+
+
+def test_refs_of_another_type_are_an_argument_type_error_before_anything_is_deleted(store):
+    """``Ledger.delete(["abc"])`` raised AttributeError from inside the ledger (``ref.chunks``), ``fetch_arrays`` of a
+    dict too; each call refuses such an argument first, naming it and the expected type."""
+    ref = kept(store, "f0")
+    ledger = Ledger(store, "a")
+    ledger.flush()
+    before = sorted(store.list_prefix(""))
+    cases = [
+        (lambda: ledger.delete([ref, "abc"], reason="x"),
+         "Ledger.delete(refs)[1]: expected a PayloadRef, got str 'abc'"),
+        (lambda: ledger.delete(None, reason="x"),
+         "Ledger.delete(refs): expected a sequence of PayloadRef, got NoneType None"),
+        (lambda: ledger.release(0, [{"branch_id": "f0"}], reason="x"),
+         "Ledger.release(refs)[0]: expected a PayloadRef, got dict {'branch_id': 'f0'}"),
+        (lambda: fetch_arrays(store, "f0"), "fetch_arrays(ref): expected a PayloadRef, got str 'f0'"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ArgumentTypeError) as info:
+            call()
+        assert (str(info.value), isinstance(info.value, TypeError)) == (message, True)
+    ledger.flush()
+    assert sorted(store.list_prefix("")) == before
     np.testing.assert_array_equal(fetch_arrays(store, ref)["x"], np.arange(4, dtype=np.int32) + 2)
 
 

@@ -1,14 +1,15 @@
 """One trainer rank driving the pull loop: ``python -m tests.trainer.pull_worker <spec.json> <rank>``.
 
 The spec is ``dist_worker.py``'s plus ``stop`` (steps ``0 .. stop - 1``), ``data_loader`` (iterate a
-``DataLoader(StepDataset(...), batch_size=None)`` instead of ``TrainerRank.steps``) and ``unreleased`` (a step
-this rank trains and never releases). Writes ``step<N>_rank<r>.npz``/``.json`` as ``dist_worker.py`` does (its
-``collectives``: those of the data group since the previous step was released, so opening and releasing the
-step), plus ``release_again`` (what a second ``release()`` raised) and, for the step after an unreleased one
-or a step that failed to open, the error the loop raised. A restarted life: ``checkpoint_step`` (the loop
-resumes through ``TrainerRank.resume_plan(checkpoint_step)``, the plan written to ``plan_rank<r>.json``); a
-crash: ``pause`` ``[step, dp_rank]`` (that DP rank creates ``paused`` and sleeps before releasing the step,
-until the test kills it).
+``DataLoader(StepDataset(...), batch_size=None)`` instead of ``TrainerRank.steps``) and ``next_before_release``
+(a step after which this rank asks for the next step before releasing it, then releases it and goes on). Writes
+``step<N>_rank<r>.npz``/``.json`` as ``dist_worker.py`` does (its ``collectives``: those of the data group since
+the previous step was released, so opening and releasing the step), plus ``release_again`` (what a second
+``release()`` raised), ``next_before_release`` (what that early ``next()`` raised) and, for a step that failed
+to open, the error the loop raised and ``then`` (what the ``next()`` after it raised). A restarted life:
+``checkpoint_step`` (the loop resumes through ``TrainerRank.resume_plan(checkpoint_step)``, the plan written to
+``plan_rank<r>.json``); a crash: ``pause`` ``[step, dp_rank]`` (that DP rank creates ``paused`` and sleeps before
+releasing the step, until the test kills it).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -46,8 +48,8 @@ def main(spec_path: str, rank: int) -> None:
         plan = trainer.resume_plan(checkpoint_step=spec["checkpoint_step"])
         (out / f"plan_rank{rank}.json").write_text(json.dumps(
             {"start_step": plan.start_step, "skipped": plan.skipped, "replayed": plan.replayed}))
-    steps = (DataLoader(StepDataset(trainer, spec["stop"], resume=plan), batch_size=None) if spec["data_loader"]
-             else trainer.steps(spec["stop"], resume=plan))
+    steps = iter(DataLoader(StepDataset(trainer, spec["stop"], resume=plan), batch_size=None)
+                 if spec["data_loader"] else trainer.steps(spec["stop"], resume=plan))
     seen, step = group._get_sequence_number_for_group(), 0
     try:
         for opened in steps:
@@ -61,12 +63,10 @@ def main(spec_path: str, rank: int) -> None:
                 (out / f"step{step}_rank{rank}.json").write_text(json.dumps(result))
                 (out / "paused").touch()
                 time.sleep(3600)
-            if step != spec.get("unreleased"):
-                result["metrics"] = opened.release().model_dump()
-                try:
-                    opened.release()
-                except Exception as e:  # noqa: BLE001 -- the test asserts on what it raised
-                    result["release_again"] = f"{type(e).__name__}: {e}"
+            if step == spec.get("next_before_release"):
+                result["next_before_release"] = _raised(lambda: next(steps))
+            result["metrics"] = opened.release().model_dump()
+            result["release_again"] = _raised(opened.release)
             result["collectives"] = group._get_sequence_number_for_group() - seen
             seen = group._get_sequence_number_for_group()
             np.savez(out / f"step{step}_rank{rank}.npz", **got)
@@ -74,11 +74,21 @@ def main(spec_path: str, rank: int) -> None:
             step += 1
     except Exception as e:  # noqa: BLE001 -- the test asserts on what each rank raised
         error = {"rank": rank, "dp_rank": trainer.topology.dp_rank, "dropped": [], "error": type(e).__name__,
-                 "message": str(e), "collectives": group._get_sequence_number_for_group() - seen}
+                 "message": str(e), "collectives": group._get_sequence_number_for_group() - seen,
+                 "then": _raised(lambda: next(steps))}
         np.savez(out / f"step{step}_rank{rank}.npz")
         (out / f"step{step}_rank{rank}.json").write_text(json.dumps(error))
     trainer.close()
     os._exit(0)  # skip process-group teardown, which can wait on peers that already left
+
+
+def _raised(call: Callable[[], object]) -> str:
+    """``"<type>: <message>"`` of what ``call`` raised ("returned" if it did not)."""
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 -- the test asserts on what it raised
+        return f"{type(e).__name__}: {e}"
+    return "returned"
 
 
 if __name__ == "__main__":

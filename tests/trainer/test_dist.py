@@ -337,25 +337,38 @@ def test_the_pull_loop_through_a_data_loader_trains_and_fails_as_run_step_does(t
             f"the optimizer step")
         assert results[(2, rank)][0]["error"] == "FetchError"
         assert results[(2, rank)][0]["message"].startswith("step 2: none of its 6 micro batches could be fetched")
+        assert results[(2, rank)][0]["then"] == (
+            f"StepOrderError: the pull loop of rank {rank} ended at step 2, which failed to open (FetchError: "
+            f"{results[(2, rank)][0]['message']}); restart the trainer (resume_plan) to go on")
     assert _release_events(store) == [(s, dp, f"trainer_dp{dp}") for s in range(2) for dp in range(2)]
     assert all((delete_record_of(store, r.branch_id) is not None) == (s < 2 and r.branch_id != "s1_g")
                for s in range(3) for r in built[s].header.refs)
 
 
-def test_the_pull_loop_refuses_the_next_step_before_the_previous_one_is_released(tmp_path, local_config):
+def test_the_pull_loop_refuses_the_next_step_before_the_previous_one_is_released_and_goes_on(tmp_path,
+                                                                                             local_config):
+    """Each rank asks for step 1 before releasing step 0: refused with ``StepOrderError``, and the loop goes on once
+    step 0 is released (before, the refusal ended the generator: the next ``next()`` was a bare StopIteration and
+    training ended with no error). Step 2 (nothing fetchable) fails to open; every ``next()`` after it raises
+    ``StepOrderError`` naming that failure, never a silent end."""
     store = open_store(local_config)
     built = _three_steps(store, local_config, np.random.default_rng(4))
     results = run_world(tmp_path, local_config, 2, 1, [], worker=PULL_WORKER, stop=3, data_loader=False,
-                        unreleased=0)
-    step0 = [results[(0, r)][0] for r in range(2)]
-    assert [(r["dropped"], "metrics" in r, r["collectives"]) for r in step0] == [
-        ([False] * 3, False, 1)] * 2  # the failure all-reduce only
+                        next_before_release=0)
     for rank in range(2):
-        assert (results[(1, rank)][0]["error"], results[(1, rank)][0]["message"]) == ("StepOrderError", (
-            f"step 0 was not released on rank {rank} before the next step was asked for: call release() after the "
-            f"step's optimizer step, on every rank"))
-    assert _release_events(store) == []
-    assert all(store.exists(k) for r in built[0].header.refs for k in chunk_keys(r.key))
+        assert results[(0, rank)][0]["next_before_release"] == (
+            f"StepOrderError: step 0 was not released on rank {rank} before the next step was asked for: call "
+            f"release() after the step's optimizer step, on every rank")
+        assert [(results[(s, rank)][0]["dropped"], results[(s, rank)][0]["collectives"]) for s in (0, 1)] == [
+            ([False] * 3, 2), ([False, True, False] if rank == 0 else [False] * 3, 2)]
+        failed = results[(2, rank)][0]
+        assert failed["error"] == "FetchError"
+        assert failed["then"] == (
+            f"StepOrderError: the pull loop of rank {rank} ended at step 2, which failed to open (FetchError: "
+            f"{failed['message']}); restart the trainer (resume_plan) to go on")
+    assert _release_events(store) == [(s, dp, f"trainer_dp{dp}") for s in range(2) for dp in range(2)]
+    assert all((delete_record_of(store, r.branch_id) is not None) == (s < 2 and r.branch_id != "s1_g")
+               for s in range(3) for r in built[s].header.refs)
 
 
 def test_a_restart_after_one_dp_rank_released_a_step_trains_none_of_it_again(tmp_path, local_config):
