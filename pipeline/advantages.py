@@ -46,7 +46,8 @@ def group_advantages(rewards: np.ndarray, completion_tokens: np.ndarray, *, std_
     adv: np.ndarray = r - (r * weights).sum() / weights.sum()
     if std_normalize:
         adv = adv / r.std()
-    return adv.astype(np.float32)
+    with np.errstate(over="ignore"):  # beyond float32: inf, which the orchestrator refuses with the group
+        return adv.astype(np.float32)
 
 
 def zero_advantage(advantages: Sequence[float | np.ndarray] | np.ndarray) -> np.ndarray:
