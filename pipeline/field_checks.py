@@ -7,9 +7,7 @@ of every row), so validation stays a small part of a keep (``bench/keep_fetch.py
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable
 
 import numpy as np
 
@@ -63,13 +61,15 @@ def repeated_rows(a: np.ndarray) -> int | None:
     """Flat index (over every axis but the last) of the first ``[..., K]`` row of ``a`` that repeats a value, or None.
 
     Rows of eight one-byte ids (router replay's usual top-8 of at most 256 experts) are checked by a compiled kernel
-    (``_first_repeated_octet``), about 2.4x faster than the general path here ([4096, 48, 8] uint8: 0.29 ms against
+    (``pipeline.octet_kernel``), about 2.4x faster than the general path here ([4096, 48, 8] uint8: 0.29 ms against
     0.70, docs/benchmarks.md); any other row compares its K slots pairwise on a transposed copy (contiguous columns).
     """
     top_k = a.shape[-1]
     if top_k == 8 and a.dtype.itemsize == 1 and a.size:
         rows = np.ascontiguousarray(a).reshape(-1).view(np.uint64)
-        first = _first_repeated_octet()(rows if rows.flags.aligned else rows.copy())
+        from refpipe.pipeline.octet_kernel import first_repeated_octet  # noqa: PLC0415  (numba: only where needed)
+
+        first = first_repeated_octet(rows if rows.flags.aligned else rows.copy())
         return None if first < 0 else int(first)
     columns = np.ascontiguousarray(a.reshape(-1, top_k).T)
     equal, repeated = np.empty(columns.shape[1], np.bool_), np.zeros(columns.shape[1], np.bool_)
@@ -77,45 +77,6 @@ def repeated_rows(a: np.ndarray) -> int | None:
         for j in range(i + 1, top_k):
             repeated |= np.equal(columns[i], columns[j], out=equal)
     return int(np.argmax(repeated)) if repeated.any() else None
-
-
-@functools.cache
-def _first_repeated_octet() -> Callable[[np.ndarray], int]:
-    """The compiled kernel: index of the first uint64 of ``rows`` [n] uint64 (eight one-byte ids each) holding a byte
-    twice, or -1. Compiled by numba on first use (cached on disk next to this module).
-
-    Per row ``v``, for each rotation ``r`` of 8, 16, 24 and 32 bits, ``v ^ rotate(v, r)`` has a zero byte exactly
-    where byte ``i`` equals byte ``i + r/8 (mod 8)``; the four rotations cover all 28 slot pairs. A zero byte is
-    found with the exact any-zero-byte test ``(y - 0x01..01) & ~y & 0x80..80`` (Hacker's Delight, 6-1). Rows are
-    scanned in blocks of 512 with no branch per row (the loop vectorizes); a block with a hit is scanned again for
-    its first row.
-    """
-    import numba  # noqa: PLC0415  (its import and the compile cost only the processes that keep such rows)
-
-    ones, highs = np.uint64(0x0101010101010101), np.uint64(0x8080808080808080)
-
-    @numba.njit(cache=True, nogil=True)
-    def has_repeat(v: np.uint64) -> np.uint64:
-        hit = np.uint64(0)
-        for r in (8, 16, 24, 32):
-            y = v ^ ((v << np.uint64(r)) | (v >> np.uint64(64 - r)))
-            hit |= (y - ones) & ~y & highs
-        return hit
-
-    @numba.njit(cache=True, nogil=True)
-    def first_repeated(rows: np.ndarray) -> int:
-        n = rows.shape[0]
-        for start in range(0, n, 512):
-            end, hit = min(n, start + 512), np.uint64(0)
-            for i in range(start, end):
-                hit |= has_repeat(rows[i])
-            if hit:
-                for i in range(start, end):
-                    if has_repeat(rows[i]):
-                        return i
-        return -1
-
-    return first_repeated
 
 
 def _dtype_min(a: np.ndarray) -> float:

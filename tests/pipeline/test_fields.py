@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -306,3 +309,16 @@ def test_rows_of_eight_one_byte_ids_name_the_same_first_repeat_as_the_pairwise_c
     padded[:, :8] = rows[:4]
     padded[2, 5] = padded[2, 0]
     assert repeated_rows(padded[:, :8]) == 2
+
+
+def test_the_compiled_check_is_compiled_once_then_loaded_from_its_cache_by_every_later_process(tmp_path):
+    """numba's on-disk cache (here under ``NUMBA_CACHE_DIR``) serves every process after the first: one compile,
+    then cache hits and no new cache file (a kernel defined per call, as a closure, missed in every process)."""
+    code = ("import numpy as np; from refpipe.pipeline.octet_kernel import first_repeated_octet as k; "
+            "k(np.zeros(4, np.uint64)); print(sum(k.stats.cache_hits.values()), sum(k.stats.cache_misses.values()))")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    runs = []
+    for _ in range(3):
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        runs.append((out.stdout.split(), len(list(tmp_path.rglob("*.nbc")))))
+    assert runs == [(["0", "1"], 2), (["1", "0"], 2), (["1", "0"], 2)]  # the kernel and its row test
