@@ -93,7 +93,9 @@ def sweep(store: Store, *, stopped: bool = False, dry_run: bool = False, abandon
     report = judge(scan, store, stopped=stopped, abandoned=abandon, live=live)
     if report.unreadable_step_files:
         raise StepFileError(f"refusing to sweep {store.prefix.uri}: {len(report.unreadable_step_files)} unreadable "
-                            f"step files may reference chunks; first: {report.unreadable_step_files[0]}")
+                            f"step files may reference chunks; first: {report.unreadable_step_files[0]} (restore it, "
+                            f"or move it out of the run once no trainer will read it: its chunks then count as never "
+                            f"shipped, and the sweep deletes those no one holds)")
     if report.bad_records:
         raise LedgerRecordError(f"refusing to sweep {store.prefix.uri}: {len(report.bad_records)} unreadable ledger "
                                 f"records may be the only evidence of a holder; first: {report.bad_records[0]} "

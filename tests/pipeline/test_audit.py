@@ -191,8 +191,12 @@ def test_an_unreadable_step_file_is_a_violation_and_blocks_the_sweep(run):
     assert len(report.unreadable_step_files) == 1 and report.leaked == 2
     assert report.violations == [LEAKED.format(2), "1 unreadable step files"]
     before = store.list_prefix("")
-    with pytest.raises(StepFileError, match="refusing to sweep"):
+    with pytest.raises(StepFileError) as info:
         sweep(store)
+    assert str(info.value) == (
+        f"refusing to sweep {store.prefix.uri}: 1 unreadable step files may reference chunks; first: "
+        f"{report.unreadable_step_files[0]} (restore it, or move it out of the run once no trainer will read it: its "
+        f"chunks then count as never shipped, and the sweep deletes those no one holds)")
     assert store.list_prefix("") == before
 
 
