@@ -21,6 +21,14 @@ def local(local_config):
     return open_store(local_config)
 
 
+def _gated_removal(store, monkeypatch) -> threading.Event:
+    """Hold ``store``'s removals (the reaper's ``delete_keys``) until the returned event is set."""
+    gate = threading.Event()
+    delete_keys = store.delete_keys
+    monkeypatch.setattr(store, "delete_keys", lambda keys: (keys and gate.wait(60), delete_keys(keys)))
+    return gate
+
+
 def test_a_full_backlog_makes_a_delete_wait_for_room(local, monkeypatch):
     monkeypatch.setattr(ledger_reaper, "BACKLOG_CHUNKS", 2)
     refs = [kept(local, f"w{i}") for i in range(6)]
@@ -55,9 +63,7 @@ def test_a_full_backlog_makes_a_delete_wait_for_room(local, monkeypatch):
 def test_a_delete_returns_before_the_bytes_are_removed_and_wait_freed_waits_for_them(local, monkeypatch):
     refs = [kept(local, f"v{i}") for i in range(3)]
     ledger = Ledger(local, "trainer_dp0")
-    gate = threading.Event()
-    delete_keys = local.delete_keys
-    monkeypatch.setattr(local, "delete_keys", lambda keys: (keys and gate.wait(60), delete_keys(keys)))
+    gate = _gated_removal(local, monkeypatch)
     assert ledger.delete(refs, reason="trained step 1").deleted == [r.uri for r in refs]
     assert local.list_prefix("payloads") == sorted(chunk_keys(r.key)[0] for r in refs)  # claimed, c.0 still there
     waiter = threading.Thread(target=ledger.wait_freed)
@@ -75,9 +81,7 @@ def test_a_claim_holds_its_marker_open_until_the_reaper_removes_the_chunk(local,
     the reaper closes the fds before it unlinks the chunks, and none stays open."""
     refs = [kept(local, f"h{i}") for i in range(3)]
     ledger = Ledger(local, "trainer_dp0")
-    gate = threading.Event()
-    delete_keys = local.delete_keys
-    monkeypatch.setattr(local, "delete_keys", lambda keys: (keys and gate.wait(60), delete_keys(keys)))
+    gate = _gated_removal(local, monkeypatch)
     ledger.delete(refs, reason="trained step 1")
     held = local._confined().held._fds
     nodes = sorted(r.key for r in refs)
@@ -94,9 +98,7 @@ def test_a_live_audit_counts_chunks_the_reaper_is_removing_as_the_deleters_not_u
     business; once the session counts as dead (``stopped``) they are unfinished deletes the sweep finishes."""
     refs = [kept(local, f"u{i}") for i in range(3)]
     ledger = Ledger(local, "trainer_dp0")
-    gate = threading.Event()
-    delete_keys = local.delete_keys
-    monkeypatch.setattr(local, "delete_keys", lambda keys: (keys and gate.wait(60), delete_keys(keys)))
+    gate = _gated_removal(local, monkeypatch)
     ledger.delete(refs, reason="trained step 1")
     live = audit(local)
     assert (live.unfinished_deletes, live.outstanding_by_holder, live.clean) == (
