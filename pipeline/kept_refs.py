@@ -64,8 +64,6 @@ def _why_gone(store: Store, chunk: PayloadRef) -> str | None:
         return f"was deleted (its delete record is unreadable: {record})"
     if record is not None:
         return f"was deleted by {record.holder} ({record.reason})"
-    for attempt in range(store.config.max_retries):
-        store.backoff(attempt)
-        if store.exists(marker):
-            return None
+    if store.appears(marker):
+        return None
     return "has no commit marker and no delete record of its own (never kept, or released by a trainer)"

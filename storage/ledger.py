@@ -343,7 +343,7 @@ class Ledger(LedgerSession):
         try:
             if pending is None and not self.store.exists(target.meta_key):
                 problem = self._already_deleted(target, tomb, reason, None)
-                if problem is not None or not self._appears(target.meta_key):
+                if problem is not None or not self.store.appears(target.meta_key):
                     return problem or UnknownRefError(
                         f"chunk {target.uri}: delete by {self.actor} ({reason}) refused: it was never kept "
                         f"(no commit marker, no delete record)")
@@ -366,16 +366,6 @@ class Ledger(LedgerSession):
             return e
         pending.claimed = True
         return None
-
-    def _appears(self, meta_key: str) -> bool:
-        """Whether a commit marker the ref says exists, missing at the first look and without a delete record,
-        shows up when looked for again (``max_retries`` times with backoff, counted: a stale cache or a lagging
-        replica may hide it at first)."""
-        for attempt in range(self.store.config.max_retries):
-            self.store.backoff(attempt)
-            if self.store.exists(meta_key):
-                return True
-        return False
 
     def _already_deleted(self, target: Target, tomb: str, reason: str,
                          claim: str | None) -> DoubleDeleteError | EarlierLife | None:

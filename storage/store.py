@@ -290,6 +290,15 @@ class Store(abc.ABC):
     def exists(self, key: str) -> bool:
         """Whether an object exists at ``key`` (off the hot path: audits, deletes of refs)."""
 
+    def appears(self, key: str) -> bool:
+        """Whether an object missing at a first look shows up when looked for again (``exists``, ``max_retries``
+        times with backoff, counted: a stale cache or a lagging replica may hide it at first)."""
+        for attempt in range(self.config.max_retries):
+            self.backoff(attempt)
+            if self.exists(key):
+                return True
+        return False
+
     @abc.abstractmethod
     def list_prefix(self, key_prefix: str) -> list[str]:
         """Every key under ``key_prefix/`` (recursive, sorted; ``""`` = the whole run). Audits and inspection only."""
